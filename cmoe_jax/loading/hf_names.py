@@ -1,0 +1,100 @@
+"""Where each parameter of `cmoe_jax.models.Decoder` comes from in a Hugging Face checkpoint.
+
+`fetch(source, path)` returns the numpy array for one parameter path, already in JAX layout
+([in, out] projections, experts stacked on a leading axis).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cmoe_jax.errors import CheckpointError
+from cmoe_jax.loading.sources import TensorSource
+
+_ATTN = {"q_proj": "q_proj.weight", "k_proj": "k_proj.weight", "v_proj": "v_proj.weight",
+         "o_proj": "o_proj.weight", "q_bias": "q_proj.bias", "k_bias": "k_proj.bias",
+         "v_bias": "v_proj.bias"}
+_DENSE_MLP = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+# Per-expert tensor names: Qwen3-MoE style, then Mixtral's w1/w3/w2.
+_EXPERT_NAMES = {"expert_gate": ("gate_proj", "w1"), "expert_up": ("up_proj", "w3"),
+                 "expert_down": ("down_proj", "w2")}
+_MOE_PREFIXES = ("mlp", "block_sparse_moe")
+
+
+def _get(source: TensorSource, name: str) -> np.ndarray:
+    if name not in source:
+        raise CheckpointError(f"tensor {name!r} is missing from the checkpoint: the config does "
+                              "not match the weights, or the file is incomplete")
+    return source.get(name)
+
+
+def _first_present(source: TensorSource, names: list[str]) -> str | None:
+    return next((n for n in names if n in source), None)
+
+
+def _experts(source: TensorSource, layer: int, kind: str, num_experts: int) -> np.ndarray:
+    base = f"model.layers.{layer}"
+    # transformers 5 in-memory fused layout: gate_up_proj [E, 2m, d], down_proj [E, d, m]
+    for pre in _MOE_PREFIXES:
+        fused = f"{base}.{pre}.experts.gate_up_proj"
+        if kind != "expert_down" and fused in source:
+            w = source.get(fused)
+            half = w.shape[1] // 2
+            w = w[:, :half] if kind == "expert_gate" else w[:, half:]
+            return np.ascontiguousarray(np.swapaxes(w, 1, 2))
+        if kind == "expert_down" and f"{base}.{pre}.experts.down_proj" in source:
+            return np.ascontiguousarray(np.swapaxes(source.get(f"{base}.{pre}.experts.down_proj"), 1, 2))
+    stacked = []
+    for e in range(num_experts):
+        candidates = [f"{base}.{pre}.experts.{e}.{n}.weight"
+                      for pre in _MOE_PREFIXES for n in _EXPERT_NAMES[kind]]
+        name = _first_present(source, candidates)
+        if name is None:
+            raise CheckpointError(f"tensor {candidates[0]!r} is missing from the checkpoint: "
+                                  "the config does not match the weights")
+        stacked.append(source.get(name).T)
+    return np.stack(stacked)
+
+
+def fetch(source: TensorSource, path: tuple, tie_word_embeddings: bool) -> tuple[str, np.ndarray]:
+    """(checkpoint name, array in JAX layout) for one Decoder parameter path."""
+    if path == ("embed",):
+        name = "model.embed_tokens.weight"
+        return name, _get(source, name)
+    if path == ("lm_head",):
+        name = "lm_head.weight"
+        return name, _get(source, name).T
+    if path == ("norm", "weight"):
+        name = "model.norm.weight"
+        return name, _get(source, name)
+    if path[0] != "layers":
+        raise CheckpointError(f"no checkpoint tensor known for parameter {'/'.join(map(str, path))}")
+    layer, module, leaf = path[1], path[2], path[3:]
+    base = f"model.layers.{layer}"
+    if module == "input_norm":
+        name = f"{base}.input_layernorm.weight"
+        return name, _get(source, name)
+    if module == "post_attn_norm":
+        name = f"{base}.post_attention_layernorm.weight"
+        return name, _get(source, name)
+    if module == "attn":
+        if leaf[0] in ("q_norm", "k_norm"):
+            name = f"{base}.self_attn.{leaf[0]}.weight"
+            return name, _get(source, name)
+        name = f"{base}.self_attn.{_ATTN[leaf[0]]}"
+        w = _get(source, name)
+        return name, (w.T if w.ndim == 2 else w)
+    if module == "mlp":
+        if leaf[0] in _DENSE_MLP:
+            name = f"{base}.mlp.{_DENSE_MLP[leaf[0]]}.weight"
+            return name, _get(source, name).T
+        if leaf[0] == "router_kernel":
+            candidates = [f"{base}.{pre}.gate.weight" for pre in _MOE_PREFIXES]
+            name = _first_present(source, candidates) or candidates[0]
+            return name, _get(source, name).T
+        if leaf[0] in _EXPERT_NAMES:
+            return f"{base}.mlp.experts.*.{_EXPERT_NAMES[leaf[0]][0]}", None  # filled by caller
+    raise CheckpointError(f"no checkpoint tensor known for parameter {'/'.join(map(str, path))}")
+
+
+def fetch_experts(source: TensorSource, path: tuple, num_experts: int) -> np.ndarray:
+    return _experts(source, path[1], path[3], num_experts)

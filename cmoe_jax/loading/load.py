@@ -1,0 +1,96 @@
+"""Load a checkpoint into a `Decoder`, one tensor at a time, straight onto its sharding.
+
+The model is built abstractly (`nnx.eval_shape`), then each parameter is read, checked
+against the config's shape, cast and `device_put` with its target sharding, so peak host
+memory stays near one tensor plus the model on device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from cmoe_jax.errors import CheckpointError
+from cmoe_jax.loading import hf_names
+from cmoe_jax.loading.sources import GGUFSource, TensorSource, open_source
+from cmoe_jax.loading.tokenizer import Tokenizer, load_tokenizer
+from cmoe_jax.loading.zoo import resolve
+from cmoe_jax.models import Decoder, ModelConfig
+from cmoe_jax.sharding import data_mesh, param_sharding
+
+CONVERTED_MANIFEST = "cmoe_manifest.json"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: Decoder
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    name: str
+    path: Path
+
+
+def load_config(name_or_path: str) -> tuple[ModelConfig, Path]:
+    """Config only (no weights): lets callers validate arguments before any heavy work."""
+    path = resolve(name_or_path)
+    if path.is_dir() and (path / CONVERTED_MANIFEST).exists():
+        manifest = json.loads((path / CONVERTED_MANIFEST).read_text())
+        return ModelConfig.from_dict(manifest["model_config"]), path
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelConfig.from_hf(GGUFSource(path).hf_config()), path
+    if path.is_file():
+        raise CheckpointError(f"{path} is a file but not a .gguf: give the checkpoint directory")
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{cfg_file} is missing: a Hugging Face checkpoint directory needs "
+                              "config.json next to its weights")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({e})") from e
+    return ModelConfig.from_hf(raw), path
+
+
+def _to_dtype(a: np.ndarray, dtype) -> np.ndarray:
+    return np.asarray(a).astype(jnp.dtype(dtype), copy=False)
+
+
+def load_weights(source: TensorSource, cfg: ModelConfig, *, dtype=jnp.float32, mesh=None,
+                 progress: bool = True) -> Decoder:
+    """Fill an abstract Decoder from a tensor source, placing each tensor on its sharding."""
+    mesh = mesh if mesh is not None else data_mesh()
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = list(nnx.to_flat_state(state))
+    for path, var in tqdm(flat, desc="loading weights", disable=not progress, leave=False):
+        expected = tuple(var.value.shape)
+        if path[-1] in hf_names._EXPERT_NAMES and path[2] == "mlp":
+            name = f"model.layers.{path[1]}.mlp.experts.*.{path[3]}"
+            arr = hf_names.fetch_experts(source, path, expected[0])
+        else:
+            name, arr = hf_names.fetch(source, path, cfg.tie_word_embeddings)
+        if tuple(arr.shape) != expected:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)} but the config "
+                                  f"implies {expected}: config.json does not match the weights")
+        var.value = jax.device_put(_to_dtype(arr, dtype), param_sharding(path, expected, mesh))
+        del arr
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_model(name_or_path: str = "smollm2", *, dtype=jnp.float32, mesh=None,
+               progress: bool = True) -> LoadedModel:
+    """Load a Hugging Face directory / Hub id / GGUF file / converted cmoe_jax model."""
+    cfg, path = load_config(name_or_path)
+    if path.is_dir() and (path / CONVERTED_MANIFEST).exists():
+        from cmoe_jax.convert.checkpoint import load_converted
+
+        return load_converted(path, dtype=dtype, mesh=mesh)
+    source = open_source(path)
+    model = load_weights(source, cfg, dtype=dtype, mesh=mesh, progress=progress)
+    return LoadedModel(model, cfg, load_tokenizer(path), str(name_or_path), path)

@@ -1,0 +1,222 @@
+"""Read checkpoint tensors one at a time, under their Hugging Face names, as numpy arrays.
+
+Every source presents the `transformers` naming and layout ([out, in] for projections), so
+a single name map (`hf_names.py`) serves safetensors, PyTorch `.bin` and GGUF alike.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from cmoe_jax.errors import CheckpointError
+
+
+class TensorSource:
+    """A read-only mapping name -> numpy array that loads lazily."""
+
+    def names(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    def get(self, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def __contains__(self, name: str) -> bool:
+        return name in set(self.names())
+
+
+class SafetensorsSource(TensorSource):
+    """`model.safetensors`, or shards listed in `model.safetensors.index.json`."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = ["model.safetensors"]
+            weight_map = None
+        self._handles = {}
+        for f in files:
+            path = directory / f
+            if not path.exists():
+                raise CheckpointError(f"checkpoint shard {path} is missing: re-download the model")
+            try:
+                self._handles[f] = safe_open(str(path), framework="np")
+            except Exception as e:  # safetensors raises its own error type for bad headers
+                raise CheckpointError(
+                    f"{path} is corrupted or truncated ({e}): re-download the model") from e
+        if weight_map is None:
+            weight_map = {n: files[0] for n in self._handles[files[0]].keys()}
+        self._where = weight_map
+
+    def names(self):
+        return self._where.keys()
+
+    def __contains__(self, name):
+        return name in self._where
+
+    def get(self, name):
+        f = self._where[name]
+        try:
+            return self._handles[f].get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor {name!r} from {f} ({e}): the file is "
+                                  "corrupted or truncated; re-download the model") from e
+
+
+class TorchBinSource(TensorSource):
+    """`pytorch_model.bin` (and its sharded index), memory-mapped so tensors load one by one."""
+
+    def __init__(self, directory: Path):
+        try:
+            import torch
+        except ImportError as e:
+            raise CheckpointError("reading pytorch_model.bin needs torch: "
+                                  "pip install 'cmoe_jax[torch]'") from e
+        index = directory / "pytorch_model.bin.index.json"
+        files = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                 if index.exists() else ["pytorch_model.bin"])
+        self._tensors = {}
+        for f in files:
+            try:
+                sd = torch.load(directory / f, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as e:
+                raise CheckpointError(f"{directory / f} is corrupted or truncated ({e}): "
+                                      "re-download the model") from e
+            self._tensors.update(sd)
+
+    def names(self):
+        return self._tensors.keys()
+
+    def __contains__(self, name):
+        return name in self._tensors
+
+    def get(self, name):
+        import torch
+
+        t = self._tensors[name]
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+
+
+# GGUF tensor names -> transformers names (llama.cpp's convention for llama-like archs).
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                      "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+class GGUFSource(TensorSource):
+    """A GGUF file, dequantised with the `gguf` package and renamed to `transformers` names.
+
+    llama.cpp permutes the rows of Q and K for its interleaved RoPE on llama models; the
+    permutation is undone here so the weights match the Hugging Face rotate-half RoPE.
+    """
+
+    def __init__(self, path: Path):
+        import gguf
+
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as e:
+            raise CheckpointError(f"{path} is not a readable GGUF file ({e})") from e
+        self.arch = self.field("general.architecture")
+        if self.arch not in GGUF_ARCHS:
+            from cmoe_jax.errors import UnsupportedModelError
+
+            raise UnsupportedModelError(f"unsupported GGUF architecture {self.arch!r}: cmoe_jax "
+                                        f"reads GGUF files of {', '.join(GGUF_ARCHS)}")
+        self._tensors = {}
+        for t in self.reader.tensors:
+            hf = self._hf_name(t.name)
+            if hf is not None:
+                self._tensors[hf] = t
+
+    def field(self, key, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    @staticmethod
+    def _hf_name(name: str) -> str | None:
+        if name in _GGUF_GLOBAL_NAMES:
+            return _GGUF_GLOBAL_NAMES[name]
+        parts = name.split(".")
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
+            return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+        return None
+
+    def hf_config(self) -> dict:
+        a = self.arch
+        heads = self.field(f"{a}.attention.head_count")
+        cfg = {
+            "model_type": GGUF_ARCHS[a],
+            "vocab_size": self.field(f"{a}.vocab_size") or len(self.field("tokenizer.ggml.tokens")),
+            "hidden_size": self.field(f"{a}.embedding_length"),
+            "intermediate_size": self.field(f"{a}.feed_forward_length"),
+            "num_hidden_layers": self.field(f"{a}.block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self.field(f"{a}.attention.head_count_kv", heads),
+            "rms_norm_eps": self.field(f"{a}.attention.layer_norm_rms_epsilon"),
+            "rope_theta": self.field(f"{a}.rope.freq_base", 10000.0),
+            "max_position_embeddings": self.field(f"{a}.context_length"),
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+        }
+        key_len = self.field(f"{a}.attention.key_length")
+        if key_len:
+            cfg["head_dim"] = key_len
+        return cfg
+
+    def names(self):
+        return self._tensors.keys()
+
+    def __contains__(self, name):
+        return name in self._tensors
+
+    def get(self, name):
+        from gguf.quants import dequantize
+
+        t = self._tensors[name]
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape(tuple(int(s) for s in reversed(t.shape)))
+        if self.arch == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+            a = self.arch
+            n_head = self.field(f"{a}.attention.head_count")
+            if name.endswith("k_proj.weight"):
+                n_head = self.field(f"{a}.attention.head_count_kv", n_head)
+            # inverse of llama.cpp's permute(): rows (head, half, 2) -> (head, 2, half)
+            w = w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+            w = w.swapaxes(1, 2).reshape(-1, *w.shape[3:])
+        return w
+
+
+def open_source(path: Path) -> TensorSource:
+    """Pick the reader for a checkpoint file or directory."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return GGUFSource(path)
+    if path.is_dir():
+        if (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists():
+            return SafetensorsSource(path)
+        if (path / "pytorch_model.bin").exists() or (path / "pytorch_model.bin.index.json").exists():
+            return TorchBinSource(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return GGUFSource(ggufs[0])
+    raise CheckpointError(
+        f"no weights found at {os.fspath(path)}: expected model.safetensors (or a sharded "
+        "index), pytorch_model.bin, or a .gguf file")

@@ -1,0 +1,87 @@
+"""The decoder shared by every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral).
+
+Each layer exposes its two halves (`attention_block`, `ffn_input`, `ffn`) so profiling can
+run a model layer by layer and feed a converted layer's output to the next one.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cmoe_jax.models.config import FFNSpec, ModelConfig
+from cmoe_jax.models.layers import Attention, RMSNorm, SwiGLU, _param, rope_tables
+
+
+def make_ffn(cfg: ModelConfig, spec: FFNSpec | None, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+    if spec is None:
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+    from cmoe_jax.moe import MoEFFN  # imported here: the dense path never needs it
+
+    return MoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts, spec.top_k,
+                  shared_width=spec.shared_width, router=spec.router,
+                  norm_topk_prob=spec.norm_topk_prob, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = make_ffn(cfg, cfg.ffn_spec(layer), dtype=dtype, rngs=rngs)
+
+    def attention_block(self, h: jax.Array, rope) -> jax.Array:
+        """Residual stream after attention (before the FFN)."""
+        return h + self.attn(self.input_norm(h), *rope)
+
+    def ffn_input(self, h: jax.Array) -> jax.Array:
+        """What the FFN sees: the post-attention RMSNorm of the residual stream."""
+        return self.post_attn_norm(h)
+
+    def __call__(self, h: jax.Array, rope) -> jax.Array:
+        h = self.attention_block(h, rope)
+        return h + self.mlp(self.ffn_input(h))
+
+
+class Decoder(nnx.Module):
+    """Causal LM: tokens [B, T] -> logits [B, T, vocab]."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = cfg
+        self.dtype = dtype
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs)
+                                for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+
+    def rope(self, seq_len: int):
+        return rope_tables(self.config, jnp.arange(seq_len))
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embed[...], tokens, axis=0)
+
+    def unembed(self, h: jax.Array) -> jax.Array:
+        """Final norm and LM head (tied to the embedding when the config says so)."""
+        h = self.norm(h)
+        head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        return h @ head
+
+    def __call__(self, tokens: jax.Array, *, capture_ffn_inputs: bool = False):
+        """Logits; with `capture_ffn_inputs=True` also the list of every layer's FFN input.
+
+        The flag is a Python bool, so the plain forward traces without any capture.
+        """
+        rope = self.rope(tokens.shape[-1])
+        h = self.embed_tokens(tokens)
+        captured = []
+        for layer in self.layers:
+            h = layer.attention_block(h, rope)
+            x = layer.ffn_input(h)
+            if capture_ffn_inputs:
+                captured.append(x)
+            h = h + layer.mlp(x)
+        logits = self.unembed(h)
+        return (logits, captured) if capture_ffn_inputs else logits

@@ -1,0 +1,99 @@
+"""Building blocks of the decoders: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
+
+Weights are stored in JAX layout (in_features, out_features) so a projection is `x @ w`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cmoe_jax.models.config import ModelConfig, rope_inv_freq
+
+_init = nnx.initializers.normal(0.02)
+
+
+def _param(rngs: nnx.Rngs, shape, dtype) -> nnx.Param:
+    return nnx.Param(_init(rngs.params(), shape, dtype))
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32 and cast back, as `transformers` does."""
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [..., T, head_dim] for the given integer positions."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on x [B, T, N, H] with tables [T, H] or [B, T, H]."""
+    cos = cos[..., None, :].astype(x.dtype)
+    sin = sin[..., None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query attention with optional q/k/v biases (Qwen2) and q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        d, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = n, kv, h
+        self.q_proj = _param(rngs, (d, n * h), dtype)
+        self.k_proj = _param(rngs, (d, kv * h), dtype)
+        self.v_proj = _param(rngs, (d, kv * h), dtype)
+        self.o_proj = _param(rngs, (n * h, d), dtype)
+        self.use_bias = cfg.attention_bias
+        if self.use_bias:
+            self.q_bias = nnx.Param(jnp.zeros((n * h,), dtype))
+            self.k_bias = nnx.Param(jnp.zeros((kv * h,), dtype))
+            self.v_bias = nnx.Param(jnp.zeros((kv * h,), dtype))
+        self.use_qk_norm = cfg.qk_norm
+        if self.use_qk_norm:
+            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        b, t, _ = x.shape
+        q, k, v = x @ self.q_proj[...], x @ self.k_proj[...], x @ self.v_proj[...]
+        if self.use_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return out.reshape(b, t, self.num_heads * self.head_dim) @ self.o_proj[...]
+
+
+class SwiGLU(nnx.Module):
+    """Dense FFN: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, d_model: int, width: int, *, dtype, rngs: nnx.Rngs):
+        self.gate = _param(rngs, (d_model, width), dtype)
+        self.up = _param(rngs, (d_model, width), dtype)
+        self.down = _param(rngs, (width, d_model), dtype)
+
+    def hidden(self, x: jax.Array) -> jax.Array:
+        """The FFN hidden activations h = silu(x W_gate) * (x W_up) that CMoE profiles."""
+        return jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.hidden(x) @ self.down[...]
