@@ -69,7 +69,7 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, dtype=jnp.float32, m
     graphdef, state = nnx.split(abstract)
     flat = list(nnx.to_flat_state(state))
     for path, var in tqdm(flat, desc="loading weights", disable=not progress, leave=False):
-        expected = tuple(var.value.shape)
+        expected = tuple(var.get_value().shape)
         if path[-1] in hf_names._EXPERT_NAMES and path[2] == "mlp":
             name = f"model.layers.{path[1]}.mlp.experts.*.{path[3]}"
             arr = hf_names.fetch_experts(source, path, expected[0])
@@ -78,7 +78,7 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, dtype=jnp.float32, m
         if tuple(arr.shape) != expected:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)} but the config "
                                   f"implies {expected}: config.json does not match the weights")
-        var.value = jax.device_put(_to_dtype(arr, dtype), param_sharding(path, expected, mesh))
+        var.set_value(jax.device_put(_to_dtype(arr, dtype), param_sharding(path, expected, mesh)))
         del arr
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 

@@ -24,6 +24,10 @@ def load_tokenizer(path: Path) -> Tokenizer | None:
     transformers.logging.set_verbosity_error()
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
+        import gguf
+
+        if "tokenizer.ggml.model" not in gguf.GGUFReader(str(path)).fields:
+            return None
         return Tokenizer(transformers.AutoTokenizer.from_pretrained(
             str(path.parent), gguf_file=path.name))
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
