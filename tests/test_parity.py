@@ -60,3 +60,14 @@ def test_ffn_inputs_are_exposed(save_tiny):
         model(torch.zeros((1, 8), dtype=torch.long))
     hook.remove()
     np.testing.assert_allclose(np.asarray(captured[1]), seen[0].numpy(), atol=1e-5)
+
+
+def test_token_nll_matches_transformers_loss(save_tiny):
+    model, path = save_tiny("llama")
+    tokens = np.random.default_rng(3).integers(0, 96, size=(2, 37))
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens), labels=torch.tensor(tokens)).loss.item()
+    lm = load_model(str(path), progress=False)
+    nll = np.asarray(lm.model.token_nll(jnp.asarray(tokens, jnp.int32), chunk=16))
+    assert nll.shape == (2, 36)
+    assert abs(nll.mean() - ref) < 1e-5

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (with the test extras: torch 2.13.0 CPU for the transformers reference), then run
+# the test suite on the CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh test
+export JAX_PLATFORMS=cpu TOKENIZERS_PARALLELISM=false
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
