@@ -1,0 +1,78 @@
+"""The README demo: dense vs CMoE perplexity of the embedded SmolLM2-135M on WikiText-2.
+
+    python -m cmoe_jax.demo [--windows 40] [--configs S3A3E8,S2A2E16,S1A1E8]
+
+Uses `../shared/data/wikitext-2/{valid,test}.txt` when present (this project's machines),
+otherwise downloads WikiText-2 with `datasets`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+
+def local_wikitext() -> Path | None:
+    for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        d = base.parent / "shared" / "data" / "wikitext-2"
+        if (d / "test.txt").exists():
+            return d
+    return None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cmoe_jax.demo", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--windows", type=int, default=40, help="test windows of --seqlen tokens")
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--configs", default="S3A3E8,S2A2E16,S1A1E8")
+    p.add_argument("--calib-samples", type=int, default=8)
+    p.add_argument("--json", help="write the table as JSON here")
+    args = p.parse_args(argv)
+
+    from cmoe_jax.carving import MoEPlan
+    from cmoe_jax.convert import convert
+    from cmoe_jax.data import load_text_tokens, text_windows
+    from cmoe_jax.eval import perplexity
+    from cmoe_jax.loading import load_model
+
+    data = local_wikitext()
+    test_path = str(data / "test.txt") if data else None
+    valid_path = str(data / "valid.txt") if data else None
+    print(f"data: {'local ' + str(data) if data else 'WikiText-2 via datasets'}")
+
+    dense = load_model(args.model, progress=False)
+    tokens = load_text_tokens("wikitext2", dense.tokenizer, split="test", data_path=test_path)
+    windows = text_windows(tokens, args.seqlen, max_windows=args.windows)
+    rows = []
+    r = perplexity(dense.model, windows)
+    rows.append({"model": "dense", "ppl": r["ppl"], "convert_s": None, "tokens_per_s": r["tokens_per_s"]})
+    print(f"dense perplexity on {len(windows)} x {args.seqlen} tokens: {r['ppl']:.3f}")
+    del dense
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in [c for c in args.configs.split(",") if c]:
+            out = Path(tmp) / name
+            t0 = time.perf_counter()
+            manifest = convert(args.model, MoEPlan.parse(name), out=out, calib="wikitext2",
+                               data_path=valid_path, calib_samples=args.calib_samples,
+                               seqlen=args.seqlen, seed=0, progress=False)
+            seconds = manifest["seconds"]["convert"]
+            moe = load_model(str(out), progress=False)
+            r = perplexity(moe.model, windows)
+            rows.append({"model": name, "ppl": r["ppl"], "convert_s": seconds,
+                         "tokens_per_s": r["tokens_per_s"]})
+            print(f"{name}: perplexity {r['ppl']:.3f} (conversion {seconds:.1f} s)")
+    base = rows[0]["ppl"]
+    print(f"\n| model | WikiText-2 ppl | x dense | conversion (s) |\n|---|---|---|---|")
+    for row in rows:
+        conv = "-" if row["convert_s"] is None else f"{row['convert_s']:.1f}"
+        print(f"| {row['model']} | {row['ppl']:.3f} | {row['ppl'] / base:.2f}x | {conv} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
