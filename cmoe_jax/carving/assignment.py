@@ -5,16 +5,98 @@ k columns are each repeated m times. It is really a transportation problem with 
 we solve it by successive shortest paths on the k cluster nodes: points are inserted one at a
 time; a point whose cheapest cluster (in reduced cost) has room goes there directly, otherwise
 Dijkstra over the k clusters finds the cheapest chain of moves ending in a cluster with room.
-The cheapest move j -> l is kept in a lazy heap per cluster pair, and cluster potentials keep
-all reduced costs non-negative, so every step is exact: the result is an optimal vertex of
-the transportation LP (the same optimal cost as the n x n assignment), in O(n k^2) heap work
-instead of O(n^3).
+The cheapest move j -> l of every cluster pair is kept in a k x k table (rescanned only when
+its point leaves), and cluster potentials keep all reduced costs non-negative, so every step
+is exact: the result is an optimal vertex of the transportation LP (the same optimal cost as
+the n x n assignment) in O(n k^2) work plus O(n k) per moved point, instead of O(n^3).
 """
 from __future__ import annotations
 
-import heapq
-
+import numba
 import numpy as np
+
+
+@numba.njit(cache=True)
+def _ssp(cost, cap):  # pragma: no cover - compiled
+    n, k = cost.shape
+    pi = np.zeros(k)
+    label = np.full(n, -1, np.int64)
+    count = np.zeros(k, np.int64)
+    # best[j, l] / arg[j, l]: cheapest move of a member of j to l, c_il - c_ij, and its point
+    best = np.full((k, k), np.inf)
+    arg = np.full((k, k), -1, np.int64)
+    dist = np.empty(k)
+    prev = np.empty(k, np.int64)
+    via = np.empty(k, np.int64)
+    done = np.empty(k, np.bool_)
+    for s in range(n):
+        j0 = 0
+        for j in range(1, k):
+            if cost[s, j] - pi[j] < cost[s, j0] - pi[j0]:
+                j0 = j
+        if count[j0] < cap:
+            sink = j0
+            prev[j0] = -1
+        else:
+            base = cost[s, j0] - pi[j0]
+            for j in range(k):
+                dist[j] = cost[s, j] - pi[j] - base
+                prev[j] = -1
+                via[j] = -1
+                done[j] = False
+            while True:
+                j = -1
+                for c in range(k):
+                    if not done[c] and (j < 0 or dist[c] < dist[j]):
+                        j = c
+                done[j] = True
+                if count[j] < cap:
+                    sink = j
+                    break
+                for l in range(k):
+                    if not done[l] and arg[j, l] >= 0:
+                        nd = dist[j] + pi[j] + best[j, l] - pi[l]
+                        if nd < dist[l]:
+                            dist[l] = nd
+                            prev[l] = j
+                            via[l] = arg[j, l]
+            limit = dist[sink]
+            for j in range(k):
+                pi[j] += min(dist[j], limit)
+        # walk the path back from the sink, shifting one point along each edge
+        l = sink
+        while prev[l] != -1:
+            j = prev[l]
+            i = via[l]
+            count[j] -= 1
+            label[i] = l
+            count[l] += 1
+            for q in range(k):  # i joins l
+                if q != l and cost[i, q] - cost[i, l] < best[l, q]:
+                    best[l, q] = cost[i, q] - cost[i, l]
+                    arg[l, q] = i
+            stale = False       # i left j: rescan j if it was one of j's cheapest moves
+            for q in range(k):
+                if arg[j, q] == i:
+                    stale = True
+            if stale:
+                for q in range(k):
+                    best[j, q] = np.inf
+                    arg[j, q] = -1
+                for p in range(n):
+                    if label[p] == j:
+                        for q in range(k):
+                            if q != j and cost[p, q] - cost[p, j] < best[j, q]:
+                                best[j, q] = cost[p, q] - cost[p, j]
+                                arg[j, q] = p
+            l = j
+        label[s] = l
+        count[l] += 1
+        for q in range(k):
+            if q != l and cost[s, q] - cost[s, l] < best[l, q]:
+                best[l, q] = cost[s, q] - cost[s, l]
+                arg[l, q] = s
+    return label
 
 
 def balanced_assignment(cost: np.ndarray, capacity: int | None = None) -> np.ndarray:
@@ -22,73 +104,16 @@ def balanced_assignment(cost: np.ndarray, capacity: int | None = None) -> np.nda
 
     cost: [n, k]; capacity defaults to n // k (n must then be k * capacity, a partition into
     equal clusters). Deterministic: ties go to the lower cluster index, points are inserted
-    in index order.
+    in index order. Compiled with numba (the loop is inherently sequential).
     """
-    cost = np.asarray(cost, dtype=np.float64)
+    cost = np.ascontiguousarray(cost, dtype=np.float64)
     n, k = cost.shape
     cap = n // k if capacity is None else int(capacity)
     if cap * k < n:
         raise ValueError(f"{n} points do not fit in {k} clusters of capacity {cap}")
     if not np.isfinite(cost).all():
         raise ValueError("assignment costs must be finite")
-    pi = np.zeros(k)                      # cluster potentials
-    label = np.full(n, -1, dtype=np.int64)
-    count = np.zeros(k, dtype=np.int64)
-    heaps = [[[] for _ in range(k)] for _ in range(k)]   # heaps[j][l]: (c_il - c_ij, i), i in j
-    rows = cost.tolist()
-
-    def place(i: int, j: int) -> None:
-        label[i] = j
-        count[j] += 1
-        ci = rows[i]
-        base = ci[j]
-        hj = heaps[j]
-        for l in range(k):
-            if l != j:
-                heapq.heappush(hj[l], (ci[l] - base, i))
-
-    def cheapest_move(j: int, l: int):
-        h = heaps[j][l]
-        while h and label[h[0][1]] != j:
-            heapq.heappop(h)
-        return h[0] if h else None
-
-    for s in range(n):
-        reduced = cost[s] - pi
-        j0 = int(np.argmin(reduced))
-        if count[j0] < cap:
-            place(s, j0)
-            continue
-        dist = (reduced - reduced[j0]).tolist()
-        prev = [-1] * k
-        via = [-1] * k
-        done = [False] * k
-        pil = pi.tolist()
-        while True:
-            j = min((d, c) for c, d in enumerate(dist) if not done[c])[1]
-            done[j] = True
-            if count[j] < cap:
-                sink = j
-                break
-            dj = dist[j] + pil[j]
-            for l in range(k):
-                if done[l]:
-                    continue
-                move = cheapest_move(j, l)
-                if move is not None:
-                    nd = dj + move[0] - pil[l]
-                    if nd < dist[l]:
-                        dist[l], prev[l], via[l] = nd, j, move[1]
-        limit = dist[sink]
-        pi += np.minimum(np.asarray(dist), limit)
-        l = sink
-        while prev[l] != -1:  # shift one point along each edge of the path
-            j, i = prev[l], via[l]
-            count[j] -= 1
-            place(i, l)
-            l = j
-        place(s, l)
-    return label
+    return _ssp(cost, cap)
 
 
 def assignment_cost(cost: np.ndarray, label: np.ndarray) -> float:
