@@ -1,0 +1,118 @@
+"""`MoEFFN`: a SwiGLU mixture-of-experts FFN with an optional always-on shared MLP.
+
+One module covers the three kinds of MoE FFN the project needs: the layers of sparse
+checkpoints (Qwen3-MoE, Mixtral: `router="linear"`), the output of the CMoE converter
+(`router="cmoe"`, shared experts fused into one shared MLP) and the dense FFN split into
+experts (`router="sum"`, exact). Routed experts are stacked on a leading expert axis and run
+with grouped matmuls on tokens sorted by expert (`dispatch`), so the cost follows the
+active experts and no token is dropped.
+
+Example::
+
+    import jax.numpy as jnp
+    from flax import nnx
+    from cmoe_jax.moe import MoEFFN
+
+    layer = MoEFFN(d_model=64, expert_width=32, num_experts=8, top_k=2, shared_width=32,
+                   router="cmoe", rngs=nnx.Rngs(0))
+    y, counts = layer(jnp.ones((4, 16, 64)), return_load=True)   # counts: int32 [8]
+    layer.update_bias(counts, gamma=1e-3)                        # load balancing step
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cmoe_jax.moe.balance import RouterBias, update_router_bias
+from cmoe_jax.moe.dispatch import routed_experts
+from cmoe_jax.moe.gmm import get_gmm, resolve_backend
+from cmoe_jax.moe.routers import ROUTER_KINDS, RouterKind, cmoe_route, linear_route, sum_route
+
+_init = nnx.initializers.normal(0.02)
+
+
+class MoEFFN(nnx.Module):
+    """MoE FFN: `shared(x) + sum_{e in top_k(x)} g_e(x) * expert_e(x)`, x `[..., d_model]`.
+
+    Args:
+      d_model: model width d.
+      expert_width: width m of each routed expert's SwiGLU.
+      num_experts: number E of routed experts.
+      top_k: routed experts per token (`== num_experts` for `router="sum"`).
+      shared_width: width of the always-on shared SwiGLU MLP (0: none).
+      router: "cmoe", "linear" or "sum" (see `cmoe_jax.moe.routers`).
+      norm_topk_prob: linear router only: renormalise the k gates to sum 1 (Mixtral).
+      dtype: compute dtype of the FFN (routing always runs in float32).
+      param_dtype: storage dtype of the parameters.
+      backend: grouped-matmul backend, "auto" picks per platform (`cmoe_jax.moe.gmm`).
+
+    Parameters (JAX layout, `[in, out]`): `shared_gate/shared_up [d, S]`,
+    `shared_down [S, d]`; `expert_gate/expert_up [E, d, m]`, `expert_down [E, m, d]`;
+    linear router `router_kernel [d, E]`; CMoE router `router_gate/router_up [d, E]`
+    (representative neurons), `u [E]` (trainable gate scales, init 0) and `router_bias [E]`
+    (a `RouterBias`, not a `Param`, init 0).
+    """
+
+    def __init__(self, d_model: int, expert_width: int, num_experts: int, top_k: int, *,
+                 shared_width: int = 0, router: RouterKind = "cmoe", norm_topk_prob: bool = False,
+                 dtype=jnp.float32, param_dtype=jnp.float32, backend: str = "auto",
+                 rngs: nnx.Rngs):
+        if router not in ROUTER_KINDS:
+            raise ValueError(f"router must be one of {ROUTER_KINDS}, got {router!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        if router == "sum" and top_k != num_experts:
+            raise ValueError(f"router='sum' activates every expert: top_k must be {num_experts}")
+        resolve_backend(backend)  # fail early on a typo
+        self.d_model, self.expert_width = d_model, expert_width
+        self.num_experts, self.top_k, self.shared_width = num_experts, top_k, shared_width
+        self.router, self.norm_topk_prob = router, norm_topk_prob
+        self.dtype, self.param_dtype, self.backend = dtype, param_dtype, backend
+
+        def param(*shape):
+            return nnx.Param(_init(rngs.params(), shape, param_dtype))
+
+        d, m, e, s = d_model, expert_width, num_experts, shared_width
+        if s > 0:
+            self.shared_gate, self.shared_up, self.shared_down = param(d, s), param(d, s), param(s, d)
+        self.expert_gate, self.expert_up, self.expert_down = param(e, d, m), param(e, d, m), param(e, m, d)
+        if router == "linear":
+            self.router_kernel = param(d, e)
+        elif router == "cmoe":
+            self.router_gate, self.router_up = param(d, e), param(d, e)
+            self.u = nnx.Param(jnp.zeros((e,), param_dtype))
+            self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32))
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Expert ids int32 `[T, k]` and float32 gates `[T, k]` for tokens `x [T, d]`."""
+        if self.router == "linear":
+            return linear_route(x, self.router_kernel[...], self.top_k, self.norm_topk_prob)
+        if self.router == "cmoe":
+            return cmoe_route(x, self.router_gate[...], self.router_up[...], self.u[...],
+                              self.router_bias[...], self.top_k)
+        return sum_route(x.shape[0], self.num_experts)
+
+    def shared(self, x: jax.Array) -> jax.Array:
+        """The shared MLP `down(silu(x W_gate) * (x W_up))` (zeros when there is none)."""
+        if self.shared_width == 0:
+            return jnp.zeros_like(x)
+        c = lambda p: p[...].astype(self.dtype)
+        return (jax.nn.silu(x @ c(self.shared_gate)) * (x @ c(self.shared_up))) @ c(self.shared_down)
+
+    def __call__(self, x: jax.Array, *, return_load: bool = False):
+        """`x [..., d_model] -> [..., d_model]`; with `return_load` also int32 `[E]` counts."""
+        shape = x.shape
+        x = x.reshape(-1, self.d_model).astype(self.dtype)
+        ids, gates = self.route(x)
+        c = lambda p: p[...].astype(self.dtype)
+        routed, counts = routed_experts(x, ids, gates, c(self.expert_gate), c(self.expert_up),
+                                        c(self.expert_down), get_gmm(self.backend))
+        y = (self.shared(x).astype(jnp.float32) + routed).astype(self.dtype).reshape(shape)
+        return (y, counts) if return_load else y
+
+    def update_bias(self, counts: jax.Array, gamma: float) -> None:
+        """CMoE load balancing step in place: `b += gamma * sign(mean(counts) - counts)`."""
+        if self.router != "cmoe":
+            raise ValueError(f"only the cmoe router has a balancing bias (router={self.router!r})")
+        self.router_bias[...] = update_router_bias(self.router_bias, counts, gamma)

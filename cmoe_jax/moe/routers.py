@@ -1,0 +1,53 @@
+"""Routers: which `top_k` experts each token uses and with what gate weight.
+
+All routers work in float32 on flattened tokens `x [T, d]` and return
+`(expert_ids int32 [T, k], gates float32 [T, k])`.
+
+- "linear" (Qwen3-MoE, Mixtral, ExpertWeaver): softmax over all experts of `x @ W_r`,
+  top-k probabilities as gates, optionally renormalised to sum 1 (Mixtral).
+- "cmoe" (CMoE paper, sec. 3.2-3.3): the router is the representative neurons of the
+  experts, `s = |silu(x W_gate^R) * (x W_up^R)|`, `s' = softmax(s)`; experts are chosen by
+  `top_k(s' + b)` with the non-trainable balancing bias `b`, and weighted by
+  `g = 1 + s' * u` with the trainable scales `u` (zero at conversion, so the experts are
+  then summed unweighted, as in the training-free model).
+- "sum": every expert, weight 1 (the dense FFN split into experts; `top_k == E`).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+RouterKind = Literal["cmoe", "linear", "sum"]
+ROUTER_KINDS = ("cmoe", "linear", "sum")
+
+
+def linear_route(x, kernel, top_k: int, norm_topk_prob: bool = False):
+    logits = jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    gates, ids = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return ids.astype(jnp.int32), gates
+
+
+def cmoe_scores(x, router_gate, router_up):
+    """s = |silu(x W_gate^R) * (x W_up^R)| in float32: one score per expert."""
+    x = x.astype(jnp.float32)
+    return jnp.abs(jax.nn.silu(x @ router_gate.astype(jnp.float32))
+                   * (x @ router_up.astype(jnp.float32)))
+
+
+def cmoe_route(x, router_gate, router_up, u, bias, top_k: int):
+    probs = jax.nn.softmax(cmoe_scores(x, router_gate, router_up), axis=-1)
+    # the bias only steers selection and is never trained
+    _, ids = jax.lax.top_k(probs + jax.lax.stop_gradient(bias.astype(jnp.float32)), top_k)
+    picked = jnp.take_along_axis(probs, ids, axis=-1)
+    gates = 1.0 + picked * u.astype(jnp.float32)[ids]
+    return ids.astype(jnp.int32), gates
+
+
+def sum_route(num_tokens: int, num_experts: int):
+    ids = jnp.broadcast_to(jnp.arange(num_experts, dtype=jnp.int32), (num_tokens, num_experts))
+    return ids, jnp.ones((num_tokens, num_experts), jnp.float32)
