@@ -55,8 +55,13 @@ def gmm_ragged_dot(lhs, rhs, group_sizes, transpose_rhs=False):
     return out.astype(lhs.dtype)
 
 
-def get_gmm(backend: str = "auto") -> Callable:
-    """`fn(lhs, rhs, group_sizes, transpose_rhs=False) -> [M, N]` for a backend name."""
+def get_gmm(backend: str | Callable = "auto") -> Callable:
+    """`fn(lhs, rhs, group_sizes, transpose_rhs=False) -> [M, N]` for a backend name.
+
+    A callable is returned as is (e.g. `gmm_pallas_gpu.make_gmm(interpret=True)` in tests).
+    """
+    if callable(backend):
+        return backend
     backend = resolve_backend(backend)
     if backend == "cpu":
         from cmoe_jax.moe.gmm_cpu import gmm as fn

@@ -14,6 +14,8 @@ through `gmm_vjp.differentiable_gmm` (d lhs = gmm with transposed weights, d rhs
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -91,5 +93,11 @@ def tgmm_impl(lhs, rhs, group_sizes, *, block=BLOCK, tail=TAIL):
     return jax.lax.fori_loop(0, num_groups, expert, out)
 
 
-gmm = differentiable_gmm(gmm_impl, tgmm_impl)
+def make_gmm(block: int = BLOCK, tail: int = TAIL):
+    """A differentiable CPU grouped matmul with the given row-block sizes."""
+    return differentiable_gmm(functools.partial(gmm_impl, block=block, tail=tail),
+                              functools.partial(tgmm_impl, block=block, tail=tail))
+
+
+gmm = make_gmm()
 gmm.__doc__ = "Differentiable CPU grouped matmul: `gmm(lhs [M,K], rhs [G,K,N], group_sizes [G]) -> [M,N]`."

@@ -72,7 +72,7 @@ def _gmm_kernel(vg_ref, vt_ref, start_ref, end_ref, lhs_ref, rhs_ref, _zeros_ref
     def body(kk, acc):
         a = plgpu.load(lhs_ref.at[rows, pl.ds(kk * tk, tk)])
         b = plgpu.load(rhs_ref.at[pl.ds(gw * kp + kk * tk, tk), cols])
-        return acc + pl.dot(a, b, precision=precision)
+        return acc + plgpu.dot(a, b, precision=precision)
 
     acc = jax.lax.fori_loop(0, kp // tk, body, jnp.zeros((tm, tn), jnp.float32))
     r = t * tm + jnp.arange(tm)
@@ -92,7 +92,7 @@ def _tgmm_kernel(start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, tm, tk, tn, k
         a = plgpu.load(lhs_ref.at[rows, ks])
         a = jnp.where(keep, a, jnp.zeros((), a.dtype))
         b = plgpu.load(rhs_ref.at[rows, cols])
-        return acc + pl.dot(a, b, trans_a=True, precision=precision)
+        return acc + plgpu.dot(a, b, trans_a=True, precision=precision)
 
     first = lo // tm
     last = jnp.where(hi > lo, (hi + tm - 1) // tm, first)

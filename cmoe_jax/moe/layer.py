@@ -45,7 +45,8 @@ class MoEFFN(nnx.Module):
       norm_topk_prob: linear router only: renormalise the k gates to sum 1 (Mixtral).
       dtype: compute dtype of the FFN (routing always runs in float32).
       param_dtype: storage dtype of the parameters.
-      backend: grouped-matmul backend, "auto" picks per platform (`cmoe_jax.moe.gmm`).
+      backend: grouped-matmul backend, "auto" picks per platform (`cmoe_jax.moe.gmm`), or a
+        gmm callable.
 
     Parameters (JAX layout, `[in, out]`): `shared_gate/shared_up [d, S]`,
     `shared_down [S, d]`; `expert_gate/expert_up [E, d, m]`, `expert_down [E, m, d]`;
@@ -56,7 +57,7 @@ class MoEFFN(nnx.Module):
 
     def __init__(self, d_model: int, expert_width: int, num_experts: int, top_k: int, *,
                  shared_width: int = 0, router: RouterKind = "cmoe", norm_topk_prob: bool = False,
-                 dtype=jnp.float32, param_dtype=jnp.float32, backend: str = "auto",
+                 dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
                  rngs: nnx.Rngs):
         if router not in ROUTER_KINDS:
             raise ValueError(f"router must be one of {ROUTER_KINDS}, got {router!r}")
@@ -64,7 +65,8 @@ class MoEFFN(nnx.Module):
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         if router == "sum" and top_k != num_experts:
             raise ValueError(f"router='sum' activates every expert: top_k must be {num_experts}")
-        resolve_backend(backend)  # fail early on a typo
+        if not callable(backend):
+            resolve_backend(backend)  # fail early on a typo
         self.d_model, self.expert_width = d_model, expert_width
         self.num_experts, self.top_k, self.shared_width = num_experts, top_k, shared_width
         self.router, self.norm_topk_prob = router, norm_topk_prob
