@@ -59,3 +59,39 @@ def save_tiny(tmp_path):
         model.save_pretrained(path, **({} if "safe" not in kw else {}))
         return model, path
     return _save
+
+
+WORDS = [f"w{i}" for i in range(90)]
+
+
+def save_tiny_tokenizer(path):
+    """A word-level tokenizer over WORDS (ids 0..91), loadable with AutoTokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[BOS]": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]").save_pretrained(str(path))
+
+
+def write_random_text(path, n_words: int, seed: int = 0):
+    """A text file of random WORDS, one short line per 12 words."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    words = [WORDS[i] for i in rng.integers(0, len(WORDS), n_words)]
+    lines = [" ".join(words[i:i + 12]) for i in range(0, n_words, 12)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    """A tiny random Llama checkpoint with a tokenizer, plus a calibration text file."""
+    model = tiny_hf_model("llama", intermediate_size=64)
+    path = tmp_path / "tiny_llama"
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path)
+    text = write_random_text(tmp_path / "calib.txt", 4000)
+    return model, path, text

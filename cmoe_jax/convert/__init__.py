@@ -1,0 +1,13 @@
+"""CMoE conversion: the job API (`convert`), the in-memory API (`convert_model`) and checkpoints."""
+from cmoe_jax.convert.checkpoint import load_converted, read_manifest, save_converted
+from cmoe_jax.convert.pipeline import ConversionError, ConvertConfig, LayerRecord, convert_model
+
+
+def convert(*args, **kwargs):
+    from cmoe_jax.convert.api import convert as _convert
+
+    return _convert(*args, **kwargs)
+
+
+__all__ = ["convert", "convert_model", "ConvertConfig", "ConversionError", "LayerRecord",
+           "load_converted", "read_manifest", "save_converted"]

@@ -1,0 +1,130 @@
+"""End-to-end conversion job: arguments checked first, then load, calibrate, convert, save."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from cmoe_jax.convert.checkpoint import publish, save_converted, write_json_atomic
+from cmoe_jax.convert.pipeline import ConversionError, ConvertConfig, LayerRecord, convert_model
+from cmoe_jax.errors import CmoeError
+
+
+def _staging(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def _load_done(staging: Path, settings: dict, resume: bool) -> list[LayerRecord]:
+    """Layers finished by an interrupted run with the same settings (only with resume)."""
+    progress = staging / "progress.json"
+    if not staging.exists():
+        return []
+    if not resume:
+        shutil.rmtree(staging)
+        return []
+    if not progress.exists():
+        shutil.rmtree(staging)
+        return []
+    saved = json.loads(progress.read_text())
+    if saved != settings:
+        diff = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+        raise CmoeError(f"--resume: {staging} was started with different settings ({', '.join(diff)}); "
+                        "rerun without --resume to start over")
+    done = []
+    while (staging / "layers" / f"{len(done):04d}.json").exists():
+        done.append(LayerRecord.from_json(json.loads((staging / "layers" / f"{len(done):04d}.json").read_text())))
+    return done
+
+
+def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str = "validation",
+            data_path: str | None = None, calib_samples: int = 8, seqlen: int = 2048,
+            k_act: int = 10, kmeans_iters: int | None = None, normalize: bool = True,
+            seed: int = 0, resume: bool = False, overwrite: bool = False, report: bool = False,
+            progress: bool = True, stop_after_layers: int | None = None) -> dict:
+    """Convert a dense checkpoint to CMoE and save it at `out`; returns the manifest.
+
+    `stop_after_layers` exists for testing interruption: the job stops (as if killed) once
+    that many layers are saved in the staging directory.
+    """
+    from cmoe_jax.data import calibration_windows, load_text_tokens
+    from cmoe_jax.loading import load_config, load_model, load_tokenizer
+
+    t_start = time.perf_counter()
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise CmoeError(f"output directory {out} exists: pass --overwrite to replace it")
+    cfg, path = load_config(model)
+    cc = ConvertConfig(plan=plan, k_act=k_act, normalize=normalize, kmeans_iters=kmeans_iters, seed=seed)
+    try:
+        plan.validate(cfg.intermediate_size, k_act)
+    except ValueError as e:
+        raise ConversionError(str(e)) from e
+    if seqlen > cfg.max_position_embeddings:
+        raise CmoeError(f"--seqlen {seqlen} exceeds the model's context "
+                        f"({cfg.max_position_embeddings} positions)")
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        raise CmoeError(f"{path} has no tokenizer: calibration text cannot be tokenized")
+    tokens = load_text_tokens(calib, tokenizer, split=calib_split, data_path=data_path)
+    windows = calibration_windows(tokens, calib_samples, seqlen, seed)
+    settings = {"model": str(model), **cc.to_dict(), "calib": calib, "calib_split": calib_split,
+                "data_path": data_path, "calib_samples": calib_samples, "seqlen": seqlen}
+    staging = _staging(out)
+    done = _load_done(staging, settings, resume)
+    (staging / "layers").mkdir(parents=True, exist_ok=True)
+    write_json_atomic(staging / "progress.json", settings)
+
+    t_load = time.perf_counter()
+    lm = load_model(model, dtype=jnp.float32, progress=progress)
+    t_conv = time.perf_counter()
+
+    class _Stop(Exception):
+        pass
+
+    def on_layer(i, record):
+        write_json_atomic(staging / "layers" / f"{i:04d}.json", record.to_json())
+        if stop_after_layers is not None and i + 1 >= stop_after_layers:
+            raise _Stop()
+
+    try:
+        moe_model, records = convert_model(lm.model, windows, cc, progress=progress, done=done,
+                                           on_layer=on_layer)
+    except _Stop:
+        return {"out": None, "config": plan.name, "interrupted_after": stop_after_layers}
+    t_save = time.perf_counter()
+    stage_seconds = {
+        "load_model": t_conv - t_load,
+        "prepare": t_load - t_start,
+        "convert": t_save - t_conv,
+        "profile": sum(r.seconds.get("profile", 0) + r.seconds.get("attention", 0) for r in records),
+        "cluster": sum(r.seconds.get("cluster", 0) for r in records),
+        "route_and_forward": sum(r.seconds.get("route_and_forward", 0) for r in records),
+    }
+    manifest = {
+        "source_model": str(model), "method": "cmoe", "config": plan.name,
+        "plan": {"shared": plan.shared, "active": plan.active, "experts": plan.total,
+                 "expert_width": cfg.intermediate_size // plan.total},
+        "calibration": {"dataset": calib, "split": calib_split, "data_path": data_path,
+                        "samples": calib_samples, "seqlen": seqlen, "seed": seed},
+        "k_act": k_act, "normalize": normalize, "kmeans_iters": kmeans_iters,
+        "layers": [{k: v for k, v in r.to_json().items() if k not in ("mu", "seconds")}
+                   for r in records],
+    }
+    final = staging / "final"
+    shutil.rmtree(final, ignore_errors=True)
+    save_converted(moe_model, manifest, final, tokenizer=lm.tokenizer)
+    if report:
+        from cmoe_jax.convert.report import write_report
+
+        write_report(records, plan.name, stage_seconds, final / "report")
+    stage_seconds["save"] = time.perf_counter() - t_save
+    manifest["seconds"] = stage_seconds
+    write_json_atomic(final / "cmoe_manifest.json",
+                      dict(json.loads((final / "cmoe_manifest.json").read_text()), seconds=stage_seconds))
+    publish(final, out, overwrite)
+    shutil.rmtree(staging, ignore_errors=True)
+    return dict(manifest, out=str(out))

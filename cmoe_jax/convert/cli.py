@@ -1,0 +1,82 @@
+"""`python -m cmoe_jax.convert`: CMoE conversion of a dense checkpoint into an S/A/E MoE.
+
+Work happens in `<out>.partial/` (per-layer partitions are saved there as each layer
+finishes); the finished model is renamed to `<out>` at the end, so an interrupted run never
+leaves a partial checkpoint, and `--resume` continues from the saved layers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cmoe_jax.errors import CmoeError
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cmoe_jax.convert", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", help="dense checkpoint: HF dir, Hub id, .gguf, or 'smollm2'")
+    p.add_argument("--config", help="SxAyEz, e.g. S1A1E8 (x shared, y active routed, z total experts)")
+    p.add_argument("--shared", type=int, help="x (instead of --config)")
+    p.add_argument("--active", type=int, help="y (instead of --config)")
+    p.add_argument("--experts", type=int, help="z (instead of --config)")
+    p.add_argument("--calib", default="wikitext2", choices=["wikitext2", "c4"], help="calibration dataset")
+    p.add_argument("--calib-split", default="validation", help="dataset split for calibration")
+    p.add_argument("--data-path", help="local text file for the calibration data")
+    p.add_argument("--calib-samples", type=int, default=8)
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--k-act", type=int, default=10, help="K_a: markers per token (ATopK)")
+    p.add_argument("--kmeans-iters", type=int, default=None,
+                   help="balanced K-means iterations (default: to convergence; 1 = authors' code)")
+    p.add_argument("--no-normalize", action="store_true",
+                   help="profile unnormalised activations instead of the L2-normalised form")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output directory of the converted model")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--report", action="store_true", help="write PNG plots and report.json")
+    return p.parse_args(argv)
+
+
+def plan_from_args(args):
+    from cmoe_jax.carving import MoEPlan
+
+    if args.config:
+        if not re.fullmatch(r"S\d+A\d+E\d+", args.config):
+            raise CmoeError(f"--config {args.config!r} is not of the form SxAyEz (e.g. S1A1E8)")
+        return MoEPlan.parse(args.config)
+    if None in (args.shared, args.active, args.experts):
+        raise CmoeError("give --config SxAyEz, or all three of --shared, --active, --experts")
+    return MoEPlan(args.shared, args.active, args.experts)
+
+
+def run(args) -> dict:
+    from cmoe_jax.convert.api import convert
+
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise CmoeError(f"output directory {out} exists: pass --overwrite to replace it")
+    return convert(args.model, plan_from_args(args), out=out, calib=args.calib,
+                   calib_split=args.calib_split, data_path=args.data_path,
+                   calib_samples=args.calib_samples, seqlen=args.seqlen, k_act=args.k_act,
+                   kmeans_iters=args.kmeans_iters, normalize=not args.no_normalize,
+                   seed=args.seed, resume=args.resume, overwrite=args.overwrite,
+                   report=args.report)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except (CmoeError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: result[k] for k in ("out", "config", "seconds")}, indent=1))
+    return 0

@@ -1,0 +1,188 @@
+"""CMoE conversion of an in-memory dense model: profile, carve and route, layer by layer.
+
+Each layer is profiled on the calibration activations that the already-converted layers
+before it produce (as in the papers), so only one layer's activations live at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from cmoe_jax.carving import LayerCarving, MoEPlan, carve_layer, slice_ffn
+from cmoe_jax.carving.markers import profile_markers
+from cmoe_jax.errors import CmoeError
+from cmoe_jax.models import Decoder, FFNSpec, ModelConfig, SwiGLU
+from cmoe_jax.profiling.layerwise import (all_finite, attention_step, calibration_mesh,
+                                          embed_step, ffn_residual_step, replicate, shard_batch)
+
+
+class ConversionError(CmoeError):
+    """Bad conversion input (plan, calibration data, activations)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertConfig:
+    """What to convert to and how (the CLI flags, minus I/O)."""
+
+    plan: MoEPlan
+    k_act: int = 10
+    normalize: bool = True
+    kmeans_iters: int | None = None  # None: iterate to convergence; 1: the authors' code
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return {"config": self.plan.name, "k_act": self.k_act, "normalize": self.normalize,
+                "kmeans_iters": self.kmeans_iters, "seed": self.seed}
+
+
+@dataclasses.dataclass
+class LayerRecord:
+    """What one converted layer keeps: its partition plus profiling statistics."""
+
+    carving: LayerCarving
+    mu: np.ndarray
+    load: np.ndarray
+    seconds: dict
+
+    def to_json(self) -> dict:
+        c = self.carving
+        return {"shared": np.asarray(c.shared_idx).tolist(),
+                "experts": np.asarray(c.expert_idx).tolist(),
+                "representatives": np.asarray(c.representative_idx).tolist(),
+                "kmeans_iterations": int(c.iterations),
+                "mu": np.asarray(self.mu, np.float32).tolist(),
+                "load": np.asarray(self.load).tolist(), "seconds": self.seconds}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "LayerRecord":
+        carving = LayerCarving(shared_idx=np.asarray(d["shared"], np.int64),
+                               expert_idx=np.asarray(d["experts"], np.int64),
+                               representative_idx=np.asarray(d["representatives"], np.int64),
+                               iterations=d["kmeans_iterations"])
+        return cls(carving, np.asarray(d["mu"], np.float32), np.asarray(d["load"]), d["seconds"])
+
+
+def validate(cfg: ModelConfig, calib: np.ndarray, cc: ConvertConfig) -> None:
+    """Fail before any work on inputs that cannot be converted."""
+    if cfg.moe_layers and any(s is not None for s in cfg.moe_layers):
+        raise ConversionError("the model already has MoE FFN layers: CMoE conversion needs a "
+                              "dense model")
+    try:
+        cc.plan.validate(cfg.intermediate_size, cc.k_act)
+    except ValueError as e:
+        raise ConversionError(str(e)) from e
+    if calib.ndim != 2 or calib.shape[0] < 1:
+        raise ConversionError(f"calibration data must be [samples, seqlen] token ids, got {calib.shape}")
+
+
+def moe_spec(cfg: ModelConfig, plan: MoEPlan) -> FFNSpec:
+    m = cfg.intermediate_size // plan.total
+    return FFNSpec(num_experts=plan.total - plan.shared, top_k=plan.active, expert_width=m,
+                   shared_width=plan.shared * m, router="cmoe")
+
+
+def build_moe_ffn(cfg: ModelConfig, plan: MoEPlan, slices: dict, dtype) -> nnx.Module:
+    from cmoe_jax.moe import MoEFFN
+
+    spec = moe_spec(cfg, plan)
+    ffn = nnx.eval_shape(lambda: MoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts,
+                                        spec.top_k, shared_width=spec.shared_width, router="cmoe",
+                                        dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(ffn)
+    flat = nnx.to_flat_state(state)
+    for path, var in flat:
+        name = path[-1]
+        shape = var.get_value().shape
+        value = slices[name] if name in slices else np.zeros(shape, np.float32)
+        if tuple(value.shape) != tuple(shape):
+            raise AssertionError(f"{name}: carved shape {value.shape} != layer shape {shape}")
+        var.set_value(jnp.asarray(value, dtype=var.get_value().dtype))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def carve_one_layer(layer, x, cfg: ModelConfig, cc: ConvertConfig, mesh) -> tuple[LayerCarving, np.ndarray, dict]:
+    """Profile the FFN input x of one dense layer and carve its neurons."""
+    t0 = time.perf_counter()
+    w_gate, w_up = layer.mlp.gate[...], layer.mlp.up[...]
+    markers, mu = profile_markers(x.reshape(-1, x.shape[-1]), w_gate, w_up, k_act=cc.k_act,
+                                  normalize=cc.normalize)
+    markers, mu = np.asarray(markers), np.asarray(mu)
+    t1 = time.perf_counter()
+    carving = carve_layer(markers, mu, cc.plan, k_act=cc.k_act, kmeans_iters=cc.kmeans_iters,
+                          seed=cc.seed)
+    t2 = time.perf_counter()
+    return carving, mu, {"profile": t1 - t0, "cluster": t2 - t1}
+
+
+def slices_for(layer, carving: LayerCarving, cc: ConvertConfig) -> dict:
+    mlp = layer.mlp
+    return slice_ffn(np.asarray(mlp.gate[...], np.float32), np.asarray(mlp.up[...], np.float32),
+                     np.asarray(mlp.down[...], np.float32), carving)
+
+
+def assemble(model: Decoder, cfg_moe: ModelConfig, ffns: list[nnx.Module]) -> Decoder:
+    """A converted Decoder: the dense model's attention/norms/embeddings plus carved FFNs."""
+    abstract = nnx.eval_shape(lambda: Decoder(cfg_moe, dtype=model.dtype, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(abstract)
+    dense_state = nnx.to_pure_dict(nnx.state(model))
+    for i, ffn in enumerate(ffns):
+        dense_state["layers"][i]["mlp"] = nnx.to_pure_dict(nnx.state(ffn))
+    new_state = nnx.state(abstract)
+    nnx.replace_by_pure_dict(new_state, dense_state)
+    return nnx.merge(graphdef, new_state)
+
+
+def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devices=None,
+                  progress: bool = True, done: list[LayerRecord] | None = None,
+                  on_layer: Callable[[int, LayerRecord], None] | None = None):
+    """Convert `model` (dense) with calibration windows `calib` [N, T] -> (moe_model, records).
+
+    `done` holds records of layers already converted (resume): they are rebuilt from their
+    partitions and only re-run forward, so the result equals an uninterrupted run.
+    """
+    cfg = model.config
+    calib = np.asarray(calib, np.int32)
+    validate(cfg, calib, cc)
+    done = list(done or [])
+    mesh = calibration_mesh(calib.shape[0], devices)
+    graphdef, state = nnx.split(model)
+    h = embed_step(graphdef, replicate(state, mesh), shard_batch(calib, mesh))
+    rope = replicate(model.rope(calib.shape[1]), mesh)
+    records, ffns = [], []
+    bar = tqdm(range(cfg.num_layers), desc=f"converting to {cc.plan.name}", disable=not progress)
+    for i in bar:
+        layer = model.layers[i]
+        t0 = time.perf_counter()
+        lg, ls = nnx.split(layer)
+        h_mid, x = attention_step(lg, replicate(ls, mesh), h, rope)
+        if not all_finite(x):
+            raise ConversionError(f"layer {i}: NaN or inf in the FFN input activations; check the "
+                                  "weights and use float32 for conversion")
+        t_attn = time.perf_counter() - t0
+        if i < len(done):
+            record = done[i]
+        else:
+            carving, mu, secs = carve_one_layer(layer, x, cfg, cc, mesh)
+            record = LayerRecord(carving, mu, np.zeros(0), dict(secs, attention=t_attn))
+        t1 = time.perf_counter()
+        ffn = build_moe_ffn(cfg, cc.plan, slices_for(layer, record.carving, cc), model.dtype)
+        fg, fs = nnx.split(ffn)
+        h, load = ffn_residual_step(fg, replicate(fs, mesh), h_mid, x)
+        record.load = np.asarray(load)
+        record.seconds["route_and_forward"] = time.perf_counter() - t1
+        del h_mid, x
+        ffns.append(ffn)
+        records.append(record)
+        if i >= len(done) and on_layer is not None:
+            on_layer(i, record)
+    cfg_moe = cfg.with_moe_layers([moe_spec(cfg, cc.plan)] * cfg.num_layers)
+    return assemble(model, cfg_moe, ffns), records

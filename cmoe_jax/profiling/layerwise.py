@@ -1,0 +1,60 @@
+"""Layer-by-layer calibration passes, jit-compiled and data-parallel over local devices.
+
+The calibration batch [N, T, d] is sharded over the "data" axis of a mesh; parameters are
+replicated. Each step is a pure function of (graphdef, state, activations), compiled once per
+distinct layer structure, so all layers of a model share one compilation.
+"""
+from __future__ import annotations
+
+import functools
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+
+def calibration_mesh(num_windows: int, devices=None) -> Mesh:
+    """A "data" mesh over the largest number of local devices that divides the batch."""
+    devices = list(jax.local_devices() if devices is None else devices)
+    n = max(d for d in range(1, len(devices) + 1) if num_windows % d == 0)
+    return Mesh(np.array(devices[:n]), ("data",))
+
+
+def shard_batch(x, mesh: Mesh):
+    return jax.device_put(x, NamedSharding(mesh, P("data")))
+
+
+def replicate(tree, mesh: Mesh):
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def embed_step(graphdef, state, tokens):
+    return nnx.merge(graphdef, state).embed_tokens(tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def attention_step(graphdef, state, h, rope):
+    """Residual stream after attention and the FFN input (post-attention RMSNorm)."""
+    layer = nnx.merge(graphdef, state)
+    h_mid = layer.attention_block(h, rope)
+    return h_mid, layer.ffn_input(h_mid)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def ffn_residual_step(graphdef, state, h_mid, x):
+    """h_mid + FFN(x) for a (converted) FFN module, plus its per-expert load if it has one."""
+    from cmoe_jax.moe import MoEFFN
+
+    ffn = nnx.merge(graphdef, state)
+    if isinstance(ffn, MoEFFN):
+        y, load = ffn(x, return_load=True)
+    else:
+        y, load = ffn(x), jnp.zeros((0,), jnp.int32)
+    return h_mid + y, load
+
+
+def all_finite(x) -> bool:
+    return bool(jax.jit(lambda a: jnp.isfinite(a).all())(x))

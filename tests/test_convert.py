@@ -1,0 +1,212 @@
+"""CMoE conversion end to end on tiny random Llamas: exactness, routing, determinism,
+data parallelism, bad input and resumption."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from cmoe_jax.carving import MoEPlan
+from cmoe_jax.convert import ConvertConfig, convert, convert_model
+from cmoe_jax.convert.cli import main as convert_main
+from cmoe_jax.loading import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _calib(n=4, t=32, vocab=96, seed=0):
+    return np.random.default_rng(seed).integers(0, vocab, size=(n, t)).astype(np.int32)
+
+
+@pytest.fixture
+def dense(save_tiny):
+    _, path = save_tiny("llama", intermediate_size=64)
+    return load_model(str(path), progress=False).model
+
+
+def test_all_experts_active_reproduces_dense(dense):
+    cc = ConvertConfig(plan=MoEPlan.parse("S2A6E8"), k_act=4)
+    moe, records = convert_model(dense, _calib(), cc, progress=False)
+    tokens = jnp.asarray(_calib(2, 24, seed=5))
+    np.testing.assert_allclose(np.asarray(moe(tokens)), np.asarray(dense(tokens)), atol=1e-4)
+    for r in records:  # a partition of all neurons
+        ids = np.concatenate([r.carving.shared_idx, np.ravel(r.carving.expert_idx)])
+        assert sorted(ids.tolist()) == list(range(64))
+
+
+def test_shared_experts_are_top_mu_neurons(dense):
+    cc = ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4)
+    _, records = convert_model(dense, _calib(), cc, progress=False)
+    for r in records:
+        shared = set(np.asarray(r.carving.shared_idx).tolist())
+        order = np.argsort(-r.mu, kind="stable")
+        assert shared == set(order[: len(shared)].tolist())
+
+
+def test_router_picks_experts_with_largest_representative_activation(dense):
+    plan = MoEPlan.parse("S1A2E8")
+    moe, records = convert_model(dense, _calib(), ConvertConfig(plan=plan, k_act=4), progress=False)
+    layer, dense_mlp, carving = moe.layers[0].mlp, dense.layers[0].mlp, records[0].carving
+    x = jax.random.normal(jax.random.key(0), (64, 32))
+    wg, wu, wd = (np.asarray(dense_mlp.gate[...]), np.asarray(dense_mlp.up[...]),
+                  np.asarray(dense_mlp.down[...]))
+    xn = np.asarray(x)
+    rep = np.asarray(carving.representative_idx)
+    rg = wg[:, rep] / np.linalg.norm(wg[:, rep], axis=0)
+    ru = wu[:, rep] / np.linalg.norm(wu[:, rep], axis=0)
+    a = xn @ rg
+    scores = np.abs(a / (1 + np.exp(-a)) * (xn @ ru))
+    top = np.argsort(-scores, axis=1, kind="stable")[:, : plan.active]
+
+    def neurons_out(idx, rows):
+        h = xn[rows] @ wg[:, idx]
+        return (h / (1 + np.exp(-h)) * (xn[rows] @ wu[:, idx])) @ wd[idx]
+
+    expected = np.stack([
+        neurons_out(np.asarray(carving.shared_idx), [t])[0]
+        + sum(neurons_out(np.asarray(carving.expert_idx)[e], [t])[0] for e in top[t])
+        for t in range(x.shape[0])])
+    np.testing.assert_allclose(np.asarray(layer(x)), expected, atol=1e-4)
+
+
+def test_same_seed_same_partition_bit_for_bit(dense):
+    cc = ConvertConfig(plan=MoEPlan.parse("S1A1E8"), k_act=4, seed=3)
+    m1, r1 = convert_model(dense, _calib(), cc, progress=False)
+    m2, r2 = convert_model(dense, _calib(), cc, progress=False)
+    for a, b in zip(r1, r2):
+        np.testing.assert_array_equal(a.carving.expert_idx, b.carving.expert_idx)
+        np.testing.assert_array_equal(a.carving.representative_idx, b.carving.representative_idx)
+    for (p, x), (_, y) in zip(nnx.to_flat_state(nnx.state(m1)), nnx.to_flat_state(nnx.state(m2))):
+        np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()), err_msg=str(p))
+
+
+_MULTI_DEVICE_SCRIPT = """
+import sys, json, numpy as np, jax
+sys.path.insert(0, {root!r})
+from cmoe_jax.carving import MoEPlan
+from cmoe_jax.convert import ConvertConfig, convert_model
+from cmoe_jax.loading import load_model
+dense = load_model({path!r}, progress=False).model
+calib = np.random.default_rng(0).integers(0, 96, size=(8, 32)).astype(np.int32)
+moe, recs = convert_model(dense, calib, ConvertConfig(plan=MoEPlan.parse("S1A2E8"), k_act=4), progress=False)
+tokens = np.random.default_rng(1).integers(0, 96, size=(2, 16)).astype(np.int32)
+np.savez({out!r}, logits=np.asarray(moe(tokens)), experts=np.stack([r.carving.expert_idx for r in recs]),
+         devices=len(jax.devices()))
+"""
+
+
+def test_eight_device_conversion_equals_one_device(save_tiny, tmp_path):
+    _, path = save_tiny("llama", intermediate_size=64)
+    results = {}
+    for n in (1, 8):
+        out = tmp_path / f"r{n}.npz"
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+        script = _MULTI_DEVICE_SCRIPT.format(root=str(ROOT), path=str(path), out=str(out))
+        subprocess.run([sys.executable, "-c", script], check=True, env=env)
+        results[n] = np.load(out)
+    assert int(results[8]["devices"]) == 8 and int(results[1]["devices"]) == 1
+    np.testing.assert_array_equal(results[1]["experts"], results[8]["experts"])
+    np.testing.assert_allclose(results[1]["logits"], results[8]["logits"], atol=1e-5)
+
+
+# ---- the CLI: bad input fails before any work, nothing written --------------------------
+
+def _cli(path, text, out, *extra):
+    return ["--model", str(path), "--calib", "wikitext2", "--data-path", str(text),
+            "--calib-samples", "2", "--seqlen", "32", "--k-act", "4", "--out", str(out), *extra]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--config", "S1A1E7"], "divide"),
+    (["--config", "S1A8E8"], "active"),
+    (["--config", "S8A0E8"], "shared"),
+    (["--config", "S1A1E8", "--k-act", "100"], "K_a"),
+    (["--config", "S1A1E8", "--seqlen", "100000"], "context"),
+])
+def test_cli_rejects_bad_plans(tiny_checkpoint, tmp_path, capsys, extra, message):
+    _, path, text = tiny_checkpoint
+    out = tmp_path / "out"
+    assert convert_main(_cli(path, text, out) + extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err, err
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_cli_rejects_short_calibration(tiny_checkpoint, tmp_path, capsys):
+    _, path, _ = tiny_checkpoint
+    short = tmp_path / "short.txt"
+    short.write_text("w1 w2 w3\n")
+    out = tmp_path / "out"
+    assert convert_main(_cli(path, short, out, "--config", "S1A1E8")) == 2
+    assert "window" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_cli_rejects_existing_output(tiny_checkpoint, tmp_path, capsys):
+    _, path, text = tiny_checkpoint
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert convert_main(_cli(path, text, out, "--config", "S1A1E8")) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_nan_activations_rejected(tiny_checkpoint, tmp_path, capsys):
+    model, path, text = tiny_checkpoint
+    import torch
+
+    with torch.no_grad():
+        model.model.layers[0].post_attention_layernorm.weight[0] = float("nan")
+    bad = tmp_path / "nan_model"
+    model.save_pretrained(bad)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (bad / f).write_bytes((path / f).read_bytes())
+    out = tmp_path / "out"
+    assert convert_main(_cli(bad, text, out, "--config", "S1A1E8")) == 2
+    assert "NaN" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_cli_converts_and_eval_loads(tiny_checkpoint, tmp_path):
+    _, path, text = tiny_checkpoint
+    out = tmp_path / "out"
+    assert convert_main(_cli(path, text, out, "--config", "S1A1E8", "--report")) == 0
+    manifest = json.loads((out / "cmoe_manifest.json").read_text())
+    assert manifest["config"] == "S1A1E8" and len(manifest["layers"]) == 2
+    assert len(manifest["layers"][0]["experts"]) == 7 and len(manifest["layers"][0]["shared"]) == 8
+    assert (out / "report" / "activation_rates.png").exists()
+    assert (out / "report" / "expert_load.png").exists()
+    report = json.loads((out / "report" / "report.json").read_text())
+    assert sum(report["layers"][0]["load_per_expert"]) == 2 * 32  # one routed expert per token
+    lm = load_model(str(out), progress=False)
+    assert lm.config.moe_layers[0].router == "cmoe"
+    assert lm.model(jnp.zeros((1, 8), jnp.int32)).shape == (1, 8, 96)
+
+
+def test_interrupted_conversion_resumes_identically(tiny_checkpoint, tmp_path):
+    _, path, text = tiny_checkpoint
+    kw = dict(calib="wikitext2", data_path=str(text), calib_samples=2, seqlen=32, k_act=4,
+              progress=False)
+    plan = MoEPlan.parse("S1A2E8")
+    full = tmp_path / "full"
+    convert(str(path), plan, out=full, **kw)
+    out = tmp_path / "resumed"
+    r = convert(str(path), plan, out=out, stop_after_layers=1, **kw)
+    assert r["out"] is None and not out.exists()  # no partial checkpoint at the output path
+    assert (tmp_path / "resumed.partial" / "layers" / "0000.json").exists()
+    convert(str(path), plan, out=out, resume=True, **kw)
+    assert not (tmp_path / "resumed.partial").exists()
+    a, b = json.loads((full / "cmoe_manifest.json").read_text()), json.loads((out / "cmoe_manifest.json").read_text())
+    assert a["layers"] == b["layers"]
+    ma, mb = load_model(str(full), progress=False).model, load_model(str(out), progress=False).model
+    for (p, x), (_, y) in zip(nnx.to_flat_state(nnx.state(ma)), nnx.to_flat_state(nnx.state(mb))):
+        np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()), err_msg=str(p))
