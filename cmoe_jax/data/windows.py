@@ -3,29 +3,66 @@ from __future__ import annotations
 
 import numpy as np
 
-from cmoe_jax.data.text_sources import DataError
+from cmoe_jax.data.text_sources import C4_WINDOWS, DataError
 
 
-def text_windows(tokens: np.ndarray, seqlen: int, max_windows: int | None = None,
+def _as_tokens(tokens) -> np.ndarray:
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+        raise DataError(f"expected a 1-D token stream, got an array of shape {tokens.shape}")
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise DataError(f"token ids must be integers, got dtype {tokens.dtype}")
+    return tokens
+
+
+def _check_seqlen(seqlen: int) -> None:
+    if seqlen < 2:
+        raise DataError(f"seqlen must be at least 2 (a window predicts its last seqlen-1 tokens), got {seqlen}")
+
+
+def text_windows(tokens, seqlen: int, max_windows: int | None = None,
                  name: str = "the dataset") -> np.ndarray:
-    """Non-overlapping [N, seqlen] windows from the start of the token stream (rest dropped)."""
+    """Non-overlapping int32 [N, seqlen] windows from the start of the stream (remainder dropped).
+
+    N = len(tokens) // seqlen, capped at `max_windows` (the first windows are kept).
+    """
+    tokens = _as_tokens(tokens)
+    _check_seqlen(seqlen)
+    if max_windows is not None and max_windows < 1:
+        raise DataError(f"max_windows must be at least 1, got {max_windows}")
     n = len(tokens) // seqlen
     if n == 0:
         raise DataError(f"{name} has {len(tokens)} tokens, fewer than one window of {seqlen}: "
                         "use a longer text or a smaller --seqlen")
     if max_windows is not None:
         n = min(n, max_windows)
-    return np.asarray(tokens[: n * seqlen], np.int32).reshape(n, seqlen)
+    return np.ascontiguousarray(tokens[: n * seqlen], dtype=np.int32).reshape(n, seqlen)
 
 
-def calibration_windows(tokens: np.ndarray, n_samples: int, seqlen: int, seed: int,
+def eval_windows(tokens, dataset: str, seqlen: int, max_windows: int | None = None,
+                 name: str | None = None) -> np.ndarray:
+    """The GPTQ evaluation windows of a dataset: all of WikiText-2's, the first 256 of C4's."""
+    cap = max_windows
+    if dataset == "c4":
+        cap = C4_WINDOWS if max_windows is None else min(max_windows, C4_WINDOWS)
+    return text_windows(tokens, seqlen, cap, name=name or dataset)
+
+
+def calibration_windows(tokens, n_samples: int, seqlen: int, seed: int,
                         name: str = "the calibration data") -> np.ndarray:
-    """n_samples windows at random offsets (GPTQ-style sampling, numpy Generator(seed))."""
+    """`n_samples` int32 [n_samples, seqlen] windows at random start offsets (GPTQ sampling).
+
+    Starts are drawn uniformly from [0, len(tokens) - seqlen - 1] (GPTQ's
+    ``random.randint(0, n - seqlen - 1)``) by ``numpy.random.default_rng(seed)``, so a seed
+    gives the same windows on every machine; windows may overlap.
+    """
+    tokens = _as_tokens(tokens)
+    _check_seqlen(seqlen)
+    if n_samples < 1:
+        raise DataError(f"the number of calibration samples must be at least 1, got {n_samples}")
     if len(tokens) <= seqlen:
         raise DataError(f"{name} has {len(tokens)} tokens, not more than one window of {seqlen}: "
                         "use a longer text or a smaller --seqlen")
-    if n_samples < 1:
-        raise DataError(f"--calib-samples must be at least 1, got {n_samples}")
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, len(tokens) - seqlen, size=n_samples)
     return np.stack([tokens[s:s + seqlen] for s in starts]).astype(np.int32)
