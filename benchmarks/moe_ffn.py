@@ -1,0 +1,148 @@
+"""MoE FFN vs the dense SwiGLU FFN with the same neurons, on the current JAX platform.
+
+Configuration SxAyEz (CMoE paper): the dense FFN of width d_h is cut into z experts of width
+m = d_h / z; x of them form the shared MLP (width x*m), the other z - x are routed and each
+token uses y of them (top_k = y). Active fraction (x + y) / z, so the ideal speedup is
+z / (x + y) (S1A1E8: 4x, S3A3E8: 1.33x).
+
+Routing is controlled exactly: the MoE runs a real linear router (x @ W_r, softmax, top_k)
+whose logits get a constructed offset that fixes the selection: "balanced" gives every
+routed expert T*y/(z-x) rows, "skewed" sends half the tokens' first choice to expert 0.
+Each printed row names configuration, shape, tokens, dtype and routing, gives the median
+times of the dense FFN, the MoE FFN (grouped-matmul backend of the platform, or --backend)
+and the same MoE with `jax.lax.ragged_dot`, and ends with dense-time / MoE-time as `N.NNx`.
+
+    python benchmarks/moe_ffn.py --shape 4096x11008 --tokens 4096 --dtype fp32 --config S1A1E8
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cmoe_jax.moe.dispatch import routed_experts
+from cmoe_jax.moe.gmm import get_gmm, resolve_backend
+
+CONFIGS = ("S1A1E8", "S1A3E16", "S3A3E8", "S3A9E16")
+SHAPES = ("576x1536", "4096x11008")
+TOKENS = (512, 4096, 16384)
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def parse_config(name: str) -> tuple[int, int, int]:
+    m = re.fullmatch(r"S(\d+)A(\d+)E(\d+)", name)
+    if not m:
+        raise SystemExit(f"bad configuration {name!r}: expected SxAyEz, e.g. S1A1E8")
+    return tuple(int(g) for g in m.groups())
+
+
+def median_times(calls, reps: int) -> list[float]:
+    """Median wall time of each `(fn, args)`; runs alternate so load drift hits all alike."""
+    for fn, args in calls:
+        jax.block_until_ready(fn(*args))  # compile + warm-up
+    times = [[] for _ in calls]
+    for _ in range(reps):
+        for (fn, args), ts in zip(calls, times):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
+
+
+def routing_offsets(tokens: int, routed: int, top_k: int, skewed: bool) -> np.ndarray:
+    """[T, R] logit offsets that make top_k pick a fixed, exactly known set per token."""
+    ids = (np.arange(tokens)[:, None] * top_k + np.arange(top_k)[None, :]) % routed
+    if skewed:  # first half of the tokens: expert 0 first, the rest spread over the others
+        half = tokens // 2
+        others = (np.arange(half)[:, None] * (top_k - 1) + np.arange(top_k - 1)[None, :]) % (routed - 1) + 1
+        ids[:half] = np.concatenate([np.zeros((half, 1), np.int64), others], axis=1)
+    off = np.zeros((tokens, routed), np.float32)
+    np.put_along_axis(off, ids, 1.0 + top_k - np.arange(top_k, dtype=np.float32), axis=1)
+    return off
+
+
+def swiglu(x, wg, wu, wd):
+    return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+
+
+def make_moe(top_k: int, gmm):
+    def moe(x, shared, experts, router, offsets):
+        logits = (x.astype(jnp.float32) @ router) + offsets
+        gates, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+        routed, counts = routed_experts(x, ids.astype(jnp.int32), gates, *experts, gmm)
+        return (swiglu(x, *shared).astype(jnp.float32) + routed).astype(x.dtype), counts
+    return jax.jit(moe)
+
+
+def run_case(config, shape, tokens, dtype_name, routing, backend, reps, ragged_limit):
+    s, a, z = parse_config(config)
+    d, dh = (int(v) for v in shape.split("x"))
+    if dh % z:
+        raise SystemExit(f"d_h={dh} is not divisible by {z} experts")
+    m, routed = dh // z, z - s
+    dtype = DTYPES[dtype_name]
+    keys = jax.random.split(jax.random.PRNGKey(0), 8)
+    w = lambda k, *sh: (jax.random.normal(k, sh, jnp.float32) * 0.02).astype(dtype)
+    x = w(keys[0], tokens, d) * 50
+
+    dense = (w(keys[1], d, dh), w(keys[2], d, dh), w(keys[3], dh, d))
+    shared = (w(keys[4], d, s * m), w(keys[5], d, s * m), w(keys[6], s * m, d))
+    ek = jax.random.split(keys[7], 3)
+    experts = (w(ek[0], routed, d, m), w(ek[1], routed, d, m), w(ek[2], routed, m, d))
+    # tiny router weights: the logits stay |x @ W_r| << 1, so the offsets decide top_k
+    router = jax.random.normal(keys[7], (d, routed), jnp.float32) * (1e-3 / d)
+    offsets = jnp.asarray(routing_offsets(tokens, routed, a, routing == "skewed"))
+
+    moe = make_moe(a, get_gmm(backend))
+    counts = np.asarray(moe(x, shared, experts, router, offsets)[1])
+    want = np.bincount(np.asarray(jax.lax.top_k(offsets, a)[1]).ravel(), minlength=routed)
+    assert np.array_equal(counts, want), (counts, want)  # routing is what we asked for
+    moe_args = (x, shared, experts, router, offsets)
+    calls = [(jax.jit(swiglu), (x, *dense)), (moe, moe_args)]
+    # ragged_dot on CPU computes every group for every row: skip when that is too slow
+    ragged_flop = 6 * tokens * a * d * m * routed
+    if ragged_limit > 0 and ragged_flop <= ragged_limit * 1e12:
+        calls.append((make_moe(a, get_gmm("ragged_dot")), moe_args))
+    t_dense, t_moe, *t_ragged = median_times(calls, reps)
+    t_ragged = f"{t_ragged[0]:8.4f}s" if t_ragged else "       -"
+    loads = f"max/mean load {counts.max() / counts.mean():.2f}"
+    print(f"{config:8s} {shape:>10s} tokens={tokens:<6d} {dtype_name:4s} {routing:8s} "
+          f"{loads}  dense {t_dense:8.4f}s  moe {t_moe:8.4f}s  ragged_dot {t_ragged}  "
+          f"{t_dense / t_moe:.2f}x", flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", nargs="+", default=list(CONFIGS))
+    p.add_argument("--shape", nargs="+", default=list(SHAPES), help="d_model x d_h, e.g. 4096x11008")
+    p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--routing", nargs="+", default=["balanced"], choices=["balanced", "skewed"],
+                   help="skewed: half the tokens on one expert")
+    p.add_argument("--skewed-case", action="store_true",
+                   help="also run the first selected configuration with skewed routing")
+    p.add_argument("--backend", default="auto", help="grouped-matmul backend of the MoE column")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    p.add_argument("--ragged-limit-tflop", type=float, default=1.0,
+                   help="skip the ragged_dot column above this much work (0: never run it)")
+    args = p.parse_args(argv)
+    print(f"# platform {jax.default_backend()} ({jax.device_count()} device(s)), "
+          f"MoE backend {resolve_backend(args.backend)}, median of {args.reps} alternating runs", flush=True)
+    for shape, tokens, dtype_name in itertools.product(args.shape, args.tokens, args.dtype):
+        for config, routing in itertools.product(args.config, args.routing):
+            run_case(config, shape, tokens, dtype_name, routing, args.backend, args.reps,
+                     args.ragged_limit_tflop)
+        if args.skewed_case and "skewed" not in args.routing:
+            run_case(args.config[0], shape, tokens, dtype_name, "skewed", args.backend,
+                     args.reps, args.ragged_limit_tflop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
