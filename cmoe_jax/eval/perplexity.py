@@ -1,10 +1,19 @@
-"""Perplexity over non-overlapping windows, data-parallel over all local devices.
+"""Perplexity over non-overlapping windows, data-parallel over all devices.
 
-Each window of T tokens predicts its last T-1 tokens; perplexity is exp of the mean token
-negative log-likelihood over all windows (the GPTQ evaluation convention).
+Each window of T tokens predicts its last T-1 tokens (labels tokens[1:], logits[:-1]);
+perplexity is exp of the mean token negative log-likelihood over all windows (the GPTQ
+evaluation convention).
+
+Data parallelism: a `Mesh` with a "data" axis (by default over `jax.devices()`); the
+parameters are replicated (or kept sharded over a "model" axis when the mesh has one), each
+step's batch of windows is sharded over "data" and holds a multiple of that axis' size;
+the last batch is padded with dummy windows whose NLL is dropped. One jit-compiled step
+returns the summed NLL of every window (log-softmax in float32 on device; the logits never
+reach the host) and the host accumulates in float64.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import time
@@ -16,45 +25,124 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from cmoe_jax.data import DataError
+
+
+def _summed_nll(model, tokens: jax.Array) -> jax.Array:
+    """Summed NLL [B] (float32) of tokens[:, 1:] for each window."""
+    if hasattr(model, "token_nll"):  # chunked LM head: never materialises [B, T, vocab]
+        return model.token_nll(tokens).astype(jnp.float32).sum(axis=-1)
+    logits = model(tokens)[:, :-1].astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    gold = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return -gold.sum(axis=-1)
+
 
 @functools.partial(jax.jit, static_argnums=0)
 def _window_nll(graphdef, state, tokens):
-    """Summed NLL per window [B] (float32); the logits never leave the device."""
-    return nnx.merge(graphdef, state).token_nll(tokens).sum(axis=-1)
+    return _summed_nll(nnx.merge(graphdef, state), tokens)
 
 
-def perplexity(model, windows: np.ndarray, *, batch_size: int | None = None, devices=None,
+def default_mesh() -> Mesh:
+    """A 1-D ("data",) mesh over every device."""
+    return Mesh(np.array(jax.devices()), ("data",))
+
+
+def _place_state(state, mesh: Mesh):
+    """Replicate the parameters over the mesh (Megatron split over a "model" axis if any)."""
+    if dict(mesh.shape).get("model", 1) == 1:
+        return jax.device_put(state, NamedSharding(mesh, P()))
+    from cmoe_jax.sharding import param_sharding
+
+    flat = list(nnx.to_flat_state(state))
+    for path, var in flat:
+        value = var.get_value()
+        var.set_value(jax.device_put(value, param_sharding(path, tuple(value.shape), mesh)))
+    return nnx.from_flat_state(flat)
+
+
+def _check_windows(model, windows) -> np.ndarray:
+    windows = np.asarray(windows)
+    if windows.ndim != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
+        raise DataError(f"windows must be an [N, T] array with N >= 1 and T >= 2, got shape {windows.shape}")
+    if not np.issubdtype(windows.dtype, np.integer):
+        raise DataError(f"windows must hold integer token ids, got dtype {windows.dtype}")
+    cfg = getattr(model, "config", None)
+    vocab = getattr(cfg, "vocab_size", None)
+    if vocab is not None and (windows.min() < 0 or windows.max() >= vocab):
+        raise DataError(f"token ids must lie in [0, {vocab}) for this model, got "
+                        f"[{windows.min()}, {windows.max()}]: was the text tokenized with its tokenizer?")
+    context = getattr(cfg, "max_position_embeddings", None)
+    if context is not None and windows.shape[1] > context:
+        raise DataError(f"windows of {windows.shape[1]} tokens exceed the model's context of {context}")
+    return windows.astype(np.int32, copy=False)
+
+
+def perplexity(model, windows, batch_size: int | None = None, mesh: Mesh | None = None,
                progress: bool = True) -> dict:
-    """ppl, mean nll, windows, tokens, tokens/s and seconds for `model` on `windows` [N, T]."""
-    windows = np.asarray(windows, np.int32)
+    """Perplexity of `model` on int32 `windows` [N, T].
+
+    model: an nnx.Module; `model(tokens [B, T]) -> logits [B, T, V]`, or with a
+        `token_nll(tokens) -> [B, T-1]` method, which is used instead (no full logits).
+    batch_size: windows per step, rounded up to a multiple of the mesh's "data" size and
+        capped at what N needs (default: one window per device).
+    mesh: a Mesh with a "data" axis (default: all devices on one "data" axis).
+
+    Returns ppl, nll (mean per token), windows, tokens (N*(T-1)), tokens_per_s and seconds
+    (evaluation only), compile_seconds, devices (size of "data"), batch_size.
+    """
+    windows = _check_windows(model, windows)
     n, t = windows.shape
-    devices = list(jax.local_devices() if devices is None else devices)
-    mesh = Mesh(np.array(devices), ("data",))
-    per_step = batch_size or len(devices)
-    per_step = int(math.ceil(per_step / len(devices)) * len(devices))  # a multiple of devices
-    graphdef, state = nnx.split(model)
-    state = jax.device_put(state, NamedSharding(mesh, P()))
+    mesh = default_mesh() if mesh is None else mesh
+    if "data" not in mesh.axis_names:
+        raise ValueError(f"the mesh needs a 'data' axis, it has {mesh.axis_names}")
+    n_data = dict(mesh.shape)["data"]
+    per_step = max(1, batch_size or n_data)
+    per_step = min(per_step, n)  # no point in padding beyond the data
+    per_step = -(-per_step // n_data) * n_data  # a multiple of the data-parallel size
     batch_sharding = NamedSharding(mesh, P("data"))
-    total, counted, seconds = 0.0, 0, 0.0
+
+    graphdef, state = nnx.split(model)
+    state = _place_state(state, mesh)
+
+    def batches():
+        for start in range(0, n, per_step):
+            batch = windows[start:start + per_step]
+            real = len(batch)
+            if real < per_step:  # dummy copies of the first window; dropped from the sums
+                batch = np.concatenate([batch, np.repeat(windows[:1], per_step - real, axis=0)])
+            yield real, jax.device_put(batch, batch_sharding)
+
+    t0 = time.perf_counter()
+    step = _window_nll.lower(graphdef, state, jax.ShapeDtypeStruct((per_step, t), jnp.int32,
+                                                                   sharding=batch_sharding)).compile()
+    compile_seconds = time.perf_counter() - t0
+
+    total, done = 0.0, 0
     bar = tqdm(total=n * (t - 1), unit="tok", unit_scale=True, desc="perplexity", disable=not progress)
-    for start in range(0, n, per_step):
-        batch = windows[start:start + per_step]
-        real = len(batch)
-        if real < per_step:  # pad with copies of the first window; masked out of the sums
-            batch = np.concatenate([batch, np.repeat(batch[:1], per_step - real, axis=0)])
-        t0 = time.perf_counter()
-        nll = np.asarray(_window_nll(graphdef, state, jax.device_put(batch, batch_sharding)),
-                         dtype=np.float64)
-        if start > 0 or n <= per_step:  # leave the compilation out of tokens/s when possible
-            seconds += time.perf_counter() - t0
-            counted += real * (t - 1)
-        total += nll[:real].sum()
+    pending = collections.deque()
+    t0 = time.perf_counter()
+
+    def collect():
+        nonlocal total, done
+        real, out = pending.popleft()
+        total += float(np.asarray(out, dtype=np.float64)[:real].sum())
+        done += real
         bar.update(real * (t - 1))
-        if seconds > 0:
-            bar.set_postfix(tok_s=f"{counted / seconds:,.0f}", ppl=f"{math.exp(total / ((start + real) * (t - 1))):.3f}")
+        elapsed = time.perf_counter() - t0
+        bar.set_postfix(tok_s=f"{done * (t - 1) / elapsed:,.0f}",
+                        ppl=f"{math.exp(total / (done * (t - 1))):.4f}", refresh=False)
+
+    for real, batch in batches():
+        pending.append((real, step(state, batch)))  # dispatch the next step before waiting
+        if len(pending) > 1:
+            collect()
+    while pending:
+        collect()
+    seconds = time.perf_counter() - t0
     bar.close()
     tokens = n * (t - 1)
     mean = total / tokens
     return {"ppl": math.exp(mean), "nll": mean, "windows": n, "tokens": tokens,
-            "tokens_per_s": counted / seconds if seconds > 0 else float("nan"),
-            "seconds": seconds, "devices": len(devices)}
+            "tokens_per_s": tokens / seconds, "seconds": seconds,
+            "compile_seconds": compile_seconds, "devices": n_data, "batch_size": per_step}
