@@ -73,6 +73,13 @@ def test_batch_size_and_padding_do_not_change_the_result(tiny, batch_size):
     assert abs(r["ppl"] - ref) / ref < 1e-5
 
 
+def test_compiled_step_is_reused(tiny):
+    _, lm, windows, _, _ = tiny
+    first = perplexity(lm.model, windows[:, :17], batch_size=4, progress=False)
+    again = perplexity(lm.model, windows[:, :17], batch_size=4, progress=False)
+    assert again["ppl"] == first["ppl"] and again["compile_seconds"] < first["compile_seconds"] / 10
+
+
 def test_padding_windows_are_masked_out(tiny):
     """Padded copies of window 0 must not count: a run with one odd window out differs."""
     _, lm, windows, _, _ = tiny
