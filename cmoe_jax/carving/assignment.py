@@ -2,13 +2,16 @@
 
 The papers (and the authors' code) solve it as an n x n linear assignment on a matrix whose
 k columns are each repeated m times. It is really a transportation problem with k sinks, so
-we solve it by successive shortest paths on the k cluster nodes: points are inserted one at a
-time; a point whose cheapest cluster (in reduced cost) has room goes there directly, otherwise
-Dijkstra over the k clusters finds the cheapest chain of moves ending in a cluster with room.
-The cheapest move j -> l of every cluster pair is kept in a k x k table (rescanned only when
-its point leaves), and cluster potentials keep all reduced costs non-negative, so every step
-is exact: the result is an optimal vertex of the transportation LP (the same optimal cost as
-the n x n assignment) in O(n k^2) work plus O(n k) per moved point, instead of O(n^3).
+we solve it by successive shortest paths (SSP) on the k cluster nodes: points are inserted
+one at a time; a point whose cheapest cluster (in reduced cost) has room goes there
+directly, otherwise Dijkstra over the k clusters finds the cheapest chain of moves ending in
+a cluster with room. The residual graph collapses exactly onto the clusters: a move j -> l
+goes through a member i of j at cost c[i, l] - c[i, j], and only the cheapest member per
+(j, l) matters, so a k x k table of cheapest moves is kept (rescanned over a cluster's
+members only when the point it names leaves). Cluster potentials keep every reduced cost
+non-negative, so each step is exact and the result is an optimal integral vertex of the
+transportation LP (the same optimal cost as the n x n assignment), in O(n k^2) plus O(m k)
+per moved point, instead of O(n^3).
 """
 from __future__ import annotations
 
@@ -17,11 +20,53 @@ import numpy as np
 
 
 @numba.njit(cache=True)
+def _join(i, l, cost, label, count, members, pos, best, arg):  # pragma: no cover - compiled
+    members[l, count[l]] = i
+    pos[i] = count[l]
+    count[l] += 1
+    label[i] = l
+    k = cost.shape[1]
+    for q in range(k):
+        if q != l:
+            v = cost[i, q] - cost[i, l]
+            if v < best[l, q] or (v == best[l, q] and i < arg[l, q]):
+                best[l, q] = v
+                arg[l, q] = i
+
+
+@numba.njit(cache=True)
+def _leave(i, j, cost, count, members, pos, best, arg):  # pragma: no cover - compiled
+    last = members[j, count[j] - 1]
+    members[j, pos[i]] = last
+    pos[last] = pos[i]
+    count[j] -= 1
+    k = cost.shape[1]
+    stale = False
+    for q in range(k):
+        if arg[j, q] == i:
+            stale = True
+    if stale:  # i was one of j's cheapest moves: rescan j's members
+        for q in range(k):
+            best[j, q] = np.inf
+            arg[j, q] = -1
+        for t in range(count[j]):
+            p = members[j, t]
+            for q in range(k):
+                if q != j:
+                    v = cost[p, q] - cost[p, j]
+                    if v < best[j, q] or (v == best[j, q] and p < arg[j, q]):
+                        best[j, q] = v
+                        arg[j, q] = p
+
+
+@numba.njit(cache=True)
 def _ssp(cost, cap):  # pragma: no cover - compiled
     n, k = cost.shape
     pi = np.zeros(k)
     label = np.full(n, -1, np.int64)
     count = np.zeros(k, np.int64)
+    members = np.empty((k, cap), np.int64)
+    pos = np.empty(n, np.int64)
     # best[j, l] / arg[j, l]: cheapest move of a member of j to l, c_il - c_ij, and its point
     best = np.full((k, k), np.inf)
     arg = np.full((k, k), -1, np.int64)
@@ -34,17 +79,16 @@ def _ssp(cost, cap):  # pragma: no cover - compiled
         for j in range(1, k):
             if cost[s, j] - pi[j] < cost[s, j0] - pi[j0]:
                 j0 = j
-        if count[j0] < cap:
-            sink = j0
-            prev[j0] = -1
-        else:
+        sink = j0
+        prev[j0] = -1
+        if count[j0] >= cap:
             base = cost[s, j0] - pi[j0]
             for j in range(k):
                 dist[j] = cost[s, j] - pi[j] - base
                 prev[j] = -1
                 via[j] = -1
                 done[j] = False
-            while True:
+            while True:  # Dijkstra over clusters; ties: lowest cluster index
                 j = -1
                 for c in range(k):
                     if not done[c] and (j < 0 or dist[c] < dist[j]):
@@ -68,64 +112,54 @@ def _ssp(cost, cap):  # pragma: no cover - compiled
         while prev[l] != -1:
             j = prev[l]
             i = via[l]
-            count[j] -= 1
-            label[i] = l
-            count[l] += 1
-            for q in range(k):  # i joins l
-                if q != l and cost[i, q] - cost[i, l] < best[l, q]:
-                    best[l, q] = cost[i, q] - cost[i, l]
-                    arg[l, q] = i
-            stale = False       # i left j: rescan j if it was one of j's cheapest moves
-            for q in range(k):
-                if arg[j, q] == i:
-                    stale = True
-            if stale:
-                for q in range(k):
-                    best[j, q] = np.inf
-                    arg[j, q] = -1
-                for p in range(n):
-                    if label[p] == j:
-                        for q in range(k):
-                            if q != j and cost[p, q] - cost[p, j] < best[j, q]:
-                                best[j, q] = cost[p, q] - cost[p, j]
-                                arg[j, q] = p
+            _leave(i, j, cost, count, members, pos, best, arg)
+            _join(i, l, cost, label, count, members, pos, best, arg)
             l = j
-        label[s] = l
-        count[l] += 1
-        for q in range(k):
-            if q != l and cost[s, q] - cost[s, l] < best[l, q]:
-                best[l, q] = cost[s, q] - cost[s, l]
-                arg[l, q] = s
+        _join(s, l, cost, label, count, members, pos, best, arg)
     return label
 
 
-def balanced_assignment(cost: np.ndarray, capacity: int | None = None) -> np.ndarray:
-    """Cluster id per point minimising sum cost[i, label[i]] with at most `capacity` per cluster.
+def balanced_assignment(cost, capacity: int | None = None) -> np.ndarray:
+    """Cluster id per point (int64 [n]) minimising sum cost[i, label[i]], at most `capacity`
+    points per cluster.
 
-    cost: [n, k]; capacity defaults to n // k (n must then be k * capacity, a partition into
-    equal clusters). Deterministic: ties go to the lower cluster index, points are inserted
-    in index order. Compiled with numba (the loop is inherently sequential).
+    cost: [n, k] real (integer costs are solved in exact arithmetic). capacity defaults to
+    n // k, and n must then be k * capacity: a partition into equal clusters. Deterministic:
+    points are inserted in index order and ties go to the lower cluster / point index.
+    Compiled with numba (the augmentations are inherently sequential).
     """
     cost = np.ascontiguousarray(cost, dtype=np.float64)
+    if cost.ndim != 2 or cost.shape[1] < 1:
+        raise ValueError(f"cost must be [n, k] with k >= 1, got shape {cost.shape}")
     n, k = cost.shape
-    cap = n // k if capacity is None else int(capacity)
+    if capacity is None:
+        if n % k:
+            raise ValueError(f"{n} points cannot form {k} equal clusters; pass capacity")
+        cap = n // k
+    else:
+        cap = int(capacity)
     if cap * k < n:
         raise ValueError(f"{n} points do not fit in {k} clusters of capacity {cap}")
     if not np.isfinite(cost).all():
         raise ValueError("assignment costs must be finite")
-    return _ssp(cost, cap)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    return _ssp(cost, max(cap, 1))
 
 
-def assignment_cost(cost: np.ndarray, label: np.ndarray) -> float:
+def assignment_cost(cost, label) -> float:
+    """sum_i cost[i, label[i]] in float64."""
+    label = np.asarray(label)
     return float(np.asarray(cost, np.float64)[np.arange(len(label)), label].sum())
 
 
-def repeated_column_reference(cost: np.ndarray, capacity: int | None = None) -> np.ndarray:
-    """The papers' reduction, for tests and benchmarks: n x n LSA on repeated columns."""
+def repeated_column_reference(cost, capacity: int | None = None) -> np.ndarray:
+    """The papers' reduction, for tests and benchmarks: LSA on the [n, k * capacity] matrix
+    whose k columns are each repeated `capacity` times (n x n when n = k * capacity)."""
     from scipy.optimize import linear_sum_assignment
 
-    n, k = cost.shape
-    cap = n // k if capacity is None else capacity
+    n, k = np.shape(cost)
+    cap = n // k if capacity is None else int(capacity)
     extended = np.repeat(np.asarray(cost, np.float64), cap, axis=1)
     rows, cols = linear_sum_assignment(extended)
     label = np.empty(n, dtype=np.int64)

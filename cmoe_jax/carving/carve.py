@@ -3,72 +3,91 @@ weight slices of the resulting experts and analytical router."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
-from cmoe_jax.carving.kmeans import balanced_kmeans, l2_distances
+from cmoe_jax.carving.kmeans import balanced_kmeans, markers_to_points
 from cmoe_jax.carving.plan import MoEPlan
+from cmoe_jax.carving.router import representative_neurons, router_weights
+from cmoe_jax.carving.shared import split_shared
 
 
 @dataclasses.dataclass
 class LayerCarving:
-    shared_idx: np.ndarray          # [x*m] neuron ids of the fused shared expert
-    expert_idx: np.ndarray          # [N_r, m] neuron ids of each routed expert
-    representative_idx: np.ndarray  # [N_r] the member closest to each cluster centroid
+    shared_idx: np.ndarray          # int64 [x*m] neuron ids of the fused shared expert (ascending)
+    expert_idx: np.ndarray          # int64 [N_r, m] neuron ids of each routed expert (ascending rows)
+    representative_idx: np.ndarray  # int64 [N_r] the member closest to each cluster centroid
     iterations: int = 0             # balanced K-means assignment steps run
+    timings: dict = dataclasses.field(default_factory=dict)  # seconds per stage
+    kmeans_costs: list = dataclasses.field(default_factory=list)  # K-means objective per step
 
 
-def top_mu(mu: np.ndarray, count: int, exclude: np.ndarray | None = None) -> np.ndarray:
-    """Ids of the `count` highest activation rates (ties: lower id first)."""
-    order = np.argsort(-np.asarray(mu, np.float64), kind="stable")
-    if exclude is not None and len(exclude):
-        order = order[~np.isin(order, exclude)]
-    return order[:count]
+def carve_layer(markers, mu, plan: MoEPlan, *, k_act: int = 10, kmeans_iters: int | None = None,
+                seed: int = 0) -> LayerCarving:
+    """Partition the d_h neurons of one layer from its binary markers [T, d_h] and rates mu [d_h].
 
-
-def carve_layer(markers: np.ndarray, mu: np.ndarray, plan: MoEPlan, *, k_act: int = 10,
-                kmeans_iters: int | None = None, seed: int = 0) -> LayerCarving:
-    """Partition the d_h neurons of one layer from its markers [T, d_h] and rates mu [d_h].
-
-    Shared: the x*m neurons with the highest mu. Routed: balanced K-means of the remaining
-    neurons' marker columns, initialised at the N_r highest-mu remaining neurons. The method
-    is deterministic; `seed` is recorded for the calibration sampling and kept for API
-    stability.
+    Shared: the x*m neurons with the highest mu (ties: lower id). Routed: balanced K-means of
+    the remaining neurons' marker columns into N_r clusters of exactly m, initialised at the
+    N_r highest-mu remaining neurons (cluster j at the j-th), each step an exact balanced
+    assignment; `kmeans_iters` None runs to convergence, 1 is the authors' code. The
+    representative of each cluster is its member closest to the centroid. Deterministic:
+    `seed` is not used by the method (it has no random choice) and is kept for API symmetry
+    with the calibration sampling.
     """
+    del seed
+    t_start = time.perf_counter()
+    markers = np.asarray(markers)
+    if markers.ndim != 2:
+        raise ValueError(f"markers must be [T, d_h], got shape {markers.shape}")
     d_h = markers.shape[1]
+    mu = np.asarray(mu)
+    if mu.shape != (d_h,):
+        raise ValueError(f"mu has shape {mu.shape}, markers have d_h={d_h}")
     plan.validate(d_h, k_act)
     m = plan.expert_width(d_h)
-    shared = np.sort(top_mu(mu, plan.shared * m))
-    rest = np.setdiff1d(np.arange(d_h), shared)           # sorted neuron ids
-    init_ids = top_mu(mu, plan.routed, exclude=shared)     # neuron ids of the initial centroids
-    init = np.searchsorted(rest, init_ids)                 # their rows among `rest`
-    points = np.ascontiguousarray(np.asarray(markers)[:, rest].T, dtype=np.float32)
-    km = balanced_kmeans(points, init, kmeans_iters)
-    experts = np.stack([rest[km.labels == j] for j in range(plan.routed)])
-    dist = l2_distances(points, points.sum(axis=1), km.centroids)
-    reps = []
-    for j in range(plan.routed):
-        members = np.flatnonzero(km.labels == j)
-        reps.append(rest[members[np.argmin(dist[members, j])]])  # argmin: lowest id on ties
-    return LayerCarving(shared, experts, np.asarray(reps), km.iterations)
+    shared, rest, init_ids = split_shared(mu, plan.shared_width(d_h), plan.routed)
+    t_shared = time.perf_counter()
+    points = markers_to_points(markers, rest)              # [n_routed, T] sparse
+    km = balanced_kmeans(points, np.searchsorted(rest, init_ids), kmeans_iters)
+    t_kmeans = time.perf_counter()
+    # rest is ascending, so each cluster's members come out ascending
+    experts = np.stack([rest[km.labels == j] for j in range(plan.routed)]).astype(np.int64)
+    assert experts.shape == (plan.routed, m)
+    reps = rest[representative_neurons(points, km.labels, km.centroid_counts, km.cluster_size)]
+    t_end = time.perf_counter()
+    timings = {"shared": t_shared - t_start, "kmeans": t_kmeans - t_shared,
+               "assignment": km.assign_seconds, "representatives": t_end - t_kmeans,
+               "total": t_end - t_start}
+    return LayerCarving(shared.astype(np.int64), experts, reps.astype(np.int64), km.iterations,
+                        timings, km.costs)
 
 
-def _unit_columns(w: np.ndarray) -> np.ndarray:
-    return w / np.maximum(np.linalg.norm(w, axis=0, keepdims=True), 1e-12)
+def slice_ffn(w_gate, w_up, w_down, carving: LayerCarving, normalize_router: bool = True) -> dict:
+    """Expert and router weights (JAX layout, (in, out)) cut from a dense SwiGLU FFN.
 
-
-def slice_ffn(w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, carving: LayerCarving) -> dict:
-    """Expert and router weights (JAX layout) cut from a dense SwiGLU FFN.
-
-    With every routed expert active the experts sum to the dense FFN exactly: the carving is
-    a permutation of its neurons. Router weights are the representative neurons' normalised
-    gate/up columns.
+    w_gate, w_up: [d, d_h]; w_down: [d_h, d] (numpy or jax, any float dtype, kept). Returns
+    shared_gate/shared_up [d, S], shared_down [S, d], expert_gate/expert_up [E, d, m],
+    expert_down [E, m, d], router_gate/router_up [d, E] (S = x*m, E = N_r). With every routed
+    expert active the experts sum to the dense FFN exactly: the carving is a permutation of
+    its neurons. Router weights are the representative neurons' gate/up columns, unit-normed.
     """
-    s, e, r = carving.shared_idx, carving.expert_idx, carving.representative_idx
-    return {
+    s = np.asarray(carving.shared_idx, np.int64)
+    e = np.asarray(carving.expert_idx, np.int64)
+    n_exp, m = e.shape
+    d = w_gate.shape[0]
+    if w_up.shape != w_gate.shape or w_down.shape != w_gate.shape[::-1]:
+        raise ValueError(f"w_gate {w_gate.shape}, w_up {w_up.shape}, w_down {w_down.shape} are not "
+                         "[d, d_h], [d, d_h], [d_h, d]")
+    if len(s) + e.size != w_gate.shape[1]:
+        raise ValueError(f"carving covers {len(s) + e.size} neurons, the FFN has {w_gate.shape[1]}")
+    flat = e.reshape(-1)
+    router_gate, router_up = router_weights(w_gate, w_up, carving.representative_idx, normalize_router)
+    out = {
         "shared_gate": w_gate[:, s], "shared_up": w_up[:, s], "shared_down": w_down[s, :],
-        "expert_gate": np.stack([w_gate[:, ids] for ids in e]),
-        "expert_up": np.stack([w_up[:, ids] for ids in e]),
-        "expert_down": np.stack([w_down[ids, :] for ids in e]),
-        "router_gate": _unit_columns(w_gate[:, r]), "router_up": _unit_columns(w_up[:, r]),
+        "expert_gate": w_gate[:, flat].reshape(d, n_exp, m).transpose(1, 0, 2),
+        "expert_up": w_up[:, flat].reshape(d, n_exp, m).transpose(1, 0, 2),
+        "expert_down": w_down[flat, :].reshape(n_exp, m, d),
+        "router_gate": router_gate, "router_up": router_up,
     }
+    return {k: np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}

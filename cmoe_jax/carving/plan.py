@@ -2,20 +2,28 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEPlan:
-    shared: int   # x: always-on experts, fused into one MLP of width x*m
-    active: int   # y: routed experts selected per token
-    total: int    # z: all experts; routed experts N_r = z - x, expert width m = d_h / z
+    """`MoEPlan(1, 1, 8)` or `MoEPlan.parse("S1A1E8")`; checked against a layer by `validate`.
+
+    shared (x): always-on experts, fused into one MLP of width x*m (x = 0 allowed: no shared).
+    active (y): routed experts selected per token.
+    total (z): all experts; N_r = z - x routed experts of width m = d_h / z.
+    """
+
+    shared: int
+    active: int
+    total: int
 
     @classmethod
     def parse(cls, text: str) -> "MoEPlan":
-        match = re.fullmatch(r"S(\d+)A(\d+)E(\d+)", text.strip())
+        match = re.fullmatch(r"S(\d+)A(\d+)E(\d+)", str(text).strip())
         if not match:
-            raise ValueError(f"configuration {text!r} is not of the form SxAyEz (e.g. S1A1E8)")
+            raise ValueError(f"configuration {text!r} is not of the form SxAyEz (e.g. S1A1E8, S3A3E16)")
         return cls(*map(int, match.groups()))
 
     @property
@@ -24,18 +32,33 @@ class MoEPlan:
 
     @property
     def routed(self) -> int:
+        """N_r = z - x."""
         return self.total - self.shared
 
     def expert_width(self, d_h: int) -> int:
+        """m = d_h / z neurons per expert."""
         return d_h // self.total
+
+    def shared_width(self, d_h: int) -> int:
+        """x * m neurons in the fused shared expert."""
+        return self.shared * self.expert_width(d_h)
 
     def validate(self, d_h: int, k_act: int) -> None:
         """Raise ValueError naming the problem for a plan that cannot carve a d_h-wide FFN."""
-        if self.total < 1 or self.shared < 0 or self.active < 1:
-            raise ValueError(f"{self.name}: need x >= 0 shared, y >= 1 active and z >= 1 experts")
+        for field, value in (("x (shared)", self.shared), ("y (active)", self.active),
+                             ("z (experts)", self.total), ("d_h", d_h), ("K_a", k_act)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{self.name}: {field} must be an integer, got {value!r}")
+        if self.shared < 0:
+            raise ValueError(f"{self.name}: x={self.shared} shared experts must be >= 0")
+        if self.active <= 0 or self.total <= 0:
+            raise ValueError(f"{self.name}: y={self.active} active and z={self.total} total experts "
+                             "must be positive")
+        if d_h <= 0:
+            raise ValueError(f"FFN width d_h={d_h} must be positive")
         if self.shared >= self.total:
             raise ValueError(f"{self.name}: x={self.shared} shared experts must be fewer than "
-                             f"z={self.total} experts in all")
+                             f"z={self.total} experts in all (at least one routed expert)")
         if self.active > self.routed:
             raise ValueError(f"{self.name}: y={self.active} active experts exceed the "
                              f"z - x = {self.routed} routed experts")

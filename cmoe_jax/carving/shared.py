@@ -1,0 +1,31 @@
+"""Shared experts: the x*m neurons with the highest activation rates."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def top_mu(mu, count: int, exclude=None) -> np.ndarray:
+    """Ids of the `count` highest activation rates, highest first (ties: lower id first),
+    optionally among the neurons not in `exclude`."""
+    order = np.argsort(-np.asarray(mu, np.float64), kind="stable")
+    if exclude is not None and len(exclude):
+        order = order[~np.isin(order, np.asarray(exclude))]
+    if count > len(order):
+        raise ValueError(f"asked for {count} neurons, only {len(order)} available")
+    return order[:count]
+
+
+def split_shared(mu, shared_width: int, routed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(shared ids sorted, remaining ids sorted, initial centroid ids).
+
+    Shared: the `shared_width` neurons of highest mu. Initial centroids: the `routed` neurons
+    of highest mu among the rest, in decreasing mu (cluster j starts at the j-th of them).
+    """
+    mu = np.asarray(mu, np.float64)
+    if mu.ndim != 1:
+        raise ValueError(f"mu must be [d_h], got shape {mu.shape}")
+    order = np.argsort(-mu, kind="stable")
+    shared = np.sort(order[:shared_width])
+    rest = np.sort(order[shared_width:])
+    init = order[shared_width:shared_width + routed]
+    return shared, rest, init
