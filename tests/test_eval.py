@@ -118,6 +118,8 @@ from cmoe_jax.loading import load_model
 lm = load_model(sys.argv[1], progress=False)
 w = np.load(sys.argv[2])
 out = {str(b): perplexity(lm.model, w, batch_size=b, progress=False) for b in (None, 12)}
+mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+out["2x4"] = perplexity(lm.model, w, mesh=mesh, progress=False)  # params split over "model"
 print(json.dumps({"n": len(jax.devices()), "runs": out}))
 """
 
@@ -137,7 +139,8 @@ def test_eight_devices_same_perplexity_as_one(tiny, tmp_path):
     eight = json.loads(proc.stdout.strip().splitlines()[-1])
     assert eight["n"] == 8
     for key, run in eight["runs"].items():
-        assert run["devices"] == 8 and run["batch_size"] == {"None": 8, "12": 16}[key]
+        assert run["devices"] == {"2x4": 2}.get(key, 8)
+        assert run["batch_size"] == {"None": 8, "12": 16, "2x4": 2}[key]
         assert run["windows"] == 13 and run["tokens"] == 13 * 32
         assert abs(run["ppl"] - one["ppl"]) / one["ppl"] < 1e-6
 

@@ -150,9 +150,7 @@ def perplexity(model, windows, batch_size: int | None = None, mesh: Mesh | None 
         total += float(np.asarray(out, dtype=np.float64)[:real].sum())
         done += real
         bar.update(real * (t - 1))
-        elapsed = time.perf_counter() - t0
-        bar.set_postfix(tok_s=f"{done * (t - 1) / elapsed:,.0f}",
-                        ppl=f"{math.exp(total / (done * (t - 1))):.4f}", refresh=False)
+        bar.set_postfix(ppl=f"{math.exp(total / (done * (t - 1))):.4f}", refresh=False)
 
     for real, batch in batches():
         pending.append((real, step(state, batch)))  # dispatch the next step before waiting
