@@ -79,8 +79,9 @@ def slice_ffn(w_gate, w_up, w_down, carving: LayerCarving, normalize_router: boo
     if w_up.shape != w_gate.shape or w_down.shape != w_gate.shape[::-1]:
         raise ValueError(f"w_gate {w_gate.shape}, w_up {w_up.shape}, w_down {w_down.shape} are not "
                          "[d, d_h], [d, d_h], [d_h, d]")
-    if len(s) + e.size != w_gate.shape[1]:
-        raise ValueError(f"carving covers {len(s) + e.size} neurons, the FFN has {w_gate.shape[1]}")
+    ids = np.sort(np.concatenate([s, e.reshape(-1)]))
+    if len(ids) != w_gate.shape[1] or not np.array_equal(ids, np.arange(w_gate.shape[1])):
+        raise ValueError(f"carving ids are not a permutation of the FFN's {w_gate.shape[1]} neurons")
     flat = e.reshape(-1)
     router_gate, router_up = router_weights(w_gate, w_up, carving.representative_idx, normalize_router)
     out = {

@@ -51,14 +51,15 @@ class MoEPlan:
                 raise ValueError(f"{self.name}: {field} must be an integer, got {value!r}")
         if self.shared < 0:
             raise ValueError(f"{self.name}: x={self.shared} shared experts must be >= 0")
-        if self.active <= 0 or self.total <= 0:
-            raise ValueError(f"{self.name}: y={self.active} active and z={self.total} total experts "
-                             "must be positive")
+        if self.total <= 0:
+            raise ValueError(f"{self.name}: z={self.total} total experts must be positive")
         if d_h <= 0:
             raise ValueError(f"FFN width d_h={d_h} must be positive")
         if self.shared >= self.total:
             raise ValueError(f"{self.name}: x={self.shared} shared experts must be fewer than "
                              f"z={self.total} experts in all (at least one routed expert)")
+        if self.active <= 0:
+            raise ValueError(f"{self.name}: y={self.active} active routed experts must be positive")
         if self.active > self.routed:
             raise ValueError(f"{self.name}: y={self.active} active experts exceed the "
                              f"z - x = {self.routed} routed experts")
