@@ -23,13 +23,15 @@ def _random_cost(rng, kind, n, k):
         pts = rng.random((n, 30)) < 0.2
         cen = pts[rng.choice(n, k, replace=False)]
         return (pts[:, None, :] != cen[None, :, :]).sum(-1).astype(float)
+    if kind == "rank1":           # like co-activation counts: c_ij = -a_i b_j, with ties
+        return -np.outer(rng.integers(0, 4, n), rng.integers(0, 4, k)).astype(float)
     return rng.normal(size=(n, k))
 
 
-KINDS = ["ints", "rows_equal", "cols_equal", "constant", "hamming", "normal"]
+KINDS = ["ints", "rows_equal", "cols_equal", "constant", "hamming", "rank1", "normal"]
 
 
-@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("seed", range(70))
 def test_matches_lsa_on_repeated_columns(seed):
     rng = np.random.default_rng(seed)
     k, m = int(rng.integers(1, 8)), int(rng.integers(1, 10))
@@ -41,13 +43,16 @@ def test_matches_lsa_on_repeated_columns(seed):
     assert assignment_cost(cost, ours) == pytest.approx(assignment_cost(cost, ref), abs=1e-9)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(9))
 def test_matches_lsa_larger(seed):
     rng = np.random.default_rng(100 + seed)
-    k, m = [(5, 40), (7, 30), (3, 100), (12, 10), (2, 150), (16, 8)][seed]
-    cost = _random_cost(rng, ["ints", "hamming", "normal"][seed % 3], k * m, k)
-    if seed % 3 == 0:
+    k, m = [(5, 40), (7, 30), (3, 100), (12, 10), (2, 150), (16, 8), (30, 6), (40, 3), (7, 60)][seed]
+    kind = ["ints", "hamming", "normal", "rank1"][seed % 4]
+    cost = _random_cost(rng, kind, k * m, k)
+    if kind == "ints":
         cost = rng.integers(0, 20, size=cost.shape).astype(float)
+    if seed == 8:                 # increasing rank-1: index-order insertion would chain every point
+        cost = np.outer(np.arange(k * m), np.arange(k)) / (k * m)
     ours = balanced_assignment(cost)
     assert np.bincount(ours, minlength=k).tolist() == [m] * k
     assert assignment_cost(cost, ours) == pytest.approx(assignment_cost(cost, repeated_column_reference(cost)),

@@ -3,15 +3,16 @@
 The papers (and the authors' code) solve it as an n x n linear assignment on a matrix whose
 k columns are each repeated m times. It is really a transportation problem with k sinks, so
 we solve it by successive shortest paths (SSP) on the k cluster nodes: points are inserted
-one at a time; a point whose cheapest cluster (in reduced cost) has room goes there
+one at a time (most decided first); a point whose cheapest cluster (in reduced cost) has room goes there
 directly, otherwise Dijkstra over the k clusters finds the cheapest chain of moves ending in
 a cluster with room. The residual graph collapses exactly onto the clusters: a move j -> l
 goes through a member i of j at cost c[i, l] - c[i, j], and only the cheapest member per
-(j, l) matters, so a k x k table of cheapest moves is kept (rescanned over a cluster's
-members only when the point it names leaves). Cluster potentials keep every reduced cost
-non-negative, so each step is exact and the result is an optimal integral vertex of the
-transportation LP (the same optimal cost as the n x n assignment), in O(n k^2) plus O(m k)
-per moved point, instead of O(n^3).
+(j, l) matters, so the members of each cluster j are kept in k - 1 indexed binary heaps,
+one per target l, keyed by that move cost (ties: lower point index). Cluster potentials
+keep every reduced cost non-negative, so each step is exact and the result is an optimal
+integral vertex of the transportation LP (the same optimal cost as the n x n assignment),
+in O(n k^2) plus O(k log m) per moved point and O(n k) memory, instead of O(n^3) time and
+O(n^2) memory.
 """
 from __future__ import annotations
 
@@ -19,44 +20,63 @@ import numba
 import numpy as np
 
 
+@numba.njit(cache=True, inline="always")
+def _before(cost, a, b, j, q):  # pragma: no cover - compiled
+    """Is moving a (member of j) to q cheaper than moving b? Ties: lower point index."""
+    ka = cost[a, q] - cost[a, j]
+    kb = cost[b, q] - cost[b, j]
+    return ka < kb or (ka == kb and a < b)
+
+
 @numba.njit(cache=True)
-def _join(i, l, cost, label, count, members, pos, best, arg):  # pragma: no cover - compiled
-    members[l, count[l]] = i
-    pos[i] = count[l]
-    count[l] += 1
-    label[i] = l
-    k = cost.shape[1]
-    for q in range(k):
+def _sift(heap, hpos, cost, j, q, t, size):  # pragma: no cover - compiled
+    h = heap[j, q]
+    while t > 0:  # up
+        par = (t - 1) // 2
+        if not _before(cost, h[t], h[par], j, q):
+            break
+        h[t], h[par] = h[par], h[t]
+        hpos[h[t], q] = t
+        hpos[h[par], q] = par
+        t = par
+    while True:  # down
+        c = 2 * t + 1
+        if c >= size:
+            break
+        if c + 1 < size and _before(cost, h[c + 1], h[c], j, q):
+            c += 1
+        if not _before(cost, h[c], h[t], j, q):
+            break
+        h[t], h[c] = h[c], h[t]
+        hpos[h[t], q] = t
+        hpos[h[c], q] = c
+        t = c
+
+
+@numba.njit(cache=True)
+def _join(i, l, cost, label, count, heap, hpos):  # pragma: no cover - compiled
+    size = count[l]
+    for q in range(cost.shape[1]):
         if q != l:
-            v = cost[i, q] - cost[i, l]
-            if v < best[l, q] or (v == best[l, q] and i < arg[l, q]):
-                best[l, q] = v
-                arg[l, q] = i
+            heap[l, q, size] = i
+            hpos[i, q] = size
+            _sift(heap, hpos, cost, l, q, size, size + 1)
+    count[l] = size + 1
+    label[i] = l
 
 
 @numba.njit(cache=True)
-def _leave(i, j, cost, count, members, pos, best, arg):  # pragma: no cover - compiled
-    last = members[j, count[j] - 1]
-    members[j, pos[i]] = last
-    pos[last] = pos[i]
-    count[j] -= 1
-    k = cost.shape[1]
-    stale = False
-    for q in range(k):
-        if arg[j, q] == i:
-            stale = True
-    if stale:  # i was one of j's cheapest moves: rescan j's members
-        for q in range(k):
-            best[j, q] = np.inf
-            arg[j, q] = -1
-        for t in range(count[j]):
-            p = members[j, t]
-            for q in range(k):
-                if q != j:
-                    v = cost[p, q] - cost[p, j]
-                    if v < best[j, q] or (v == best[j, q] and p < arg[j, q]):
-                        best[j, q] = v
-                        arg[j, q] = p
+def _leave(i, j, cost, count, heap, hpos):  # pragma: no cover - compiled
+    size = count[j] - 1
+    for q in range(cost.shape[1]):
+        if q != j:
+            t = hpos[i, q]
+            if t < size:
+                last = heap[j, q, size]
+                heap[j, q, t] = last
+                hpos[last, q] = t
+                _sift(heap, hpos, cost, j, q, t, size)
+    count[j] = size
 
 
 @numba.njit(cache=True)
@@ -65,11 +85,10 @@ def _ssp(cost, cap):  # pragma: no cover - compiled
     pi = np.zeros(k)
     label = np.full(n, -1, np.int64)
     count = np.zeros(k, np.int64)
-    members = np.empty((k, cap), np.int64)
-    pos = np.empty(n, np.int64)
-    # best[j, l] / arg[j, l]: cheapest move of a member of j to l, c_il - c_ij, and its point
-    best = np.full((k, k), np.inf)
-    arg = np.full((k, k), -1, np.int64)
+    # heap[j, q, :count[j]]: members p of j, a binary heap on the move cost c[p, q] - c[p, j]
+    # (its top is the cheapest move j -> q); hpos[p, q]: p's slot in heap[label[p], q]
+    heap = np.empty((k, k, cap), np.int64)
+    hpos = np.empty((n, k), np.int64)
     dist = np.empty(k)
     prev = np.empty(k, np.int64)
     via = np.empty(k, np.int64)
@@ -98,12 +117,13 @@ def _ssp(cost, cap):  # pragma: no cover - compiled
                     sink = j
                     break
                 for l in range(k):
-                    if not done[l] and arg[j, l] >= 0:
-                        nd = dist[j] + pi[j] + best[j, l] - pi[l]
+                    if not done[l]:
+                        p = heap[j, l, 0]
+                        nd = dist[j] + pi[j] + (cost[p, l] - cost[p, j]) - pi[l]
                         if nd < dist[l]:
                             dist[l] = nd
                             prev[l] = j
-                            via[l] = arg[j, l]
+                            via[l] = p
             limit = dist[sink]
             for j in range(k):
                 pi[j] += min(dist[j], limit)
@@ -112,10 +132,10 @@ def _ssp(cost, cap):  # pragma: no cover - compiled
         while prev[l] != -1:
             j = prev[l]
             i = via[l]
-            _leave(i, j, cost, count, members, pos, best, arg)
-            _join(i, l, cost, label, count, members, pos, best, arg)
+            _leave(i, j, cost, count, heap, hpos)
+            _join(i, l, cost, label, count, heap, hpos)
             l = j
-        _join(s, l, cost, label, count, members, pos, best, arg)
+        _join(s, l, cost, label, count, heap, hpos)
     return label
 
 
@@ -125,7 +145,8 @@ def balanced_assignment(cost, capacity: int | None = None) -> np.ndarray:
 
     cost: [n, k] real (integer costs are solved in exact arithmetic). capacity defaults to
     n // k, and n must then be k * capacity: a partition into equal clusters. Deterministic:
-    points are inserted in index order and ties go to the lower cluster / point index.
+    points are inserted by decreasing cost spread max_j - min_j (ties: index order), and
+    ties in the search go to the lower cluster / point index.
     Compiled with numba (the augmentations are inherently sequential).
     """
     cost = np.ascontiguousarray(cost, dtype=np.float64)
@@ -144,7 +165,13 @@ def balanced_assignment(cost, capacity: int | None = None) -> np.ndarray:
         raise ValueError("assignment costs must be finite")
     if n == 0:
         return np.zeros(0, np.int64)
-    return _ssp(cost, max(cap, 1))
+    # Insert points with strong preferences first: any order is exact, but this one avoids
+    # long chains of moves (with rank-1 costs c = a_i b_j, as co-activation counts nearly
+    # are, it needs no move at all, where index order can move every point k times).
+    order = np.argsort(cost.min(axis=1) - cost.max(axis=1), kind="stable")
+    label = np.empty(n, np.int64)
+    label[order] = _ssp(np.ascontiguousarray(cost[order]), max(cap, 1))
+    return label
 
 
 def assignment_cost(cost, label) -> float:
