@@ -103,6 +103,11 @@ def test_markers_to_points():
     cols = np.array([3, 0, 19, 7])
     pts = markers_to_points(markers, cols)
     np.testing.assert_array_equal(pts.toarray(), markers[:, cols].T.astype(np.int64))
+    np.testing.assert_array_equal(markers_to_points(markers.astype(np.uint8), cols).toarray(), pts.toarray())
+    bad = markers.astype(np.uint8)
+    bad[0, 0] = 2
+    with pytest.raises(ValueError, match="binary"):
+        markers_to_points(bad, cols)
 
 
 def test_max_iters_bounds_and_errors():

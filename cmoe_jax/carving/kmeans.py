@@ -70,9 +70,10 @@ def markers_to_points(markers, columns) -> sp.csr_matrix:
     if markers.ndim != 2:
         raise ValueError(f"markers must be [T, d_h], got shape {markers.shape}")
     columns = np.asarray(columns, np.int64)
-    t_idx, neuron = np.nonzero(markers)
-    if not np.all(markers[t_idx, neuron] == 1):
+    flat = np.flatnonzero(markers)  # much faster than a 2-D np.nonzero on [T, d_h]
+    if markers.dtype != np.bool_ and not np.all(markers.reshape(-1)[flat] == 1):
         raise ValueError("markers must be binary (0/1)")
+    t_idx, neuron = np.divmod(flat, markers.shape[1])
     row_of = np.full(markers.shape[1], -1, np.int64)
     row_of[columns] = np.arange(len(columns))
     keep = row_of[neuron] >= 0
