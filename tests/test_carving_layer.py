@@ -97,6 +97,9 @@ def test_slice_ffn_accepts_jax_bf16():
     for k, v in out.items():
         assert v.dtype == jnp.bfloat16 and v.shape == ref[k].shape
         np.testing.assert_allclose(np.asarray(v, np.float32), ref[k], rtol=1e-2, atol=1e-2)
+    raw = slice_ffn(wg, wu, wd, c, normalize_router=False)
+    np.testing.assert_array_equal(raw["router_gate"], wg[:, c.representative_idx])
+    np.testing.assert_array_equal(raw["router_up"], wu[:, c.representative_idx])
 
 
 def test_layer_carving_minimal_construction_and_errors():
