@@ -181,7 +181,7 @@ def _expect_error(argv, capsys, out_json, message):
     assert not out_json.exists() and not list(out_json.parent.glob(f".{out_json.name}*"))
 
 
-def test_cli_errors(tiny, tmp_path, capsys):
+def test_cli_errors(tiny, tmp_path, capsys, monkeypatch):
     _, _, _, path, text = tiny
     out = tmp_path / "r.json"
     base = ["--dataset", "wikitext2", "--data-path", str(text), "--seqlen", "32"]
@@ -201,6 +201,10 @@ def test_cli_errors(tiny, tmp_path, capsys):
     _expect_error(["--model", str(path)] + base + ["--max-windows", "0"], capsys, out, "--max-windows must be")
     _expect_error(["--model", str(path)] + base + ["--batch-size", "0"], capsys, out, "--batch-size must be")
     _expect_error(["--model", str(path)] + base[:-1] + ["1"], capsys, out, "--seqlen must be at least 2")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # neither download library installed
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
+    _expect_error(["--model", str(path), "--dataset", "c4", "--seqlen", "32"], capsys, out,
+                  "pip install 'cmoe_jax[datasets]'")
     bad_json = tmp_path / "no_dir" / "r.json"
     assert eval_main(["--model", str(path)] + base + ["--json", str(bad_json), "--no-progress"]) == 2
     assert "does not exist" in capsys.readouterr().err
