@@ -1,6 +1,6 @@
 """The README demo: dense vs CMoE perplexity of the embedded SmolLM2-135M on WikiText-2.
 
-    python -m cmoe_jax.demo [--windows 40] [--configs S3A3E8,S2A2E16,S1A1E8]
+    python -m cmoe_jax.demo [--windows 8] [--configs S3A3E8,S2A2E16,S1A1E8]
 
 Uses `../shared/data/wikitext-2/{valid,test}.txt` when present (this project's machines),
 otherwise downloads WikiText-2 with `datasets`.
@@ -25,7 +25,8 @@ def local_wikitext() -> Path | None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cmoe_jax.demo", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--windows", type=int, default=40, help="test windows of --seqlen tokens")
+    p.add_argument("--windows", type=int, default=8,
+                   help="test windows of --seqlen tokens (the README table uses 40)")
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--configs", default="S3A3E8,S2A2E16,S1A1E8")
     p.add_argument("--calib-samples", type=int, default=8)
