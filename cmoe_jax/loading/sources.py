@@ -28,6 +28,18 @@ class TensorSource:
         return name in set(self.names())
 
 
+class _InMemoryIndex(TensorSource):
+    """A source whose `_tensors` dict maps every name to a lazily read handle."""
+
+    _tensors: dict
+
+    def names(self):
+        return self._tensors.keys()
+
+    def __contains__(self, name):
+        return name in self._tensors
+
+
 class SafetensorsSource(TensorSource):
     """`model.safetensors`, or shards listed in `model.safetensors.index.json`."""
 
@@ -70,7 +82,7 @@ class SafetensorsSource(TensorSource):
                                   "corrupted or truncated; re-download the model") from e
 
 
-class TorchBinSource(TensorSource):
+class TorchBinSource(_InMemoryIndex):
     """`pytorch_model.bin` (and its sharded index), memory-mapped so tensors load one by one."""
 
     def __init__(self, directory: Path):
@@ -90,12 +102,6 @@ class TorchBinSource(TensorSource):
                 raise CheckpointError(f"{directory / f} is corrupted or truncated ({e}): "
                                       "re-download the model") from e
             self._tensors.update(sd)
-
-    def names(self):
-        return self._tensors.keys()
-
-    def __contains__(self, name):
-        return name in self._tensors
 
     def get(self, name):
         import torch
@@ -121,7 +127,7 @@ _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-class GGUFSource(TensorSource):
+class GGUFSource(_InMemoryIndex):
     """A GGUF file, dequantised with the `gguf` package and renamed to `transformers` names.
 
     llama.cpp permutes the rows of Q and K for its interleaved RoPE on llama models; the
@@ -180,12 +186,6 @@ class GGUFSource(TensorSource):
         if key_len:
             cfg["head_dim"] = key_len
         return cfg
-
-    def names(self):
-        return self._tensors.keys()
-
-    def __contains__(self, name):
-        return name in self._tensors
 
     def get(self, name):
         from gguf.quants import dequantize
