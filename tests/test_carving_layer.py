@@ -31,7 +31,7 @@ def test_carving_partition_and_dense_equivalence(config, iters):
     c = carve_layer(markers, mu, plan, k_act=6, kmeans_iters=iters)
     m, nr = 64 // plan.total, plan.routed
     assert c.shared_idx.shape == (plan.shared * m,) and c.expert_idx.shape == (nr, m)
-    assert c.representative_idx.shape == (nr,)
+    assert c.representative_idx.shape == (nr, 1)
     assert sorted(np.concatenate([c.shared_idx, c.expert_idx.ravel()]).tolist()) == list(range(64))
     assert set(c.shared_idx.tolist()) == set(np.argsort(-mu, kind="stable")[: plan.shared * m].tolist())
     assert all((np.diff(row) > 0).all() for row in c.expert_idx)
@@ -51,7 +51,7 @@ def test_carving_partition_and_dense_equivalence(config, iters):
         np.testing.assert_array_equal(s["expert_gate"][e], wg[:, c.expert_idx[e]])
         np.testing.assert_array_equal(s["expert_down"][e], wd[c.expert_idx[e], :])
     # router: the representatives' unit-normed columns
-    r = c.representative_idx
+    r = c.representative_idx.reshape(-1)
     np.testing.assert_allclose(s["router_gate"], wg[:, r] / np.linalg.norm(wg[:, r], axis=0), rtol=1e-6)
     np.testing.assert_allclose(s["router_up"], wu[:, r] / np.linalg.norm(wu[:, r], axis=0), rtol=1e-6)
 
@@ -64,7 +64,25 @@ def test_representatives_closest_to_member_mean():
     for e, rep in zip(c.expert_idx, c.representative_idx):
         d = cdist(cols[e], cols[e].mean(axis=0, keepdims=True), "sqeuclidean")[:, 0]
         best = e[np.flatnonzero(np.isclose(d, d.min(), rtol=0, atol=1e-9))]
-        assert rep == best.min()                         # closest, lowest id on ties
+        assert rep.tolist() == [best.min()]              # closest, lowest id on ties
+
+
+def test_several_router_neurons_are_the_closest_members_in_order():
+    x, wg, wu, wd = _layer(1, d_h=96, tokens=500)
+    markers, mu = map(np.asarray, profile_markers(x, wg, wu, k_act=8))
+    c = carve_layer(markers, mu, MoEPlan.parse("S1A2E6"), k_act=8, router_neurons=3)
+    assert c.representative_idx.shape == (5, 3)
+    cols = markers.astype(float).T
+    for e, reps in zip(c.expert_idx, c.representative_idx):
+        d = cdist(cols[e], cols[e].mean(axis=0, keepdims=True), "sqeuclidean")[:, 0]
+        order = sorted(range(len(e)), key=lambda i: (round(d[i], 9), e[i]))  # distance, then id
+        assert reps.tolist() == [int(e[i]) for i in order[:3]]
+    s = slice_ffn(wg, wu, wd, c)                         # expert-major router columns
+    assert s["router_gate"].shape == (16, 15)
+    np.testing.assert_allclose(s["router_gate"][:, 3:6], wg[:, c.representative_idx[1]]
+                               / np.linalg.norm(wg[:, c.representative_idx[1]], axis=0), rtol=1e-6)
+    with pytest.raises(ValueError, match="router neurons"):
+        carve_layer(markers, mu, MoEPlan.parse("S1A2E6"), k_act=8, router_neurons=17)
 
 
 def test_shared_ties_break_by_index():
@@ -98,8 +116,8 @@ def test_slice_ffn_accepts_jax_bf16():
         assert v.dtype == jnp.bfloat16 and v.shape == ref[k].shape
         np.testing.assert_allclose(np.asarray(v, np.float32), ref[k], rtol=1e-2, atol=1e-2)
     raw = slice_ffn(wg, wu, wd, c, normalize_router=False)
-    np.testing.assert_array_equal(raw["router_gate"], wg[:, c.representative_idx])
-    np.testing.assert_array_equal(raw["router_up"], wu[:, c.representative_idx])
+    np.testing.assert_array_equal(raw["router_gate"], wg[:, c.representative_idx.ravel()])
+    np.testing.assert_array_equal(raw["router_up"], wu[:, c.representative_idx.ravel()])
 
 
 def test_layer_carving_minimal_construction_and_errors():

@@ -52,14 +52,16 @@ def test_shared_experts_are_top_mu_neurons(dense):
 
 
 def test_router_picks_experts_with_largest_representative_activation(dense):
+    """The paper's router: one representative per expert, raw |h| scores."""
     plan = MoEPlan.parse("S1A2E8")
-    moe, records = convert_model(dense, _calib(), ConvertConfig(plan=plan, k_act=4), progress=False)
+    cc = ConvertConfig(plan=plan, k_act=4, router_neurons=1, router_scale=False)
+    moe, records = convert_model(dense, _calib(), cc, progress=False)
     layer, dense_mlp, carving = moe.layers[0].mlp, dense.layers[0].mlp, records[0].carving
     x = jax.random.normal(jax.random.key(0), (64, 32))
     wg, wu, wd = (np.asarray(dense_mlp.gate[...]), np.asarray(dense_mlp.up[...]),
                   np.asarray(dense_mlp.down[...]))
     xn = np.asarray(x)
-    rep = np.asarray(carving.representative_idx)
+    rep = np.asarray(carving.representative_idx).ravel()
     rg = wg[:, rep] / np.linalg.norm(wg[:, rep], axis=0)
     ru = wu[:, rep] / np.linalg.norm(wu[:, rep], axis=0)
     a = xn @ rg
@@ -75,6 +77,44 @@ def test_router_picks_experts_with_largest_representative_activation(dense):
         + sum(neurons_out(np.asarray(carving.expert_idx)[e], [t])[0] for e in top[t])
         for t in range(x.shape[0])])
     np.testing.assert_allclose(np.asarray(layer(x)), expected, atol=1e-4)
+
+
+def _silu(a):
+    return a / (1 + np.exp(-a))
+
+
+def test_default_router_sums_several_neurons_with_least_squares_scales(dense):
+    """Default router: r = 4 closest neurons per expert, |h| summed, times c_j fitted by least
+    squares of the scores against the experts' output norms on the calibration inputs."""
+    plan, calib = MoEPlan.parse("S1A2E8"), _calib()
+    moe, records = convert_model(dense, calib, ConvertConfig(plan=plan, k_act=4), progress=False)
+    layer, dmlp, carving = moe.layers[0].mlp, dense.layers[0].mlp, records[0].carving
+    wg, wu, wd = (np.asarray(w[...], np.float64) for w in (dmlp.gate, dmlp.up, dmlp.down))
+    reps, experts = np.asarray(carving.representative_idx), np.asarray(carving.expert_idx)
+    assert reps.shape == (7, 4) and all(set(r) <= set(e) for r, e in zip(reps, experts))
+    d0 = dense.layers[0]
+    x_cal = np.asarray(d0.ffn_input(d0.attention_block(dense.embed_tokens(jnp.asarray(calib)),
+                                                       dense.rope(calib.shape[1]))), np.float64)
+    x_cal = x_cal.reshape(-1, x_cal.shape[-1])
+
+    def raw_scores(x):
+        rg = wg[:, reps.ravel()] / np.linalg.norm(wg[:, reps.ravel()], axis=0)
+        ru = wu[:, reps.ravel()] / np.linalg.norm(wu[:, reps.ravel()], axis=0)
+        return np.abs(_silu(x @ rg) * (x @ ru)).reshape(len(x), 7, 4).sum(-1)
+
+    def expert_out(x, idx):
+        return (_silu(x @ wg[:, idx]) * (x @ wu[:, idx])) @ wd[idx]
+
+    s = raw_scores(x_cal)
+    y = np.stack([np.linalg.norm(expert_out(x_cal, e), axis=1) for e in experts], axis=1)
+    c = (s * y).sum(0) / (s * s).sum(0)
+    np.testing.assert_allclose(records[0].router_scales, c, rtol=1e-4)
+    x = np.asarray(jax.random.normal(jax.random.key(1), (64, 32)), np.float64)
+    top = np.argsort(-(raw_scores(x) * c), axis=1, kind="stable")[:, :2]
+    expected = np.stack([expert_out(x[t:t + 1], carving.shared_idx)[0]
+                         + sum(expert_out(x[t:t + 1], experts[e])[0] for e in top[t])
+                         for t in range(len(x))])
+    np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x, jnp.float32))), expected, atol=1e-4)
 
 
 def test_same_seed_same_partition_bit_for_bit(dense):

@@ -17,21 +17,22 @@ from cmoe_jax.carving.shared import split_shared
 class LayerCarving:
     shared_idx: np.ndarray          # int64 [x*m] neuron ids of the fused shared expert (ascending)
     expert_idx: np.ndarray          # int64 [N_r, m] neuron ids of each routed expert (ascending rows)
-    representative_idx: np.ndarray  # int64 [N_r] the member closest to each cluster centroid
+    representative_idx: np.ndarray  # int64 [N_r, r] the r members closest to each centroid, closest first
     iterations: int = 0             # balanced K-means assignment steps run
     timings: dict = dataclasses.field(default_factory=dict)  # seconds per stage
     kmeans_costs: list = dataclasses.field(default_factory=list)  # K-means objective per step
 
 
 def carve_layer(markers, mu, plan: MoEPlan, *, k_act: int = 10, kmeans_iters: int | None = None,
-                seed: int = 0) -> LayerCarving:
+                router_neurons: int = 1, seed: int = 0) -> LayerCarving:
     """Partition the d_h neurons of one layer from its binary markers [T, d_h] and rates mu [d_h].
 
     Shared: the x*m neurons with the highest mu (ties: lower id). Routed: balanced K-means of
     the remaining neurons' marker columns into N_r clusters of exactly m, initialised at the
     N_r highest-mu remaining neurons (cluster j at the j-th), each step an exact balanced
     assignment; `kmeans_iters` None runs to convergence, 1 is the authors' code. The
-    representative of each cluster is its member closest to the centroid. Deterministic:
+    representatives of each cluster are its `router_neurons` members closest to the centroid
+    (1: the paper's single representative). Deterministic:
     `seed` is not used by the method (it has no random choice) and is kept for API symmetry
     with the calibration sampling.
     """
@@ -54,7 +55,8 @@ def carve_layer(markers, mu, plan: MoEPlan, *, k_act: int = 10, kmeans_iters: in
     # rest is ascending, so each cluster's members come out ascending
     experts = np.stack([rest[km.labels == j] for j in range(plan.routed)]).astype(np.int64)
     assert experts.shape == (plan.routed, m)
-    reps = rest[representative_neurons(points, km.labels, km.centroid_counts, km.cluster_size)]
+    reps = rest[representative_neurons(points, km.labels, km.centroid_counts, km.cluster_size,
+                                       router_neurons)]
     t_end = time.perf_counter()
     timings = {"shared": t_shared - t_start, "kmeans": t_kmeans - t_shared,
                "assignment": km.assign_seconds, "representatives": t_end - t_kmeans,
@@ -68,7 +70,8 @@ def slice_ffn(w_gate, w_up, w_down, carving: LayerCarving, normalize_router: boo
 
     w_gate, w_up: [d, d_h]; w_down: [d_h, d] (numpy or jax, any float dtype, kept). Returns
     shared_gate/shared_up [d, S], shared_down [S, d], expert_gate/expert_up [E, d, m],
-    expert_down [E, m, d], router_gate/router_up [d, E] (S = x*m, E = N_r). With every routed
+    expert_down [E, m, d], router_gate/router_up [d, E*r] (S = x*m, E = N_r, r router neurons
+    per expert). With every routed
     expert active the experts sum to the dense FFN exactly: the carving is a permutation of
     its neurons. Router weights are the representative neurons' gate/up columns, unit-normed.
     """

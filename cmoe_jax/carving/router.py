@@ -1,29 +1,38 @@
-"""Analytical router: each routed expert is represented by its neuron closest to the cluster
-centroid; the router scores a token with those neurons' (normalised) gate and up columns."""
+"""Analytical router: each routed expert is represented by its neuron(s) closest to the
+cluster centroid; the router scores a token with those neurons' (normalised) gate and up
+columns, summing |h| over an expert's r neurons, optionally rescaled per expert so that the
+scores track the experts' output norms on the calibration tokens."""
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
 
 from cmoe_jax.carving.kmeans import cooccurrence
+from cmoe_jax.moe.routers import cmoe_scores
 
 
-def representative_neurons(points: sp.csr_matrix, labels, centroid_counts, cluster_size: int) -> np.ndarray:
-    """Per cluster j, the member point closest (squared L2) to its centroid C_j / s.
+def representative_neurons(points: sp.csr_matrix, labels, centroid_counts, cluster_size: int,
+                           per_cluster: int = 1) -> np.ndarray:
+    """Per cluster j, the `per_cluster` member points closest (squared L2) to its centroid
+    C_j / s, closest first.
 
-    ||p_i - C_j/s||^2 = (s |p_i| - 2 p_i.C_j) / s + const_j, so the argmin is taken on the
-    integer s|p_i| - 2 G_ij: exact, ties to the lowest point index. Returns point ids [k].
+    ||p_i - C_j/s||^2 = (s |p_i| - 2 p_i.C_j) / s + const_j, so the order is taken on the
+    integer s|p_i| - 2 G_ij: exact, ties to the lowest point index. Returns point ids [k, r].
     """
     labels = np.asarray(labels)
     k = centroid_counts.shape[1]
     norms = np.asarray(points.sum(axis=1), np.int64).ravel()
     score = cluster_size * norms[:, None] - 2 * cooccurrence(points, centroid_counts)
-    reps = np.empty(k, np.int64)
+    reps = np.empty((k, per_cluster), np.int64)
     for j in range(k):
         members = np.flatnonzero(labels == j)
-        if not len(members):
-            raise ValueError(f"cluster {j} has no members")
-        reps[j] = members[np.argmin(score[members, j])]  # argmin: first (lowest id) on ties
+        if len(members) < per_cluster:
+            raise ValueError(f"cluster {j} has {len(members)} members, fewer than the "
+                             f"{per_cluster} router neurons asked for")
+        # stable sort: equal distances keep the lower point index first
+        reps[j] = members[np.argsort(score[members, j], kind="stable")[:per_cluster]]
     return reps
 
 
@@ -38,11 +47,41 @@ def _unit_columns(w):
 
 
 def router_weights(w_gate, w_up, representative_idx, normalize: bool = True) -> tuple:
-    """(router_gate [d, N_r], router_up [d, N_r]): the representative neurons' weight columns
-    of W_gate, W_up [d, d_h], each scaled to unit L2 norm (as for the profiling) unless
-    normalize=False. Computed in float32, returned in the weights' dtype (numpy or jax)."""
-    idx = np.asarray(representative_idx, np.int64)
+    """(router_gate [d, N_r*r], router_up [d, N_r*r]): the representative neurons' weight
+    columns of W_gate, W_up [d, d_h] (ids [N_r, r], expert-major), each scaled to unit L2 norm
+    (as for the profiling) unless normalize=False. Computed in float32, returned in the
+    weights' dtype (numpy or jax)."""
+    idx = np.asarray(representative_idx, np.int64).reshape(-1)
     gate, up = w_gate[:, idx], w_up[:, idx]
     if normalize:
         gate, up = _unit_columns(gate), _unit_columns(up)
     return gate, up
+
+
+@jax.jit
+def router_fit_sums(x, router_gate, router_up, expert_gate, expert_up, expert_down):
+    """Per expert j, (sum_t s_tj y_tj, sum_t s_tj^2) over tokens x [..., d], float32.
+
+    s_tj is the analytical router's score (`cmoe_scores`) and y_tj = ||E_j(x_t)||_2 the norm
+    of expert j's output: the least-squares scale c_j = sum s y / sum s^2 makes c_j s_tj the
+    best proportional estimate of what dropping expert j costs token t, so experts become
+    comparable with each other (section 4.2 of the CMoE paper ranks experts by their
+    contribution; one representative's |h| does not know its expert's size).
+    """
+    x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    s = cmoe_scores(x, router_gate, router_up, expert_gate.shape[0])
+    h = jax.nn.silu(jnp.einsum("td,edm->tem", x, expert_gate)) * jnp.einsum("td,edm->tem", x, expert_up)
+    y = jnp.linalg.norm(jnp.einsum("tem,emd->ted", h, expert_down), axis=-1)
+    return (s * y).sum(0), (s * s).sum(0)
+
+
+def scale_router_up(router_up, num, den, num_experts: int):
+    """router_up [d, E*r] with expert j's columns times c_j = num_j / den_j (1 where den_j = 0).
+
+    |silu(a) * (b c)| = c |silu(a) b| for c > 0, so the scale folds into the weights: the
+    layer's router is unchanged in form and cost."""
+    num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
+    c = np.where(den > 0, num / np.where(den > 0, den, 1.0), 1.0)
+    c = np.where(c > 0, c, 1.0)
+    cols = np.repeat(c, router_up.shape[1] // num_experts).astype(np.float32)
+    return (np.asarray(router_up, np.float32) * cols[None, :]).astype(router_up.dtype), c

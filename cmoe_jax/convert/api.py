@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cmoe_jax.convert.checkpoint import publish, save_converted, write_json_atomic
-from cmoe_jax.convert.pipeline import ConversionError, ConvertConfig, LayerRecord, convert_model
+from cmoe_jax.convert.pipeline import (ConversionError, ConvertConfig, LayerRecord, check_router,
+                                       convert_model)
 from cmoe_jax.errors import CmoeError
 
 
@@ -43,7 +44,8 @@ def _load_done(staging: Path, settings: dict, resume: bool) -> list[LayerRecord]
 def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str = "validation",
             data_path: str | None = None, calib_samples: int = 8, seqlen: int = 2048,
             k_act: int = 10, kmeans_iters: int | None = None, normalize: bool = True,
-            seed: int = 0, resume: bool = False, overwrite: bool = False, report: bool = False,
+            seed: int = 0, router_neurons: int = 4, router_scale: bool = True,
+            router_fit_tokens: int = 2048, resume: bool = False, overwrite: bool = False, report: bool = False,
             progress: bool = True, stop_after_layers: int | None = None) -> dict:
     """Convert a dense checkpoint to CMoE and save it at `out`; returns the manifest.
 
@@ -58,11 +60,14 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     if out.exists() and not overwrite:
         raise CmoeError(f"output directory {out} exists: pass --overwrite to replace it")
     cfg, path = load_config(model)
-    cc = ConvertConfig(plan=plan, k_act=k_act, normalize=normalize, kmeans_iters=kmeans_iters, seed=seed)
+    cc = ConvertConfig(plan=plan, k_act=k_act, normalize=normalize, kmeans_iters=kmeans_iters,
+                       seed=seed, router_neurons=router_neurons, router_scale=router_scale,
+                       router_fit_tokens=router_fit_tokens)
     try:
         plan.validate(cfg.intermediate_size, k_act)
     except ValueError as e:
         raise ConversionError(str(e)) from e
+    check_router(cfg, cc)
     if seqlen > cfg.max_position_embeddings:
         raise CmoeError(f"--seqlen {seqlen} exceeds the model's context "
                         f"({cfg.max_position_embeddings} positions)")
@@ -111,6 +116,8 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
         "calibration": {"dataset": calib, "split": calib_split, "data_path": data_path,
                         "samples": calib_samples, "seqlen": seqlen, "seed": seed},
         "k_act": k_act, "normalize": normalize, "kmeans_iters": kmeans_iters,
+        "router": {"neurons_per_expert": router_neurons, "fitted_scales": router_scale,
+                   "fit_tokens": router_fit_tokens},
         "layers": [{k: v for k, v in r.to_json().items() if k not in ("mu", "seconds")}
                    for r in records],
     }

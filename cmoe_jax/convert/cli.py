@@ -37,6 +37,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="balanced K-means iterations (default: to convergence; 1 = authors' code)")
     p.add_argument("--no-normalize", action="store_true",
                    help="profile unnormalised activations instead of the L2-normalised form")
+    p.add_argument("--router-neurons", type=int, default=4,
+                   help="representative neurons scoring each routed expert (1 = the paper's router)")
+    p.add_argument("--no-router-scale", action="store_true",
+                   help="do not fit per-expert router score scales (the paper's raw |h| scores)")
+    p.add_argument("--router-fit-tokens", type=int, default=2048,
+                   help="calibration tokens used to fit the router score scales")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory of the converted model")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
@@ -67,7 +73,9 @@ def run(args) -> dict:
                    calib_split=args.calib_split, data_path=args.data_path,
                    calib_samples=args.calib_samples, seqlen=args.seqlen, k_act=args.k_act,
                    kmeans_iters=args.kmeans_iters, normalize=not args.no_normalize,
-                   seed=args.seed, resume=args.resume, overwrite=args.overwrite,
+                   seed=args.seed, router_neurons=args.router_neurons,
+                   router_scale=not args.no_router_scale, router_fit_tokens=args.router_fit_tokens,
+                   resume=args.resume, overwrite=args.overwrite,
                    report=args.report)
 
 

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from cmoe_jax.carving import LayerCarving, MoEPlan, carve_layer, slice_ffn
 from cmoe_jax.carving.markers import profile_markers
+from cmoe_jax.carving.router import router_fit_sums, scale_router_up
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig, SwiGLU
 from cmoe_jax.profiling.layerwise import (all_finite, attention_step, calibration_mesh,
@@ -38,10 +39,17 @@ class ConvertConfig:
     normalize: bool = True
     kmeans_iters: int | None = None  # None: iterate to convergence; 1: the authors' code
     seed: int = 0
+    # Router: r representative neurons per expert (1: the paper's), and per-expert score
+    # scales fitted on `router_fit_tokens` calibration tokens (False: the paper's raw |h|).
+    router_neurons: int = 4
+    router_scale: bool = True
+    router_fit_tokens: int = 2048
 
     def to_dict(self) -> dict:
         return {"config": self.plan.name, "k_act": self.k_act, "normalize": self.normalize,
-                "kmeans_iters": self.kmeans_iters, "seed": self.seed}
+                "kmeans_iters": self.kmeans_iters, "seed": self.seed,
+                "router_neurons": self.router_neurons, "router_scale": self.router_scale,
+                "router_fit_tokens": self.router_fit_tokens}
 
 
 @dataclasses.dataclass
@@ -52,6 +60,7 @@ class LayerRecord:
     mu: np.ndarray
     load: np.ndarray
     seconds: dict
+    router_scales: np.ndarray | None = None  # fitted per-expert score scales (None: not fitted)
 
     def to_json(self) -> dict:
         c = self.carving
@@ -60,13 +69,16 @@ class LayerRecord:
                 "representatives": np.asarray(c.representative_idx).tolist(),
                 "kmeans_iterations": int(c.iterations),
                 "mu": np.asarray(self.mu, np.float32).tolist(),
-                "load": np.asarray(self.load).tolist(), "seconds": self.seconds}
+                "load": np.asarray(self.load).tolist(), "seconds": self.seconds,
+                "router_scales": (None if self.router_scales is None
+                                  else np.asarray(self.router_scales, np.float64).tolist())}
 
     @classmethod
     def from_json(cls, d: dict) -> "LayerRecord":
-        carving = LayerCarving(shared_idx=np.asarray(d["shared"], np.int64),
-                               expert_idx=np.asarray(d["experts"], np.int64),
-                               representative_idx=np.asarray(d["representatives"], np.int64),
+        experts = np.asarray(d["experts"], np.int64)
+        carving = LayerCarving(shared_idx=np.asarray(d["shared"], np.int64), expert_idx=experts,
+                               representative_idx=np.asarray(d["representatives"], np.int64)
+                               .reshape(len(experts), -1),
                                iterations=d["kmeans_iterations"])
         return cls(carving, np.asarray(d["mu"], np.float32), np.asarray(d["load"]), d["seconds"])
 
@@ -80,23 +92,35 @@ def validate(cfg: ModelConfig, calib: np.ndarray, cc: ConvertConfig) -> None:
         cc.plan.validate(cfg.intermediate_size, cc.k_act)
     except ValueError as e:
         raise ConversionError(str(e)) from e
+    check_router(cfg, cc)
     if calib.ndim != 2 or calib.shape[0] < 1:
         raise ConversionError(f"calibration data must be [samples, seqlen] token ids, got {calib.shape}")
 
 
-def moe_spec(cfg: ModelConfig, plan: MoEPlan) -> FFNSpec:
+def check_router(cfg: ModelConfig, cc: ConvertConfig) -> None:
+    m = cfg.intermediate_size // cc.plan.total
+    if not 1 <= cc.router_neurons <= m:
+        raise ConversionError(f"--router-neurons {cc.router_neurons} must be between 1 and the "
+                              f"expert width {m}")
+    if cc.router_fit_tokens < 1:
+        raise ConversionError(f"--router-fit-tokens {cc.router_fit_tokens} must be at least 1")
+
+
+def moe_spec(cfg: ModelConfig, cc: ConvertConfig) -> FFNSpec:
+    plan = cc.plan
     m = cfg.intermediate_size // plan.total
     return FFNSpec(num_experts=plan.total - plan.shared, top_k=plan.active, expert_width=m,
-                   shared_width=plan.shared * m, router="cmoe")
+                   shared_width=plan.shared * m, router="cmoe", router_neurons=cc.router_neurons)
 
 
-def build_moe_ffn(cfg: ModelConfig, plan: MoEPlan, slices: dict, dtype) -> nnx.Module:
+def build_moe_ffn(cfg: ModelConfig, cc: ConvertConfig, slices: dict, dtype) -> nnx.Module:
     from cmoe_jax.moe import MoEFFN
 
-    spec = moe_spec(cfg, plan)
+    spec = moe_spec(cfg, cc)
     ffn = nnx.eval_shape(lambda: MoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts,
                                         spec.top_k, shared_width=spec.shared_width, router="cmoe",
-                                        dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+                                        router_neurons=spec.router_neurons, dtype=dtype,
+                                        param_dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(ffn)
     flat = nnx.to_flat_state(state)
     for path, var in flat:
@@ -118,7 +142,7 @@ def carve_one_layer(layer, x, cfg: ModelConfig, cc: ConvertConfig, mesh) -> tupl
     markers, mu = np.asarray(markers), np.asarray(mu)
     t1 = time.perf_counter()
     carving = carve_layer(markers, mu, cc.plan, k_act=cc.k_act, kmeans_iters=cc.kmeans_iters,
-                          seed=cc.seed)
+                          router_neurons=cc.router_neurons, seed=cc.seed)
     t2 = time.perf_counter()
     return carving, mu, {"profile": t1 - t0, "cluster": t2 - t1}
 
@@ -127,6 +151,22 @@ def slices_for(layer, carving: LayerCarving, cc: ConvertConfig) -> dict:
     mlp = layer.mlp
     return slice_ffn(np.asarray(mlp.gate[...], np.float32), np.asarray(mlp.up[...], np.float32),
                      np.asarray(mlp.down[...], np.float32), carving)
+
+
+def fit_router_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
+    """Fold least-squares per-expert score scales into `ffn.router_up` (in place); returns them.
+
+    Fitted on an evenly strided subset of about `router_fit_tokens` of the layer's calibration
+    inputs x [N, T, d] (kept sharded over the batch), so every device count sees the same
+    tokens."""
+    n, t = x.shape[:2]
+    stride = max(1, -(-n * t // cc.router_fit_tokens))
+    weights = [replicate(p[...], mesh) for p in (ffn.router_gate, ffn.router_up, ffn.expert_gate,
+                                                ffn.expert_up, ffn.expert_down)]
+    num, den = router_fit_sums(x[:, ::stride], *weights)
+    up, scales = scale_router_up(np.asarray(ffn.router_up[...]), num, den, ffn.num_experts)
+    ffn.router_up[...] = jnp.asarray(up)
+    return scales
 
 
 def assemble(model: Decoder, cfg_moe: ModelConfig, ffns: list[nnx.Module]) -> Decoder:
@@ -174,7 +214,9 @@ def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devic
             carving, mu, secs = carve_one_layer(layer, x, cfg, cc, mesh)
             record = LayerRecord(carving, mu, np.zeros(0), dict(secs, attention=t_attn))
         t1 = time.perf_counter()
-        ffn = build_moe_ffn(cfg, cc.plan, slices_for(layer, record.carving, cc), model.dtype)
+        ffn = build_moe_ffn(cfg, cc, slices_for(layer, record.carving, cc), model.dtype)
+        if cc.router_scale:
+            record.router_scales = fit_router_scales(ffn, x, cc, mesh)
         fg, fs = nnx.split(ffn)
         h, load = ffn_residual_step(fg, replicate(fs, mesh), h_mid, x)
         record.load = np.asarray(load)
@@ -184,5 +226,5 @@ def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devic
         records.append(record)
         if i >= len(done) and on_layer is not None:
             on_layer(i, record)
-    cfg_moe = cfg.with_moe_layers([moe_spec(cfg, cc.plan)] * cfg.num_layers)
+    cfg_moe = cfg.with_moe_layers([moe_spec(cfg, cc)] * cfg.num_layers)
     return assemble(model, cfg_moe, ffns), records

@@ -22,6 +22,7 @@ class FFNSpec:
 
     `router` is "linear" for Qwen3-MoE/Mixtral/ExpertWeaver, "cmoe" for the analytical
     router of a carved model. `shared_width` is the width of the fused always-on MLP.
+    `router_neurons` is how many representative neurons score each expert (cmoe router).
     """
 
     num_experts: int
@@ -30,6 +31,7 @@ class FFNSpec:
     shared_width: int = 0
     router: str = "linear"
     norm_topk_prob: bool = False
+    router_neurons: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

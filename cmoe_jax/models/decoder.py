@@ -20,7 +20,8 @@ def make_ffn(cfg: ModelConfig, spec: FFNSpec | None, *, dtype, rngs: nnx.Rngs) -
 
     return MoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts, spec.top_k,
                   shared_width=spec.shared_width, router=spec.router,
-                  norm_topk_prob=spec.norm_topk_prob, dtype=dtype, param_dtype=dtype, rngs=rngs)
+                  norm_topk_prob=spec.norm_topk_prob,
+                  router_neurons=spec.router_neurons, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 class DecoderLayer(nnx.Module):

@@ -43,6 +43,7 @@ class MoEFFN(nnx.Module):
       shared_width: width of the always-on shared SwiGLU MLP (0: none).
       router: "cmoe", "linear" or "sum" (see `cmoe_jax.moe.routers`).
       norm_topk_prob: linear router only: renormalise the k gates to sum 1 (Mixtral).
+      router_neurons: cmoe router only: neurons r scoring each expert (their |h| summed).
       dtype: compute dtype of the FFN (routing always runs in float32).
       param_dtype: storage dtype of the parameters.
       backend: grouped-matmul backend, "auto" picks per platform (`cmoe_jax.moe.gmm`), or a
@@ -50,14 +51,14 @@ class MoEFFN(nnx.Module):
 
     Parameters (JAX layout, `[in, out]`): `shared_gate/shared_up [d, S]`,
     `shared_down [S, d]`; `expert_gate/expert_up [E, d, m]`, `expert_down [E, m, d]`;
-    linear router `router_kernel [d, E]`; CMoE router `router_gate/router_up [d, E]`
-    (representative neurons), `u [E]` (trainable gate scales, init 0) and `router_bias [E]`
+    linear router `router_kernel [d, E]`; CMoE router `router_gate/router_up [d, E*r]`
+    (each expert's r representative neurons, expert-major), `u [E]` (trainable gate scales, init 0) and `router_bias [E]`
     (a `RouterBias`, not a `Param`, init 0).
     """
 
     def __init__(self, d_model: int, expert_width: int, num_experts: int, top_k: int, *,
                  shared_width: int = 0, router: RouterKind = "cmoe", norm_topk_prob: bool = False,
-                 dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
+                 router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
                  rngs: nnx.Rngs):
         if router not in ROUTER_KINDS:
             raise ValueError(f"router must be one of {ROUTER_KINDS}, got {router!r}")
@@ -65,11 +66,14 @@ class MoEFFN(nnx.Module):
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         if router == "sum" and top_k != num_experts:
             raise ValueError(f"router='sum' activates every expert: top_k must be {num_experts}")
+        if router_neurons < 1:
+            raise ValueError(f"router_neurons={router_neurons} must be at least 1")
         if not callable(backend):
             resolve_backend(backend)  # fail early on a typo
         self.d_model, self.expert_width = d_model, expert_width
         self.num_experts, self.top_k, self.shared_width = num_experts, top_k, shared_width
         self.router, self.norm_topk_prob = router, norm_topk_prob
+        self.router_neurons = router_neurons
         self.dtype, self.param_dtype, self.backend = dtype, param_dtype, backend
 
         def param(*shape):
@@ -82,7 +86,8 @@ class MoEFFN(nnx.Module):
         if router == "linear":
             self.router_kernel = param(d, e)
         elif router == "cmoe":
-            self.router_gate, self.router_up = param(d, e), param(d, e)
+            r = router_neurons
+            self.router_gate, self.router_up = param(d, e * r), param(d, e * r)
             self.u = nnx.Param(jnp.zeros((e,), param_dtype))
             self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32))
 

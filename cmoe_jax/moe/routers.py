@@ -6,7 +6,9 @@ All routers work in float32 on flattened tokens `x [T, d]` and return
 - "linear" (Qwen3-MoE, Mixtral, ExpertWeaver): softmax over all experts of `x @ W_r`,
   top-k probabilities as gates, optionally renormalised to sum 1 (Mixtral).
 - "cmoe" (CMoE paper, sec. 3.2-3.3): the router is the representative neurons of the
-  experts, `s = |silu(x W_gate^R) * (x W_up^R)|`, `s' = softmax(s)`; experts are chosen by
+  experts, `s = |silu(x W_gate^R) * (x W_up^R)|`, `s' = softmax(s)`; with r router neurons
+  per expert (columns expert-major, `[d, E*r]`) an expert's score is the sum of its r
+  neurons' `|h|`; experts are chosen by
   `top_k(s' + b)` with the non-trainable balancing bias `b`, and weighted by
   `g = 1 + s' * u` with the trainable scales `u` (zero at conversion, so the experts are
   then summed unweighted, as in the training-free model).
@@ -32,15 +34,20 @@ def linear_route(x, kernel, top_k: int, norm_topk_prob: bool = False):
     return ids.astype(jnp.int32), gates
 
 
-def cmoe_scores(x, router_gate, router_up):
-    """s = |silu(x W_gate^R) * (x W_up^R)| in float32: one score per expert."""
+def cmoe_scores(x, router_gate, router_up, num_experts: int | None = None):
+    """s = |silu(x W_gate^R) * (x W_up^R)| in float32, summed over each expert's r router
+    neurons (`router_gate/router_up [d, E*r]`, expert-major): scores `[T, E]`."""
     x = x.astype(jnp.float32)
-    return jnp.abs(jax.nn.silu(x @ router_gate.astype(jnp.float32))
-                   * (x @ router_up.astype(jnp.float32)))
+    s = jnp.abs(jax.nn.silu(x @ router_gate.astype(jnp.float32))
+                * (x @ router_up.astype(jnp.float32)))
+    num_experts = num_experts or s.shape[-1]
+    if s.shape[-1] % num_experts:
+        raise ValueError(f"{s.shape[-1]} router neurons do not split over {num_experts} experts")
+    return s.reshape(*s.shape[:-1], num_experts, -1).sum(-1)
 
 
 def cmoe_route(x, router_gate, router_up, u, bias, top_k: int):
-    probs = jax.nn.softmax(cmoe_scores(x, router_gate, router_up), axis=-1)
+    probs = jax.nn.softmax(cmoe_scores(x, router_gate, router_up, u.shape[0]), axis=-1)
     # the bias only steers selection and is never trained
     _, ids = jax.lax.top_k(probs + jax.lax.stop_gradient(bias.astype(jnp.float32)), top_k)
     picked = jnp.take_along_axis(probs, ids, axis=-1)
