@@ -91,8 +91,10 @@ def save_adapters(directory: Path, adapters: dict, u: dict, bias: dict, config: 
 
 
 def load_adapters(directory: Path) -> tuple[dict, dict]:
-    """(`{"lora", "u", "bias"}` as host arrays, adapter config) saved by `save_adapters`."""
+    """(`{"lora", "u", "bias"}` as jax arrays, adapter config) saved by `save_adapters`."""
+    import jax.numpy as jnp
+
     directory = Path(directory)
     config = json.loads((directory / ADAPTER_CONFIG).read_text())
     tree = ocp.StandardCheckpointer().restore((directory / "state").absolute())
-    return tree, config
+    return jax.tree.map(jnp.asarray, tree), config

@@ -66,10 +66,8 @@ def init_state(model, lora: LoRAConfig, oc: OptimConfig, key: jax.Array, mesh: M
     train_sh = {"lora": named(adapter_specs(model, lora, mesh), mesh),
                 "u": jax.tree.map(lambda _: replicated, us)}
     opt_abstract = jax.eval_shape(tx.init, trainable)
-    opt_sh = optax.tree_utils.tree_map_params(
-        tx, lambda _, sh: sh, opt_abstract, train_sh,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    opt_sh = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _param_sharding_of(path, leaf, train_sh, replicated), opt_abstract)
     shardings = {"trainable": train_sh, "opt": opt_sh,
                  "bias": jax.tree.map(lambda _: replicated, bs), "step": replicated}
     trainable = jax.device_put(trainable, train_sh)
@@ -77,6 +75,22 @@ def init_state(model, lora: LoRAConfig, oc: OptimConfig, key: jax.Array, mesh: M
     state = {"trainable": trainable, "opt": opt, "bias": jax.device_put(bs, shardings["bias"]),
              "step": jax.device_put(jnp.zeros((), jnp.int32), replicated)}
     return state, shardings, tx
+
+
+def _param_sharding_of(path, leaf, train_sh, default):
+    """An optimizer-state leaf (Adam's mu / nu of a parameter) gets its parameter's sharding:
+    the trailing dict keys of its path are the parameter's path in the trainable tree."""
+    keys = []
+    for k in reversed(path):
+        if not isinstance(k, jax.tree_util.DictKey):
+            break
+        keys.append(k.key)
+    node = train_sh
+    for k in reversed(keys):
+        node = node.get(k) if isinstance(node, dict) else None
+    if isinstance(node, NamedSharding) and keys:
+        return node
+    return default
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
