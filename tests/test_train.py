@@ -83,14 +83,32 @@ def test_targets_cover_attention_shared_and_experts(models):
 
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
-def test_zero_adapters_give_the_base_model(models, which):
+@pytest.mark.parametrize("scan", [True, False])
+def test_zero_adapters_give_the_base_model(models, which, scan):
     model = dict(zip(("dense", "moe"), models))[which]
     lora = LoRAConfig(rank=4, alpha=8)
     adapters = init_adapters(model, lora, jax.random.key(1))  # B = 0, A random
     us, bs = router_params(model)
     tokens = _tokens()
-    got = lora_logits(model, adapters, us, bs, tokens, scale=lora.scale)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(model(tokens)))
+    got = lora_logits(model, adapters, us, bs, tokens, scale=lora.scale, scan=scan)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(model(tokens)), rtol=0, atol=1e-6)
+
+
+def test_layer_scan_equals_layer_loop_with_dropout(models):
+    _, moe = models
+    lora = LoRAConfig(rank=4, alpha=8, dropout=0.3)
+    adapters, us, bs = _trained_like(moe, lora)
+    tokens, key = _tokens(), jax.random.key(9)
+    f = lambda scan: jax.jit(lambda ad, u: lora_loss(moe, ad, u, bs, tokens, scale=lora.scale,
+                                                      dropout=0.3, key=key, scan=scan))(adapters, us)
+    (l1, loads1), (l2, loads2) = f(True), f(False)
+    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-6)
+    assert sorted(loads1) == sorted(loads2) == ["0", "1"]
+    for k in loads1:
+        np.testing.assert_array_equal(np.asarray(loads1[k]), np.asarray(loads2[k]))
+        assert int(loads1[k].sum()) == tokens.size * moe.layers[0].mlp.top_k
+    no_drop = lora_loss(moe, adapters, us, bs, tokens, scale=lora.scale)[0]
+    assert abs(float(no_drop) - float(l1)) > 1e-4  # dropout is applied
 
 
 def _reference_loss(model, adapters, us, bs, tokens, scale):

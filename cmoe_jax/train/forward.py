@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from cmoe_jax.models.layers import SwiGLU, apply_rope, causal_attention
 from cmoe_jax.moe.dispatch import routed_experts
@@ -91,49 +92,95 @@ def _moe(mlp, x, ad, u, bias, scale, drop):
     return y, counts
 
 
+def _block(layer, h, cos, sin, ad, u_i, b_i, scale, drop):
+    """One decoder layer with adapters: (new residual stream, expert loads or None)."""
+    attn_ad, mlp_ad = ad.get("attn", {}), ad.get("mlp", {})
+    h = h + _attention(layer.attn, layer.input_norm(h), cos, sin, attn_ad, scale, drop)
+    x = layer.ffn_input(h)
+    mlp = layer.mlp
+    if isinstance(mlp, SwiGLU):
+        y = _swiglu(x, mlp.gate[...], mlp.up[...], mlp.down[...], mlp_ad,
+                    ("gate", "up", "down"), scale, drop)
+        return h + y, None
+    y, counts = _moe(mlp, x, mlp_ad, u_i, b_i, scale, drop)
+    return h + y, counts
+
+
+def _uniform(model, adapters: dict) -> bool:
+    """All layers share one structure (graph, shapes, adapters): they can run as one scan."""
+    first = nnx.split(model.layers[0])
+    shapes = lambda st: jax.tree.map(lambda a: (a.shape, a.dtype), st)
+    ref_ad = jax.tree.map(lambda a: a.shape, adapters.get("0", {}))
+    for i, layer in enumerate(model.layers):
+        gd, st = nnx.split(layer)
+        if gd != first[0] or shapes(st) != shapes(first[1]):
+            return False
+        if jax.tree.map(lambda a: a.shape, adapters.get(str(i), {})) != ref_ad:
+            return False
+    return True
+
+
 def lora_hidden(model, adapters: dict, u: dict, bias: dict, tokens: jax.Array, *,
                 scale: float, dropout: float = 0.0, key: jax.Array | None = None,
-                remat: bool = False):
+                remat: bool = False, scan: bool = True):
     """Residual stream after the last layer, and the expert loads `{layer: int32 [E]}` of
     every CMoE layer. `u` / `bias` map layer index strings to that layer's router scales and
-    selection bias (layers missing from them use the model's own)."""
-    drop = Dropout(dropout, key)
-    layers = adapters.get("layers", {})
+    selection bias (layers missing from them use the model's own).
+
+    When every layer has the same structure (dense models, uniformly converted ones) and
+    `scan` is set, the layers run as one `jax.lax.scan` over their stacked weights, which
+    compiles once instead of once per layer; otherwise as a Python loop. Both give the same
+    result; layer i's dropout masks come from `fold_in(key, i)` either way.
+    """
+    layers_ad = adapters.get("layers", {})
     cos, sin = model.rope(tokens.shape[-1])
     h = model.embed_tokens(tokens)
+    n = len(model.layers)
+
+    def router_inputs(i, mlp):
+        if getattr(mlp, "router", None) != "cmoe":
+            return None, None
+        return (u.get(str(i), mlp.u[...]).astype(jnp.float32),
+                jax.lax.stop_gradient(bias.get(str(i), mlp.router_bias[...]).astype(jnp.float32)))
+
+    def drop_for(i):
+        return Dropout(dropout, None if key is None else jax.random.fold_in(key, i))
+
+    cmoe = [getattr(layer.mlp, "router", None) == "cmoe" for layer in model.layers]
+    if scan and n > 1 and _uniform(model, layers_ad):
+        graphdef = nnx.split(model.layers[0])[0]
+        stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+        weights = stack([nnx.state(layer) for layer in model.layers])
+        ads = stack([layers_ad.get(str(i), {}) for i in range(n)])
+        ub = [router_inputs(i, layer.mlp) for i, layer in enumerate(model.layers)]
+        us = stack([x[0] for x in ub]) if cmoe[0] else None
+        bs = stack([x[1] for x in ub]) if cmoe[0] else None
+
+        def body(h, xs):
+            i, st, ad, u_i, b_i = xs
+            return _block(nnx.merge(graphdef, st), h, cos, sin, ad, u_i, b_i, scale, drop_for(i))
+
+        h, counts = jax.lax.scan(jax.checkpoint(body) if remat else body, h,
+                                 (jnp.arange(n), weights, ads, us, bs))
+        loads = {str(i): counts[i] for i in range(n)} if cmoe[0] else {}
+        return h, loads
     loads = {}
     for i, layer in enumerate(model.layers):
-        ad = layers.get(str(i), {})
-
-        def block(h, ad, u_i, b_i, layer=layer):
-            attn_ad, mlp_ad = ad.get("attn", {}), ad.get("mlp", {})
-            h = h + _attention(layer.attn, layer.input_norm(h), cos, sin, attn_ad, scale, drop)
-            x = layer.ffn_input(h)
-            mlp = layer.mlp
-            if isinstance(mlp, SwiGLU):
-                y = _swiglu(x, mlp.gate[...], mlp.up[...], mlp.down[...], mlp_ad,
-                            ("gate", "up", "down"), scale, drop)
-                return h + y, None
-            y, counts = _moe(mlp, x, mlp_ad, u_i, b_i, scale, drop)
-            return h + y, counts
-
-        mlp = layer.mlp
-        u_i = b_i = None
-        if getattr(mlp, "router", None) == "cmoe":
-            u_i = u.get(str(i), mlp.u[...])
-            b_i = jax.lax.stop_gradient(bias.get(str(i), mlp.router_bias[...]))
-        fn = jax.checkpoint(block) if remat else block
-        h, counts = fn(h, ad, u_i, b_i)
-        if u_i is not None:
+        u_i, b_i = router_inputs(i, layer.mlp)
+        fn = lambda h, ad, u_i, b_i, i=i, layer=layer: _block(layer, h, cos, sin, ad, u_i, b_i,
+                                                               scale, drop_for(i))
+        h, counts = (jax.checkpoint(fn) if remat else fn)(h, layers_ad.get(str(i), {}), u_i, b_i)
+        if cmoe[i]:
             loads[str(i)] = counts
     return h, loads
 
 
 def lora_logits(model, adapters: dict, u: dict | None = None, bias: dict | None = None,
-                tokens=None, *, scale: float, dropout: float = 0.0, key=None) -> jax.Array:
+                tokens=None, *, scale: float, dropout: float = 0.0, key=None,
+                scan: bool = True) -> jax.Array:
     """Logits `[B, T, vocab]` of the adapted model (for tests and small inputs)."""
     h, _ = lora_hidden(model, adapters, u or {}, bias or {}, tokens, scale=scale,
-                       dropout=dropout, key=key)
+                       dropout=dropout, key=key, scan=scan)
     return model.unembed(h)
 
 
@@ -162,8 +209,9 @@ def next_token_nll(model, h: jax.Array, tokens: jax.Array, chunk: int = 128) -> 
     return jnp.mean(nll)
 
 
-def lora_loss(model, adapters, u, bias, tokens, *, scale, dropout=0.0, key=None, remat=False):
+def lora_loss(model, adapters, u, bias, tokens, *, scale, dropout=0.0, key=None, remat=False,
+              scan=True):
     """(mean next-token NLL, expert loads by layer) of the adapted model on `tokens [B, T]`."""
     h, loads = lora_hidden(model, adapters, u, bias, tokens, scale=scale, dropout=dropout,
-                           key=key, remat=remat)
+                           key=key, remat=remat, scan=scan)
     return next_token_nll(model, h, tokens), loads
