@@ -186,33 +186,55 @@ def _run(model_dirs, out, **kw):
     return finetune(str(model_dirs / "moe"), out=out, **args)
 
 
-def test_resumed_run_ends_like_an_uninterrupted_one(model_dirs, tmp_path):
-    full = _run(model_dirs, tmp_path / "full", dropout=0.1, max_steps=6)
+@pytest.fixture(scope="module")
+def full_run(model_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "run"
+    return out, _run(model_dirs, out, dropout=0.1, max_steps=6)
+
+
+def _same_run(a_dir, b_dir):
+    log_a = json.loads((a_dir / "train_log.json").read_text())["steps"]
+    log_b = json.loads((b_dir / "train_log.json").read_text())["steps"]
+    assert len(log_a) == len(log_b) == 6
+    np.testing.assert_array_equal([s["loss"] for s in log_a], [s["loss"] for s in log_b])
+    a, _ = load_adapters(a_dir / "adapters")
+    b, _ = load_adapters(b_dir / "adapters")
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_time_limited_run_resumes_to_the_same_end(model_dirs, full_run, tmp_path):
+    out = tmp_path / "run"
+    first = _run(model_dirs, out, dropout=0.1, max_steps=6, max_minutes=1e-5)
+    assert first["stopped_by_time"] and first["steps"] == 0 and (out / "state").is_dir()
+    again = _run(model_dirs, out, dropout=0.1, max_steps=6, resume=True)
+    assert again["steps"] == 6 and not again["stopped_by_time"]
+    _same_run(full_run[0], out)
+
+
+def test_resumed_run_ends_like_an_uninterrupted_one(model_dirs, full_run, tmp_path):
+    full_dir, full = full_run
     stopped = _run(model_dirs, tmp_path / "resumed", dropout=0.1, max_steps=6, stop_after_steps=3)
     assert stopped["out"] is None and not (tmp_path / "resumed").exists()
     assert (tmp_path / "resumed.partial" / "checkpoints" / "2").is_dir()
     resumed = _run(model_dirs, tmp_path / "resumed", dropout=0.1, max_steps=6, resume=True)
     assert resumed["resumed_from"] == 2 and resumed["steps"] == full["steps"] == 6
     assert not (tmp_path / "resumed.partial").exists()
-    log_a = json.loads((tmp_path / "full" / "train_log.json").read_text())["steps"]
-    log_b = json.loads((tmp_path / "resumed" / "train_log.json").read_text())["steps"]
-    np.testing.assert_array_equal([s["loss"] for s in log_a], [s["loss"] for s in log_b])
-    a, cfg_a = load_adapters(tmp_path / "full" / "adapters")
-    b, _ = load_adapters(tmp_path / "resumed" / "adapters")
+    _same_run(full_dir, tmp_path / "resumed")
+    a, cfg_a = load_adapters(full_dir / "adapters")
     assert cfg_a["rank"] == 4 and cfg_a["steps"] == 6
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # training moved the adapters, u and b
     assert np.any(np.asarray(a["lora"]["layers"]["0"]["mlp"]["expert_up"]["b"]))
     assert np.any(np.asarray(a["u"]["1"])) and np.any(np.asarray(a["bias"]["1"]))
     # the output directory is a converted model whose logits are the merged adapters'
     base = load_model(str(model_dirs / "moe"), progress=False).model
-    tuned = load_model(str(tmp_path / "full"), progress=False).model
+    tuned = load_model(str(full_dir), progress=False).model
     tokens = _tokens(2, 20)
     want = lora_logits(base, a["lora"], a["u"], a["bias"], tokens, scale=32 / 4)
     np.testing.assert_allclose(np.asarray(tuned(tokens)), np.asarray(want), atol=2e-5)
-    assert (tmp_path / "full" / "loss.png").stat().st_size > 1000
-    manifest = json.loads((tmp_path / "full" / "cmoe_manifest.json").read_text())
+    assert (full_dir / "loss.png").stat().st_size > 1000
+    manifest = json.loads((full_dir / "cmoe_manifest.json").read_text())
     assert manifest["finetune"]["steps"] == 6 and manifest["method"] == "moe"
 
 
