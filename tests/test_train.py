@@ -285,6 +285,9 @@ def _cli(model_dirs, out, *extra, model="moe"):
     (("--targets", "expert_up"), "dense", "matches no weight of this model"),
     (("--samples", "5000"), "moe", "fewer than --samples 5000"),
     (("--batch-size", "16"), "moe", "exceeds --samples"),
+    (("--mesh", "four"), "moe", "is not of the form DATAxMODEL"),
+    (("--mesh", "64x2"), "moe", "needs 128 devices"),
+    (("--lora-rank", "0"), "moe", "--lora-rank must be at least 1"),
 ])
 def test_bad_input_fails_before_training(model_dirs, tmp_path, capsys, extra, model, message):
     assert _cli(model_dirs, tmp_path / "out", *extra, model=model) == 2

@@ -147,7 +147,14 @@ def lora_hidden(model, adapters: dict, u: dict, bias: dict, tokens: jax.Array, *
         return Dropout(dropout, None if key is None else jax.random.fold_in(key, i))
 
     cmoe = [getattr(layer.mlp, "router", None) == "cmoe" for layer in model.layers]
-    if scan and n > 1 and _uniform(model, layers_ad):
+
+    def keeps_dtype():  # a scan carry must keep its dtype (a float32 MoE in a bf16 model does not)
+        u0, b0 = router_inputs(0, model.layers[0].mlp)
+        out = jax.eval_shape(lambda h: _block(model.layers[0], h, cos, sin, layers_ad.get("0", {}),
+                                              u0, b0, scale, Dropout(0.0, None))[0], h)
+        return out.dtype == h.dtype
+
+    if scan and n > 1 and _uniform(model, layers_ad) and keeps_dtype():
         graphdef = nnx.split(model.layers[0])[0]
         stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
         weights = stack([nnx.state(layer) for layer in model.layers])
