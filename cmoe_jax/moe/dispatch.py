@@ -30,18 +30,29 @@ def plan(expert_ids: jax.Array, num_experts: int) -> Dispatch:
 
 
 def routed_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
-                   w_up: jax.Array, w_down: jax.Array, gmm: Callable) -> tuple[jax.Array, jax.Array]:
+                   w_up: jax.Array, w_down: jax.Array, gmm: Callable,
+                   lora: Callable | None = None) -> tuple[jax.Array, jax.Array]:
     """sum_k gates[t, k] * expert_{ids[t, k]}(x[t]) for `x [T, d]`; also the group sizes.
 
     `w_gate`, `w_up` are `[E, d, m]`, `w_down` `[E, m, d]`; `gmm(lhs, rhs, sizes)` is a grouped
     matmul backend (`cmoe_jax.moe.gmm.get_gmm`). The k expert outputs of a token are summed
     in float32.
+
+    `lora(name, rows, group_sizes)`, optional, adds a low-rank delta to the projection `name`
+    ("gate", "up" or "down") of the sorted rows (or returns None for none): LoRA adapters
+    stacked per expert run through the same grouped matmuls (`cmoe_jax.train`).
     """
     num_tokens, top_k = expert_ids.shape
     d = plan(expert_ids, w_gate.shape[0])
     xs = x[d.order // top_k]
-    h = jax.nn.silu(gmm(xs, w_gate, d.group_sizes)) * gmm(xs, w_up, d.group_sizes)
-    ys = gmm(h.astype(x.dtype), w_down, d.group_sizes)
+
+    def proj(name, rows, w):
+        y = gmm(rows, w, d.group_sizes)
+        delta = lora(name, rows, d.group_sizes) if lora is not None else None
+        return y if delta is None else y + delta.astype(y.dtype)
+
+    h = jax.nn.silu(proj("gate", xs, w_gate)) * proj("up", xs, w_up)
+    ys = proj("down", h.astype(x.dtype), w_down)
     y = ys[d.inverse].astype(jnp.float32).reshape(num_tokens, top_k, -1)
     out = jnp.einsum("tkd,tk->td", y, gates.astype(jnp.float32))
     return out, d.group_sizes

@@ -1,0 +1,242 @@
+"""The fine-tuning job: check everything, load, train with checkpoints, merge, save.
+
+Work happens in `OUT.partial/`; the finished run is renamed to `OUT`, which is then both a
+converted model directory (`python -m cmoe_jax.eval --model OUT` loads the merged model)
+and the record of the run:
+
+    cmoe_manifest.json, state/, tokenizer/   merged model (same format as `cmoe_jax.convert`)
+    adapters/                                LoRA A/B, u, b alone (Orbax) + adapter_config.json
+    checkpoints/<step>/                      Orbax train state of the last steps (for --resume)
+    run_config.json, train_log.json, loss.png
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cmoe_jax.errors import CmoeError
+from cmoe_jax.train.lora import DEFAULT_TARGETS, LoRAConfig, TrainError, parse_targets
+
+# settings that decide the trajectory: a resumed run must have the same
+TRAJECTORY_KEYS = ("model", "dataset", "split", "data_path", "samples", "seqlen", "batch_size",
+                   "lora_rank", "lora_alpha", "dropout", "targets", "lr", "router_lr",
+                   "bias_speed", "epochs", "seed", "dtype")
+
+
+def _staging(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def _prepare_dirs(out: Path, staging: Path, settings: dict, resume: bool, overwrite: bool) -> bool:
+    """Set up the staging directory; True when `out` must be replaced at the end."""
+    from cmoe_jax.train.checkpoint import check_run_config
+
+    if resume and staging.exists():
+        check_run_config(staging, settings)
+        return out.exists()
+    if resume and (out / "checkpoints").exists():  # continue a finished (e.g. time-limited) run
+        check_run_config(out, settings)
+        staging.mkdir(parents=True)
+        shutil.copytree(out / "checkpoints", staging / "checkpoints")
+        shutil.copy(out / "run_config.json", staging / "run_config.json")
+        return True
+    if out.exists() and not overwrite:
+        raise TrainError(f"output directory {out} exists: pass --overwrite to replace it "
+                         "(or --resume to continue its run)")
+    if staging.exists():
+        if not overwrite:
+            raise TrainError(f"{staging} holds an interrupted run: pass --resume to continue it "
+                             "or --overwrite to start over")
+        shutil.rmtree(staging)
+    return out.exists()
+
+
+def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | None = None,
+             split: str = "train", samples: int = 2048, seqlen: int = 2048, batch_size: int = 1,
+             lora_rank: int = 8, lora_alpha: float = 32.0, dropout: float = 0.0,
+             targets=DEFAULT_TARGETS, lr: float = 5.95e-5, router_lr: float = 1e-3,
+             bias_speed: float = 1e-3, epochs: int = 1, seed: int = 0, save_every: int = 100,
+             max_steps: int | None = None, max_minutes: float | None = None,
+             resume: bool = False, overwrite: bool = False, mesh_shape: tuple | None = None,
+             devices=None, remat: bool = False, dtype: str = "float32", progress: bool = True,
+             stop_after_steps: int | None = None) -> dict:
+    """LoRA fine-tuning of a dense or converted model (CMoE paper, section 4); returns a summary.
+
+    `mesh_shape = (data, model)` (default: all devices on "data"); `batch_size` must be a
+    multiple of the data axis. `stop_after_steps` exists for testing interruption: the job
+    stops as if killed right after that step (its checkpoints stay in `OUT.partial`).
+    """
+    t_start = time.perf_counter()
+    out = Path(out)
+    targets = parse_targets(targets)
+    lora = LoRAConfig(rank=lora_rank, alpha=float(lora_alpha), dropout=float(dropout), targets=targets)
+    lora.validate()
+    if samples < 1:
+        raise TrainError(f"--samples must be at least 1, got {samples}")
+    if seqlen < 2:
+        raise TrainError(f"--seqlen must be at least 2, got {seqlen}")
+    if save_every is not None and save_every < 1:
+        raise TrainError(f"--save-every must be at least 1, got {save_every}")
+    if max_steps is not None and max_steps < 1:
+        raise TrainError(f"--max-steps must be at least 1, got {max_steps}")
+    if dtype not in ("float32", "bfloat16"):
+        raise TrainError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    for name, value in (("--lr", lr), ("--router-lr", router_lr), ("--bias-speed", bias_speed)):
+        if not value >= 0:
+            raise TrainError(f"{name} must be non-negative, got {value}")
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tqdm.auto import tqdm
+
+    from cmoe_jax.data import load_text_tokens
+    from cmoe_jax.loading import load_config, load_model, load_tokenizer
+    from cmoe_jax.models import Decoder
+    from cmoe_jax.train.checkpoint import RunCheckpoints, save_adapters, write_run_config
+    from cmoe_jax.train.data import BatchOrder, training_windows
+    from cmoe_jax.train.lora import adapted_weights, merge_adapters
+    from cmoe_jax.train.report import plot_loss, write_log
+    from cmoe_jax.train.step import (OptimConfig, batch_sharding, init_state, make_mesh,
+                                     make_train_step, split_frozen)
+
+    # ---- everything that can be wrong is checked before any weight is loaded ---------------
+    cfg, path = load_config(model)
+    if seqlen > cfg.max_position_embeddings:
+        raise TrainError(f"--seqlen {seqlen} exceeds the model's context "
+                         f"({cfg.max_position_embeddings} positions)")
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    adapted = adapted_weights(abstract, targets)  # targets that match nothing fail here
+    tok_path = path / "tokenizer" if path.is_dir() and (path / "tokenizer").is_dir() else path
+    tokenizer = load_tokenizer(tok_path)
+    if tokenizer is None:
+        raise TrainError(f"{path} has no tokenizer: the training text cannot be tokenized")
+    tokens = load_text_tokens(dataset, tokenizer, split=split, data_path=data_path)
+    windows = training_windows(tokens, samples, seqlen, seed, name=f"{dataset} ({data_path or split})")
+    order = BatchOrder(samples, batch_size, epochs, seed)
+    model_par = 1 if mesh_shape is None else mesh_shape[1]
+    mesh = make_mesh(None if mesh_shape is None else mesh_shape[0], model_par, devices)
+    data_par = dict(mesh.shape)["data"]
+    if batch_size % data_par:
+        raise TrainError(f"--batch-size {batch_size} is not a multiple of the {data_par} devices "
+                         "on the mesh's data axis")
+    oc = OptimConfig(lr=lr, router_lr=router_lr, bias_speed=bias_speed)
+    settings = {"model": str(model), "dataset": dataset, "split": split, "data_path": data_path,
+                "samples": samples, "seqlen": seqlen, "batch_size": batch_size,
+                "lora_rank": lora_rank, "lora_alpha": float(lora_alpha), "dropout": float(dropout),
+                "targets": list(targets), "lr": lr, "router_lr": router_lr,
+                "bias_speed": bias_speed, "epochs": epochs, "seed": seed, "dtype": dtype}
+    staging = _staging(out)
+    replace_out = _prepare_dirs(out, staging, settings, resume, overwrite)
+    staging.mkdir(parents=True, exist_ok=True)
+    write_run_config(staging, settings)
+
+    # ---- load and set up ------------------------------------------------------------------
+    lm = load_model(model, dtype=getattr(jnp, dtype), mesh=mesh, progress=progress)
+    state, shardings, tx = init_state(lm.model, lora, oc, jax.random.key(seed), mesh)
+    graphdef, frozen, frozen_sh = split_frozen(lm.model, mesh)
+    step_fn = make_train_step(graphdef, lora, oc, tx, shardings, frozen_sh, mesh, seed=seed, remat=remat)
+    ckpts = RunCheckpoints(staging / "checkpoints")
+    log: list[dict] = []
+    start = 0
+    latest = ckpts.latest_step() if resume else None
+    if latest is not None:
+        state, meta = ckpts.restore(latest, state, shardings)
+        log, start = meta["log"], int(meta["position"]["step"])
+    total = order.total_steps if max_steps is None else min(order.total_steps, max_steps)
+    bsh = batch_sharding(mesh)
+
+    def batch(step):
+        return jax.device_put(windows[order.indices(step)], bsh)
+
+    t_compile = time.perf_counter()
+    compiled = step_fn.lower(state, frozen, batch(min(start, total - 1))).compile()
+    compile_seconds = time.perf_counter() - t_compile
+
+    def save(step):
+        ckpts.save(step, state, {"position": order.position(step), "log": log})
+
+    # ---- train ----------------------------------------------------------------------------
+    tokens_per_step = batch_size * seqlen
+    last_dt, stopped_by_time = 0.0, False
+    bar = tqdm(total=total, initial=start, desc="fine-tuning", disable=not progress)
+    for step in range(start, total):
+        if max_minutes is not None and time.perf_counter() - t_start + last_dt > max_minutes * 60:
+            stopped_by_time = True
+            break
+        t0 = time.perf_counter()
+        state, loss, loads = compiled(state, frozen, batch(step))
+        loss = float(loss)
+        last_dt = time.perf_counter() - t0
+        if not np.isfinite(loss):
+            raise CmoeError(f"the loss became {loss} at step {step + 1}: lower --lr / --router-lr")
+        log.append({"step": step + 1, "epoch": step // order.steps_per_epoch, "loss": loss,
+                    "seconds": last_dt, "tokens_per_s": tokens_per_step / last_dt})
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / last_dt:,.0f}")
+        if save_every and (step + 1) % save_every == 0:
+            save(step + 1)
+        if stop_after_steps is not None and step + 1 >= stop_after_steps:
+            bar.close()
+            ckpts.close()
+            return {"out": None, "interrupted_after": step + 1, "log": log}
+    bar.close()
+    done = len(log)
+    if ckpts.latest_step() != done:
+        save(done)
+    ckpts.close()
+
+    # ---- merge and publish -----------------------------------------------------------------
+    adapters = jax.device_get(state["trainable"]["lora"])
+    us, bs = jax.device_get(state["trainable"]["u"]), jax.device_get(state["bias"])
+    merged = merge_adapters(lm.model, adapters, lora.scale, us, bs)
+    train_seconds = sum(s["seconds"] for s in log)
+    measured = log[start:] if len(log) > start else log
+    summary = {
+        **settings, "steps": done, "total_steps": order.total_steps, "resumed_from": start or None,
+        "stopped_by_time": stopped_by_time, "adapted_weights": len(adapted),
+        "trainable_parameters": int(sum(np.size(a) for a in jax.tree.leaves(
+            {"lora": adapters, "u": us}))),
+        "final_loss": log[-1]["loss"] if log else None,
+        "first_loss": log[0]["loss"] if log else None,
+        "tokens_per_s": (tokens_per_step * len(measured) / sum(s["seconds"] for s in measured)
+                         if measured else None),
+        "train_seconds": train_seconds, "compile_seconds": compile_seconds,
+        "mesh": dict(mesh.shape), "platform": jax.devices()[0].platform,
+        "wall_seconds": time.perf_counter() - t_start,
+    }
+    manifest = _source_manifest(path, model)
+    manifest["finetune"] = {k: summary[k] for k in (*settings, "steps", "final_loss")}
+    final = staging / "final"
+    shutil.rmtree(final, ignore_errors=True)
+    from cmoe_jax.convert.checkpoint import publish, save_converted
+
+    save_converted(merged, manifest, final, tokenizer=lm.tokenizer)
+    save_adapters(final / "adapters", adapters, us, bs,
+                  {"source_model": str(model), "rank": lora_rank, "alpha": float(lora_alpha),
+                   "scale": lora.scale, "dropout": float(dropout), "targets": list(targets),
+                   "steps": done})
+    shutil.move(str(staging / "checkpoints"), str(final / "checkpoints"))
+    shutil.copy(staging / "run_config.json", final / "run_config.json")
+    write_log(final / "train_log.json", summary, log)
+    plot_loss(final / "loss.png", log, title=f"LoRA r={lora_rank} on {Path(str(model)).name}")
+    publish(final, out, overwrite=replace_out or overwrite)
+    shutil.rmtree(staging, ignore_errors=True)
+    return dict(summary, out=str(out))
+
+
+def _source_manifest(path: Path, model: str) -> dict:
+    """The source's conversion manifest (converted models) or a minimal one (dense models)."""
+    from cmoe_jax.convert.checkpoint import MANIFEST
+
+    if path.is_dir() and (path / MANIFEST).exists():
+        manifest = json.loads((path / MANIFEST).read_text())
+        for key in ("format", "model_config", "finetune"):
+            manifest.pop(key, None)
+        manifest["finetuned_from"] = str(model)
+        return manifest
+    return {"source_model": str(model), "method": "dense", "finetuned_from": str(model)}

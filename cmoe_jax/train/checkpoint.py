@@ -1,0 +1,100 @@
+"""Orbax checkpoints of a fine-tuning run, and the saved adapters.
+
+A run directory holds `run_config.json` (the settings that decide the trajectory) and
+`checkpoints/<step>/` written by an Orbax `CheckpointManager`: the adapters, router scales
+u, selection biases b, the optimizer state, the step, and as JSON the data position and the
+log so far. The optimizer state is stored as its list of leaves (its structure comes from
+the optimizer itself on restore), everything else as nested dicts.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from cmoe_jax.convert.checkpoint import write_json_atomic
+from cmoe_jax.train.lora import TrainError
+
+RUN_CONFIG = "run_config.json"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _saveable(state: dict) -> dict:
+    leaves = jax.tree.leaves(state["opt"])
+    return {"lora": state["trainable"]["lora"], "u": state["trainable"]["u"], "bias": state["bias"],
+            "step": state["step"], "opt": {f"{i:05d}": leaf for i, leaf in enumerate(leaves)}}
+
+
+def _unsaveable(tree: dict, like: dict) -> dict:
+    treedef = jax.tree.structure(like["opt"])
+    opt = jax.tree.unflatten(treedef, [tree["opt"][k] for k in sorted(tree["opt"])])
+    return {"trainable": {"lora": tree["lora"], "u": tree.get("u", {})}, "opt": opt,
+            "bias": tree.get("bias", {}), "step": tree["step"]}
+
+
+class RunCheckpoints:
+    """Save / restore train states under `directory` (keeps the last `keep`)."""
+
+    def __init__(self, directory: Path, keep: int = 2):
+        self.directory = Path(directory).absolute()
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, enable_async_checkpointing=False, create=True))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: dict, meta: dict) -> None:
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(_saveable(state)), meta=ocp.args.JsonSave(meta)), force=True)
+        self.manager.wait_until_finished()
+
+    def restore(self, step: int, like: dict, shardings: dict) -> tuple[dict, dict]:
+        """(state placed on `shardings`, meta) of a saved step; `like` gives the structure."""
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              like, shardings)
+        got = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_saveable(target)), meta=ocp.args.JsonRestore()))
+        return _unsaveable(got["state"], like), got["meta"]
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def check_run_config(directory: Path, settings: dict) -> None:
+    """Refuse to resume a run directory written with other settings (one line naming them)."""
+    path = Path(directory) / RUN_CONFIG
+    if not path.exists():
+        raise TrainError(f"--resume: {directory} has no {RUN_CONFIG}; it is not a fine-tuning run")
+    saved = json.loads(path.read_text())
+    diff = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+    if diff:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} there, {settings.get(k)!r} now" for k in diff)
+        raise TrainError(f"--resume: {directory} was written with a different configuration ({detail}); "
+                         "rerun with the same settings or without --resume into a new --out")
+
+
+def write_run_config(directory: Path, settings: dict) -> None:
+    write_json_atomic(Path(directory) / RUN_CONFIG, settings)
+
+
+def save_adapters(directory: Path, adapters: dict, u: dict, bias: dict, config: dict) -> None:
+    """The adapters alone: `directory/state` (Orbax) and `directory/adapter_config.json`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save((directory / "state").absolute(), {"lora": adapters, "u": u, "bias": bias})
+    ckpt.wait_until_finished()
+    write_json_atomic(directory / ADAPTER_CONFIG, config)
+
+
+def load_adapters(directory: Path) -> tuple[dict, dict]:
+    """(`{"lora", "u", "bias"}` as jax arrays, adapter config) saved by `save_adapters`."""
+    import jax.numpy as jnp
+
+    directory = Path(directory)
+    config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    tree = ocp.StandardCheckpointer().restore((directory / "state").absolute())
+    return jax.tree.map(jnp.asarray, tree), config

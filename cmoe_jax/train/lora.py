@@ -1,0 +1,191 @@
+"""LoRA adapters for a `Decoder`: which weights get one, initialisation, shardings, merging.
+
+Adapters live outside the model, in a nested dict that mirrors the parameter paths:
+``{"layers": {"3": {"attn": {"q_proj": {"a": A, "b": B}}, "mlp": {"expert_up": {...}}}}}``.
+A weight ``W [in, out]`` gets ``A [in, r]`` and ``B [r, out]``; stacked experts
+``W [E, in, out]`` get stacked ``A [E, in, r]`` and ``B [E, r, out]``. The adapted weight is
+``W + (alpha / r) * A @ B``; B starts at zero, so a fresh adapter changes nothing. The base
+modules are never modified: `cmoe_jax.train.forward` runs the model with the adapters, and
+`merge_adapters` folds them into a copy of the weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from cmoe_jax.errors import CmoeError
+from cmoe_jax.sharding import param_spec
+
+
+class TrainError(CmoeError):
+    """Bad fine-tuning input: unknown LoRA targets, a mismatched resume directory, short data."""
+
+
+# every weight an adapter can be attached to, by module
+ATTENTION_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_WEIGHTS = ("gate", "up", "down", "shared_gate", "shared_up", "shared_down",
+               "expert_gate", "expert_up", "expert_down")
+# target names as PEFT spells them, each covering the dense, shared and routed-expert weight
+ALIASES = {
+    "q": ("q_proj",), "k": ("k_proj",), "v": ("v_proj",), "o": ("o_proj",),
+    "gate_proj": ("gate", "shared_gate", "expert_gate"),
+    "up_proj": ("up", "shared_up", "expert_up"),
+    "down_proj": ("down", "shared_down", "expert_down"),
+}
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    rank: int = 8
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def validate(self) -> None:
+        if self.rank < 1:
+            raise TrainError(f"--lora-rank must be at least 1, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise TrainError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if not self.targets:
+            raise TrainError("--targets is empty: name at least one weight to adapt")
+
+
+def parse_targets(targets) -> tuple[str, ...]:
+    """`"q_proj,v_proj"` or a sequence -> tuple of names (unknown names raise TrainError)."""
+    if isinstance(targets, str):
+        targets = [t for t in (s.strip() for s in targets.split(",")) if t]
+    known = set(ATTENTION_WEIGHTS) | set(MLP_WEIGHTS) | set(ALIASES)
+    for t in targets:
+        if t not in known:
+            raise TrainError(f"unknown LoRA target {t!r}: choose from {', '.join(sorted(known))}")
+    return tuple(targets)
+
+
+def _expand(targets) -> set[str]:
+    names = set()
+    for t in targets:
+        names.update(ALIASES.get(t, (t,)))
+    return names
+
+
+def adapted_weights(model, targets) -> list[tuple[tuple, tuple]]:
+    """`(path, shape)` of every weight the targets select, e.g. `(("layers", 0, "attn", "q_proj"), (d, n))`.
+
+    Raises TrainError when a target selects no weight of this model (e.g. `shared_gate` on a
+    dense model).
+    """
+    names = _expand(targets)
+    found, hit = [], set()
+    for i, layer in enumerate(model.layers):
+        for module, group, candidates in ((layer.attn, "attn", ATTENTION_WEIGHTS),
+                                          (layer.mlp, "mlp", MLP_WEIGHTS)):
+            for name in candidates:
+                w = getattr(module, name, None)
+                if name in names and isinstance(w, nnx.Param):
+                    found.append((("layers", i, group, name), tuple(w.get_value().shape)))
+                    hit.add(name)
+    for t in targets:
+        if not hit & set(ALIASES.get(t, (t,))):
+            present = sorted({p[-1] for p, _ in adapted_weights(model, DEFAULT_TARGETS)})
+            raise TrainError(f"LoRA target {t!r} matches no weight of this model "
+                             f"(its adaptable weights: {', '.join(present)})")
+    return found
+
+
+def _put(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(str(key), {})
+    tree[str(path[-1])] = value
+
+
+def get_adapter(adapters: dict, path: tuple):
+    node = adapters
+    for key in path:
+        node = node.get(str(key)) if isinstance(node, dict) else None
+        if node is None:
+            return None
+    return node
+
+
+def adapter_shapes(shape: tuple, rank: int) -> tuple[tuple, tuple]:
+    *lead, n_in, n_out = shape
+    return (*lead, n_in, rank), (*lead, rank, n_out)
+
+
+def init_adapters(model, cfg: LoRAConfig, key: jax.Array) -> dict:
+    """Fresh adapters: A uniform in +-1/sqrt(in) (PEFT's Kaiming init), B = 0, float32."""
+    adapters: dict = {}
+    for n, (path, shape) in enumerate(adapted_weights(model, cfg.targets)):
+        a_shape, b_shape = adapter_shapes(shape, cfg.rank)
+        bound = 1.0 / (shape[-2] ** 0.5)
+        a = jax.random.uniform(jax.random.fold_in(key, n), a_shape, jnp.float32, -bound, bound)
+        _put(adapters, path, {"a": a, "b": jnp.zeros(b_shape, jnp.float32)})
+    return adapters
+
+
+def adapter_specs(model, cfg: LoRAConfig, mesh: Mesh) -> dict:
+    """PartitionSpecs of the adapters, following their weight's sharding.
+
+    A column-parallel weight `[d, n]` split over "model" on n keeps A `[d, r]` replicated and
+    splits B `[r, n]` the same way; a row-parallel weight splits A on its input rows; stacked
+    experts split A and B on the expert axis.
+    """
+    specs: dict = {}
+    for path, shape in adapted_weights(model, cfg.targets):
+        s = tuple(param_spec(path, shape, mesh))
+        s = s + (None,) * (len(shape) - len(s))
+        _put(specs, path, {"a": P(*s[:-1], None), "b": P(*s[:-2], None, s[-1])})
+    return specs
+
+
+def named(specs, mesh: Mesh):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def delta(adapter: dict, scale: float) -> jax.Array:
+    """The weight update `scale * A @ B` (batched over a leading expert axis), float32."""
+    return scale * jnp.matmul(adapter["a"].astype(jnp.float32), adapter["b"].astype(jnp.float32))
+
+
+def router_params(model) -> tuple[dict, dict]:
+    """The CMoE router gate scales u and selection biases b by layer: `({"3": u}, {"3": b})`.
+
+    Fresh float32 copies, so donating them to a train step leaves the model intact.
+    """
+    us, bs = {}, {}
+    for i, layer in enumerate(model.layers):
+        mlp = layer.mlp
+        if getattr(mlp, "router", None) == "cmoe":
+            us[str(i)] = jnp.array(mlp.u[...], jnp.float32, copy=True)
+            bs[str(i)] = jnp.array(mlp.router_bias[...], jnp.float32, copy=True)
+    return us, bs
+
+
+def merge_adapters(model, adapters: dict, scale: float, u: dict | None = None,
+                   bias: dict | None = None):
+    """A copy of `model` with `W + scale * A @ B` folded in and u / b set; `model` is unchanged."""
+    graphdef, state = nnx.split(model)
+    merged = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+    for i, layer in enumerate(merged.layers):
+        for group, module in (("attn", layer.attn), ("mlp", layer.mlp)):
+            node = get_adapter(adapters, ("layers", i, group)) or {}
+            for name, adapter in node.items():
+                w = getattr(module, name)
+                new = w[...].astype(jnp.float32) + delta(adapter, scale)
+                setattr(module, name, nnx.Param(new.astype(w[...].dtype)))
+        mlp = layer.mlp
+        if u and str(i) in u:
+            mlp.u = nnx.Param(jnp.asarray(u[str(i)]).astype(mlp.u[...].dtype))
+        if bias and str(i) in bias:
+            mlp.router_bias[...] = jnp.asarray(bias[str(i)]).astype(mlp.router_bias[...].dtype)
+    return merged
