@@ -31,6 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from torch_reference import load_torch_causal_lm  # noqa: E402  (benchmarks/ is on sys.path)
+
 
 def local_wikitext_test() -> str | None:
     f = ROOT.parent / "shared" / "data" / "wikitext-2" / "test.txt"
@@ -38,16 +40,7 @@ def local_wikitext_test() -> str | None:
 
 
 def torch_reference(path: Path):
-    import torch
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    kw = dict(dtype=torch.float32, attn_implementation="sdpa")
-    if path.suffix == ".gguf":
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), **kw)
-    return model.eval()
+    return load_torch_causal_lm(path).eval()
 
 
 def torch_perplexity(model, windows: np.ndarray) -> dict:

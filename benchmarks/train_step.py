@@ -33,6 +33,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from torch_reference import load_torch_causal_lm  # noqa: E402  (benchmarks/ is on sys.path)
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -80,15 +82,9 @@ def jax_steps(t, batch, steps: int) -> dict:
 
 def torch_trainer(path: Path, rank: int, alpha: float, lr: float):
     import torch
-    import transformers
     from peft import LoraConfig, get_peft_model
 
-    transformers.logging.set_verbosity_error()
-    kw = dict(dtype=torch.float32, attn_implementation="sdpa")
-    if path.suffix == ".gguf":
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), **kw)
+    model = load_torch_causal_lm(path)
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
                                              target_modules=TARGETS, bias="none"))
     model.train()

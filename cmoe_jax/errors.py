@@ -11,3 +11,21 @@ class UnsupportedModelError(CmoeError):
 
 class CheckpointError(CmoeError):
     """A checkpoint file is missing, corrupted, truncated, or does not match its config."""
+
+
+EXIT_BAD_INPUT = 2
+
+
+def run_job(job, args):
+    """`(job(args), 0)`, or `(None, 2)` after printing a user error as one `error:` line.
+
+    The CLIs share this so every bad input reads the same way and exits non-zero.
+    """
+    import sys
+
+    try:
+        return job(args), 0
+    except (CmoeError, ValueError, OSError) as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return None, EXIT_BAD_INPUT

@@ -11,13 +11,12 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from cmoe_jax.errors import CmoeError
+from cmoe_jax.errors import CmoeError, run_job
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,10 +80,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        result = run(args)
-    except (CmoeError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    result, code = run_job(run, args)
+    if code:
+        return code
     print(json.dumps({k: result[k] for k in ("out", "config", "seconds")}, indent=1))
     return 0

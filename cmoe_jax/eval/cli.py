@@ -9,13 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-from cmoe_jax.errors import CmoeError
-
-EXIT_BAD_INPUT = 2
+from cmoe_jax.errors import CmoeError, run_job
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,12 +105,9 @@ def write_json_atomic(path, obj) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        result = run(args)
-    except (CmoeError, ValueError, OSError) as e:
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    result, code = run_job(run, args)
+    if code:
+        return code
     print(f"{result['dataset']} perplexity {result['ppl']:.4f} (mean NLL {result['nll']:.5f}) over "
           f"{result['windows']} windows x {result['seqlen']} ({result['tokens']} predicted tokens); "
           f"{result['tokens_per_s']:,.0f} tokens/s on {result['devices']} {result['platform']} device(s), "

@@ -68,9 +68,14 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, project=None) -> jax.Array:
+        """Self-attention of x [B, T, d]. `project(name, x, w)` replaces the plain `x @ w` of
+        the q/k/v/o projections (fine-tuning passes one that adds LoRA adapters)."""
+        project = project or (lambda name, inp, w: inp @ w)
         b, t, _ = x.shape
-        q, k, v = x @ self.q_proj[...], x @ self.k_proj[...], x @ self.v_proj[...]
+        q = project("q_proj", x, self.q_proj[...])
+        k = project("k_proj", x, self.k_proj[...])
+        v = project("v_proj", x, self.v_proj[...])
         if self.use_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         q = q.reshape(b, t, self.num_heads, self.head_dim)
@@ -79,34 +84,38 @@ class Attention(nnx.Module):
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = causal_attention(q, k, v)
-        return out.reshape(b, t, self.num_heads * self.head_dim) @ self.o_proj[...]
+        out = causal_attention(q, k, v).reshape(b, t, self.num_heads * self.head_dim)
+        return project("o_proj", out, self.o_proj[...])
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 128) -> jax.Array:
     """Causal GQA attention, q [B, T, N, H], k/v [B, T, K, H] -> [B, T, N, H].
 
     Queries are processed in blocks that only see the keys up to their own end, which skips
-    the masked upper triangle and keeps score tiles cache-sized, and the softmax
-    normalisation is applied to the [T, H] output instead of the [T, S] probabilities: on
-    CPU this is about 4x faster than `jax.nn.dot_product_attention` at T=2048.
+    the masked upper triangle and keeps score tiles cache-sized. Written for XLA:CPU, where
+    it is about 5x faster than `jax.nn.dot_product_attention` at T=2048:
+    - the causal mask is a constant additive bias (an iota-compare `where` fuses poorly);
+    - the softmax denominator comes out of the P @ V matmul through a column of ones
+      appended to V, instead of a second reduction that would recompute exp(scores);
+    - normalisation is applied to the [T, H] output, not the [T, S] probabilities.
     Scores and softmax run in float32 whatever the input dtype.
     """
     b, t, n, h = q.shape
     kv = k.shape[2]
     qg = jnp.transpose(q.reshape(b, t, kv, n // kv, h), (0, 2, 3, 1, 4)) * (h ** -0.5)
     kt, vt = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
+    vt1 = jnp.concatenate([vt, jnp.ones(vt.shape[:-1] + (1,), vt.dtype)], axis=-1)
     outs = []
     for start in range(0, t, block):
         end = min(t, start + block)
         scores = jnp.einsum("bkgth,bksh->bkgts", qg[:, :, :, start:end], kt[:, :, :end],
                             preferred_element_type=jnp.float32)
-        mask = jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :]
-        scores = jnp.where(mask, scores, -jnp.inf)
+        visible = np.arange(start, end)[:, None] >= np.arange(end)[None, :]
+        scores = scores + np.where(visible, 0.0, -np.inf).astype(np.float32)
         p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-        o = jnp.einsum("bkgts,bksh->bkgth", p.astype(v.dtype), vt[:, :, :end],
+        o = jnp.einsum("bkgts,bksh->bkgth", p.astype(v.dtype), vt1[:, :, :end],
                        preferred_element_type=jnp.float32)
-        outs.append((o / p.sum(axis=-1, keepdims=True)).astype(v.dtype))
+        outs.append((o[..., :h] / o[..., h:]).astype(v.dtype))
     out = jnp.concatenate(outs, axis=3)
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
 

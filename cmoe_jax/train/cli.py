@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from cmoe_jax.errors import CmoeError
+from cmoe_jax.errors import CmoeError, run_job
 from cmoe_jax.train.lora import DEFAULT_TARGETS
-
-EXIT_BAD_INPUT = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,12 +85,9 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        result = run(args)
-    except (CmoeError, ValueError, OSError) as e:
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    result, code = run_job(run, args)
+    if code:
+        return code
     print(json.dumps({k: result[k] for k in ("out", "steps", "first_loss", "final_loss",
                                              "tokens_per_s", "train_seconds", "compile_seconds",
                                              "stopped_by_time")}, indent=1))

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cmoe_jax.models.layers import SwiGLU, apply_rope, causal_attention
+from cmoe_jax.models.decoder import chunked_nll
+from cmoe_jax.models.layers import SwiGLU
 from cmoe_jax.moe.dispatch import routed_experts
 from cmoe_jax.moe.gmm import get_gmm
 from cmoe_jax.moe.routers import cmoe_route
@@ -42,20 +43,7 @@ def _proj(x, w, adapter, scale, drop):
 
 
 def _attention(attn, x, cos, sin, ad, scale, drop):
-    b, t, _ = x.shape
-    q = _proj(x, attn.q_proj[...], ad.get("q_proj"), scale, drop)
-    k = _proj(x, attn.k_proj[...], ad.get("k_proj"), scale, drop)
-    v = _proj(x, attn.v_proj[...], ad.get("v_proj"), scale, drop)
-    if attn.use_bias:
-        q, k, v = q + attn.q_bias[...], k + attn.k_bias[...], v + attn.v_bias[...]
-    q = q.reshape(b, t, attn.num_heads, attn.head_dim)
-    k = k.reshape(b, t, attn.num_kv_heads, attn.head_dim)
-    v = v.reshape(b, t, attn.num_kv_heads, attn.head_dim)
-    if attn.use_qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = causal_attention(q, k, v).reshape(b, t, attn.num_heads * attn.head_dim)
-    return _proj(out, attn.o_proj[...], ad.get("o_proj"), scale, drop)
+    return attn(x, cos, sin, project=lambda name, inp, w: _proj(inp, w, ad.get(name), scale, drop))
 
 
 def _swiglu(x, gate, up, down, ad, names, scale, drop):
@@ -194,26 +182,7 @@ def lora_logits(model, adapters: dict, u: dict | None = None, bias: dict | None 
 def next_token_nll(model, h: jax.Array, tokens: jax.Array, chunk: int = 128) -> jax.Array:
     """Mean NLL of tokens[:, 1:] from hidden states h; LM head in rematerialised chunks."""
     h = model.norm(h)[:, :-1]
-    labels = tokens[:, 1:]
-    b, t, d = h.shape
-    chunk = min(chunk, t)
-    pad = (-t) % chunk
-    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-    labels = jnp.pad(labels, ((0, 0), (0, pad)))
-    n = (t + pad) // chunk
-    hc = h.reshape(b, n, chunk, d).transpose(1, 0, 2, 3)
-    lc = labels.reshape(b, n, chunk).transpose(1, 0, 2)
-    head = model.embed[...].T if model.config.tie_word_embeddings else model.lm_head[...]
-
-    @jax.checkpoint
-    def one(args):
-        hx, lx = args
-        logits = (hx @ head).astype(jnp.float32)
-        gold = jnp.take_along_axis(logits, lx[..., None], axis=-1)[..., 0]
-        return jax.nn.logsumexp(logits, axis=-1) - gold
-
-    nll = jax.lax.map(one, (hc, lc)).transpose(1, 0, 2).reshape(b, n * chunk)[:, :t]
-    return jnp.mean(nll)
+    return jnp.mean(chunked_nll(h, tokens[:, 1:], model.lm_head_matrix(), chunk, remat=True))
 
 
 def lora_loss(model, adapters, u, bias, tokens, *, scale, dropout=0.0, key=None, remat=False,
