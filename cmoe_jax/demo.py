@@ -1,6 +1,9 @@
 """The README demo: dense vs CMoE perplexity of the embedded SmolLM2-135M on WikiText-2.
 
-    python -m cmoe_jax.demo [--windows 8] [--configs S3A3E8,S2A2E16,S1A1E8]
+    python -m cmoe_jax.demo [--windows 8] [--configs S3A3E8:energy,S2A2E16,S1A1E8]
+
+A config may name its shared-expert rule after a colon (`S3A3E8:energy`, see
+`python -m cmoe_jax.convert --shared-by`); without one it is the paper's rate rule.
 
 Uses `../shared/data/wikitext-2/{valid,test}.txt` when present (this project's machines),
 otherwise downloads WikiText-2 with `datasets`.
@@ -10,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 
@@ -28,7 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=8,
                    help="test windows of --seqlen tokens (the README table uses 40)")
     p.add_argument("--seqlen", type=int, default=2048)
-    p.add_argument("--configs", default="S3A3E8,S2A2E16,S1A1E8")
+    p.add_argument("--configs", default="S3A3E8:energy,S2A2E16,S1A1E8",
+                   help="comma-separated SxAyEz[:rate|energy] (default: %(default)s)")
     p.add_argument("--calib-samples", type=int, default=8)
     p.add_argument("--json", help="write the table as JSON here")
     args = p.parse_args(argv)
@@ -54,11 +57,12 @@ def main(argv=None) -> int:
     del dense
     with tempfile.TemporaryDirectory() as tmp:
         for name in [c for c in args.configs.split(",") if c]:
-            out = Path(tmp) / name
-            t0 = time.perf_counter()
-            manifest = convert(args.model, MoEPlan.parse(name), out=out, calib="wikitext2",
+            plan_name, _, shared_by = name.partition(":")
+            out = Path(tmp) / plan_name
+            manifest = convert(args.model, MoEPlan.parse(plan_name), out=out, calib="wikitext2",
                                data_path=valid_path, calib_samples=args.calib_samples,
-                               seqlen=args.seqlen, seed=0, progress=False)
+                               seqlen=args.seqlen, seed=0, shared_by=shared_by or "rate",
+                               progress=False)
             seconds = manifest["seconds"]["convert"]
             moe = load_model(str(out), progress=False)
             r = perplexity(moe.model, windows)

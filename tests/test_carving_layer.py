@@ -94,6 +94,22 @@ def test_shared_ties_break_by_index():
     np.testing.assert_array_equal(c.shared_idx, [1, 3, 5, 9])   # 3, 5 then the 0.5s: 1 < 9 < 12 < 14
 
 
+def test_shared_by_score_and_centroids_by_mu():
+    from cmoe_jax.carving import split_shared
+
+    mu = np.array([0.9, 0.1, 0.8, 0.3, 0.3, 0.7])
+    score = np.array([0.0, 5.0, 1.0, 5.0, 2.0, 0.5])
+    shared, rest, init = split_shared(mu, 2, 2, score)
+    np.testing.assert_array_equal(shared, [1, 3])         # top score, tie 1 < 3
+    np.testing.assert_array_equal(rest, [0, 2, 4, 5])
+    np.testing.assert_array_equal(init, [0, 2])           # highest mu among the rest
+    shared, rest, init = split_shared(mu, 2, 2)           # the paper's rule: by mu
+    np.testing.assert_array_equal(shared, [0, 2])
+    np.testing.assert_array_equal(init, [5, 3])           # 0.7, then the 0.3 tie: 3 < 4
+    with pytest.raises(ValueError, match="shared score"):
+        split_shared(mu, 2, 2, score[:3])
+
+
 def test_deterministic_bit_for_bit():
     x, wg, wu, wd = _layer(4, d_h=128, tokens=400)
     markers, mu = map(np.asarray, profile_markers(x, wg, wu, k_act=5))

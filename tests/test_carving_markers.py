@@ -6,6 +6,7 @@ import pytest
 
 from cmoe_jax.carving import (activation_rates, atopk_markers, ffn_hidden, marker_counts,
                               profile_markers)
+from cmoe_jax.carving.markers import profile_layer
 
 
 def _np_hidden(x, wg, wu, normalize):
@@ -69,3 +70,16 @@ def test_chunk_counts_sum_to_total():
     np.testing.assert_array_equal(total, chunks)
     np.testing.assert_array_equal(total, _np_markers(_np_hidden(x, wg, wu, True), 6).sum(axis=0))
     assert total.sum() == 96 * 6
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_profile_layer_markers_and_energy_match_numpy(normalize):
+    x, wg, wu = _inputs(4)
+    wd = np.random.default_rng(5).normal(size=(wg.shape[1], x.shape[1])).astype(np.float32)
+    markers, mu, energy = profile_layer(x, wg, wu, wd, k_act=5, normalize=normalize)
+    expected = _np_markers(_np_hidden(x, wg, wu, normalize), 5)
+    np.testing.assert_array_equal(np.asarray(markers), expected)
+    np.testing.assert_allclose(np.asarray(mu), expected.mean(axis=0), atol=1e-7)
+    plain = _np_hidden(x, wg, wu, False)
+    np.testing.assert_allclose(np.asarray(energy), (plain ** 2).mean(axis=0) * (wd.astype(np.float64) ** 2).sum(axis=1),
+                               rtol=1e-4)

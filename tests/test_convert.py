@@ -43,12 +43,33 @@ def test_all_experts_active_reproduces_dense(dense):
 
 
 def test_shared_experts_are_top_mu_neurons(dense):
+    """The paper's rule (`shared_by="rate"`, the default)."""
     cc = ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4)
+    assert cc.shared_by == "rate"
     _, records = convert_model(dense, _calib(), cc, progress=False)
     for r in records:
         shared = set(np.asarray(r.carving.shared_idx).tolist())
         order = np.argsort(-r.mu, kind="stable")
         assert shared == set(order[: len(shared)].tolist())
+
+
+def test_shared_experts_by_output_energy(dense):
+    """`shared_by="energy"`: the neurons of largest mean h^2 * ||W_down row||^2, recomputed in
+    numpy from the first layer's FFN inputs (the dense model's, since nothing precedes it)."""
+    calib = _calib()
+    cc = ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4, shared_by="energy")
+    _, records = convert_model(dense, calib, cc, progress=False)
+    _, captured = dense(jnp.asarray(calib), capture_ffn_inputs=True)
+    x = np.asarray(captured[0], np.float64).reshape(-1, 32)
+    mlp = dense.layers[0].mlp
+    wg, wu, wd = (np.asarray(w[...], np.float64) for w in (mlp.gate, mlp.up, mlp.down))
+    g = x @ wg
+    h = g / (1 + np.exp(-g)) * (x @ wu)
+    energy = (h ** 2).mean(axis=0) * (wd ** 2).sum(axis=1)
+    shared = np.asarray(records[0].carving.shared_idx)
+    np.testing.assert_array_equal(shared, np.sort(np.argsort(-energy)[: len(shared)]))
+    rate_rule = np.sort(np.argsort(-records[0].mu, kind="stable")[: len(shared)])
+    assert not np.array_equal(shared, rate_rule)  # the two rules differ on this model
 
 
 def test_router_picks_experts_with_largest_representative_activation(dense):

@@ -8,7 +8,8 @@ reflect activation patterns rather than norms; `normalize=False` gives the plain
 A token marks the K_a neurons with the largest |h| (ATopK); mu is the mean marker over
 tokens. `marker_counts` gives per-chunk integer counts, which a data-parallel caller sums
 across chunks/devices before dividing by the token total; `atopk_markers` /
-`profile_markers` give the binary marker matrix that the clustering needs.
+`profile_markers` give the binary marker matrix that the clustering needs, and
+`profile_layer` adds each neuron's output energy (the shared-expert score by default).
 """
 from __future__ import annotations
 
@@ -62,6 +63,32 @@ def profile_markers(x, w_gate, w_up, *, k_act: int, normalize: bool = True) -> t
     markers = _atopk(ffn_hidden(x, w_gate, w_up, normalize), k_act)
     mu = markers.sum(axis=0, dtype=jnp.int32).astype(jnp.float32) / markers.shape[0]
     return markers, mu
+
+
+@functools.partial(jax.jit, static_argnames=("k_act", "normalize"))
+def profile_layer(x, w_gate, w_up, w_down, *, k_act: int, normalize: bool = True):
+    """(markers [N, d_h], mu [d_h], energy [d_h]) of one FFN from a single pair of matmuls.
+
+    energy_i = mean over tokens of h_i^2 * ||W_down[i]||^2 on the plain (unnormalised) hidden
+    state: the mean squared norm of neuron i's contribution to the FFN output, i.e. what
+    leaving it out of the always-on set can cost. The normalised h of the markers is derived
+    from the same pre-activations (x W / (|x| |w|)), so the profile costs one FFN pass.
+    """
+    x = jnp.asarray(x).astype(jnp.float32)
+    w_gate, w_up = jnp.asarray(w_gate).astype(jnp.float32), jnp.asarray(w_up).astype(jnp.float32)
+    g, u = x @ w_gate, x @ w_up
+    plain = jax.nn.silu(g) * u
+    if normalize:
+        x_norm = jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+        col = lambda w: jnp.maximum(jnp.linalg.norm(w, axis=0), 1e-12)
+        h = jax.nn.silu(g / (x_norm * col(w_gate))) * (u / (x_norm * col(w_up)))
+    else:
+        h = plain
+    markers = _atopk(h, k_act)
+    mu = markers.sum(axis=0, dtype=jnp.int32).astype(jnp.float32) / markers.shape[0]
+    down_sq = jnp.sum(jnp.square(jnp.asarray(w_down).astype(jnp.float32)), axis=1)
+    energy = jnp.mean(jnp.square(plain), axis=0) * down_sq
+    return markers, mu, energy
 
 
 def activation_rates(markers) -> np.ndarray:

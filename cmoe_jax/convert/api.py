@@ -45,7 +45,8 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
             data_path: str | None = None, calib_samples: int = 8, seqlen: int = 2048,
             k_act: int = 10, kmeans_iters: int | None = None, normalize: bool = True,
             seed: int = 0, router_neurons: int = 4, router_scale: bool = True,
-            router_fit_tokens: int = 2048, resume: bool = False, overwrite: bool = False, report: bool = False,
+            router_fit_tokens: int = 2048, shared_by: str = "rate", resume: bool = False,
+            overwrite: bool = False, report: bool = False,
             progress: bool = True, stop_after_layers: int | None = None) -> dict:
     """Convert a dense checkpoint to CMoE and save it at `out`; returns the manifest.
 
@@ -62,7 +63,7 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     cfg, path = load_config(model)
     cc = ConvertConfig(plan=plan, k_act=k_act, normalize=normalize, kmeans_iters=kmeans_iters,
                        seed=seed, router_neurons=router_neurons, router_scale=router_scale,
-                       router_fit_tokens=router_fit_tokens)
+                       router_fit_tokens=router_fit_tokens, shared_by=shared_by)
     try:
         plan.validate(cfg.intermediate_size, k_act)
     except ValueError as e:

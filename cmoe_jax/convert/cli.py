@@ -42,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="do not fit per-expert router score scales (the paper's raw |h| scores)")
     p.add_argument("--router-fit-tokens", type=int, default=2048,
                    help="calibration tokens used to fit the router score scales")
+    p.add_argument("--shared-by", choices=["rate", "energy"], default="rate",
+                   help="shared-expert neurons: highest activation rate mu (default, the paper's "
+                        "rule) or highest output energy E[h^2]*||W_down row||^2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory of the converted model")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
@@ -74,7 +77,7 @@ def run(args) -> dict:
                    kmeans_iters=args.kmeans_iters, normalize=not args.no_normalize,
                    seed=args.seed, router_neurons=args.router_neurons,
                    router_scale=not args.no_router_scale, router_fit_tokens=args.router_fit_tokens,
-                   resume=args.resume, overwrite=args.overwrite,
+                   shared_by=args.shared_by, resume=args.resume, overwrite=args.overwrite,
                    report=args.report)
 
 

@@ -18,7 +18,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from cmoe_jax.carving import LayerCarving, MoEPlan, carve_layer, slice_ffn
-from cmoe_jax.carving.markers import profile_markers
+from cmoe_jax.carving.markers import profile_layer
 from cmoe_jax.carving.router import router_fit_sums, scale_router_up
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig, SwiGLU
@@ -29,6 +29,8 @@ from cmoe_jax.profiling.layerwise import (all_finite, attention_step, calibratio
 class ConversionError(CmoeError):
     """Bad conversion input (plan, calibration data, activations)."""
 
+
+SHARED_BY = ("energy", "rate")
 
 @dataclasses.dataclass(frozen=True)
 class ConvertConfig:
@@ -44,12 +46,15 @@ class ConvertConfig:
     router_neurons: int = 4
     router_scale: bool = True
     router_fit_tokens: int = 2048
+    # Shared experts: neurons of highest activation rate mu ("rate", the paper's rule), or of
+    # highest output energy E[h^2] ||W_down row||^2 ("energy": better when many are shared).
+    shared_by: str = "rate"
 
     def to_dict(self) -> dict:
         return {"config": self.plan.name, "k_act": self.k_act, "normalize": self.normalize,
                 "kmeans_iters": self.kmeans_iters, "seed": self.seed,
                 "router_neurons": self.router_neurons, "router_scale": self.router_scale,
-                "router_fit_tokens": self.router_fit_tokens}
+                "router_fit_tokens": self.router_fit_tokens, "shared_by": self.shared_by}
 
 
 @dataclasses.dataclass
@@ -102,6 +107,8 @@ def check_router(cfg: ModelConfig, cc: ConvertConfig) -> None:
     if not 1 <= cc.router_neurons <= m:
         raise ConversionError(f"--router-neurons {cc.router_neurons} must be between 1 and the "
                               f"expert width {m}")
+    if cc.shared_by not in SHARED_BY:
+        raise ConversionError(f"--shared-by {cc.shared_by!r} must be one of {', '.join(SHARED_BY)}")
     if cc.router_fit_tokens < 1:
         raise ConversionError(f"--router-fit-tokens {cc.router_fit_tokens} must be at least 1")
 
@@ -136,13 +143,14 @@ def build_moe_ffn(cfg: ModelConfig, cc: ConvertConfig, slices: dict, dtype) -> n
 def carve_one_layer(layer, x, cfg: ModelConfig, cc: ConvertConfig, mesh) -> tuple[LayerCarving, np.ndarray, dict]:
     """Profile the FFN input x of one dense layer and carve its neurons."""
     t0 = time.perf_counter()
-    w_gate, w_up = layer.mlp.gate[...], layer.mlp.up[...]
-    markers, mu = profile_markers(x.reshape(-1, x.shape[-1]), w_gate, w_up, k_act=cc.k_act,
-                                  normalize=cc.normalize)
-    markers, mu = np.asarray(markers), np.asarray(mu)
+    mlp = layer.mlp
+    markers, mu, energy = profile_layer(x.reshape(-1, x.shape[-1]), mlp.gate[...], mlp.up[...],
+                                        mlp.down[...], k_act=cc.k_act, normalize=cc.normalize)
+    markers, mu, energy = np.asarray(markers), np.asarray(mu), np.asarray(energy)
     t1 = time.perf_counter()
     carving = carve_layer(markers, mu, cc.plan, k_act=cc.k_act, kmeans_iters=cc.kmeans_iters,
-                          router_neurons=cc.router_neurons, seed=cc.seed)
+                          router_neurons=cc.router_neurons,
+                          shared_score=energy if cc.shared_by == "energy" else None, seed=cc.seed)
     t2 = time.perf_counter()
     return carving, mu, {"profile": t1 - t0, "cluster": t2 - t1}
 
