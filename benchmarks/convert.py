@@ -39,6 +39,9 @@ def main() -> None:
     s = m["seconds"]
     for stage in ("profile", "cluster", "route_and_forward", "save"):
         print(f"{stage:>18}: {s[stage]:7.2f} s")
+        if stage == "profile":
+            print(f"{'of which attention':>18}: {s['attention']:7.2f} s (the calibration forward "
+                  "pass's attention, no CMoE work)")
     print(f"{'model load':>18}: {s['load_model']:7.2f} s (excluded)")
     print(f"peak host memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
     print(f"{args.config} conversion of {args.model}: {s['convert']:.2f} s")

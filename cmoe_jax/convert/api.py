@@ -107,6 +107,7 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
         "prepare": t_load - t_start,
         "convert": t_save - t_conv,
         "profile": sum(r.seconds.get("profile", 0) + r.seconds.get("attention", 0) for r in records),
+        "attention": sum(r.seconds.get("attention", 0) for r in records),  # part of profile
         "cluster": sum(r.seconds.get("cluster", 0) for r in records),
         "route_and_forward": sum(r.seconds.get("route_and_forward", 0) for r in records),
     }
@@ -117,6 +118,7 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
         "calibration": {"dataset": calib, "split": calib_split, "data_path": data_path,
                         "samples": calib_samples, "seqlen": seqlen, "seed": seed},
         "k_act": k_act, "normalize": normalize, "kmeans_iters": kmeans_iters,
+        "shared_by": shared_by,
         "router": {"neurons_per_expert": router_neurons, "fitted_scales": router_scale,
                    "fit_tokens": router_fit_tokens},
         "layers": [{k: v for k, v in r.to_json().items() if k not in ("mu", "seconds")}

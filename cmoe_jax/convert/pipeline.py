@@ -22,7 +22,7 @@ from cmoe_jax.carving.markers import profile_layer
 from cmoe_jax.carving.router import router_fit_sums, scale_router_up
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig, SwiGLU
-from cmoe_jax.profiling.layerwise import (all_finite, attention_step, calibration_mesh,
+from cmoe_jax.profiling.layerwise import (attention_step, calibration_mesh,
                                           embed_step, ffn_residual_step, replicate, shard_batch)
 
 
@@ -211,8 +211,8 @@ def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devic
         layer = model.layers[i]
         t0 = time.perf_counter()
         lg, ls = nnx.split(layer)
-        h_mid, x = attention_step(lg, replicate(ls, mesh), h, rope)
-        if not all_finite(x):
+        h_mid, x, finite = attention_step(lg, replicate(ls, mesh), h, rope)
+        if not finite:
             raise ConversionError(f"layer {i}: NaN or inf in the FFN input activations; check the "
                                   "weights and use float32 for conversion")
         t_attn = time.perf_counter() - t0

@@ -37,10 +37,12 @@ def embed_step(graphdef, state, tokens):
 
 @functools.partial(jax.jit, static_argnums=0)
 def attention_step(graphdef, state, h, rope):
-    """Residual stream after attention and the FFN input (post-attention RMSNorm)."""
+    """Residual stream after attention, the FFN input (post-attention RMSNorm) and whether
+    that input is all finite (checked in the same pass rather than a second sweep over it)."""
     layer = nnx.merge(graphdef, state)
     h_mid = layer.attention_block(h, rope)
-    return h_mid, layer.ffn_input(h_mid)
+    x = layer.ffn_input(h_mid)
+    return h_mid, x, jnp.isfinite(x).all()
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -55,6 +57,3 @@ def ffn_residual_step(graphdef, state, h_mid, x):
         y, load = ffn(x), jnp.zeros((0,), jnp.int32)
     return h_mid + y, load
 
-
-def all_finite(x) -> bool:
-    return bool(jax.jit(lambda a: jnp.isfinite(a).all())(x))
