@@ -1,9 +1,11 @@
 """The README demo: dense vs CMoE perplexity of the embedded SmolLM2-135M on WikiText-2.
 
-    python -m cmoe_jax.demo [--windows 8] [--configs S3A3E8:energy,S2A2E16,S1A1E8]
+    python -m cmoe_jax.demo [--windows 8] [--configs S3A3E8:energy:reps=energy:r=8,S2A2E16,S1A1E8]
 
-A config may name its shared-expert rule after a colon (`S3A3E8:energy`, see
-`python -m cmoe_jax.convert --shared-by`); without one it is the paper's rate rule.
+After a config's name, colon-separated options choose the carving rules of that row (see
+`python -m cmoe_jax.convert --help`): `rate` or `energy` (--shared-by), `reps=centroid|energy`
+(--router-reps), `r=N` (--router-neurons), `fit=N` (--router-fit-tokens). Without options a
+row uses the defaults: the paper's rules with 4 router neurons per expert.
 
 Uses `../shared/data/wikitext-2/{valid,test}.txt` when present (this project's machines),
 otherwise downloads WikiText-2 with `datasets`.
@@ -16,6 +18,9 @@ import tempfile
 from pathlib import Path
 
 
+DEFAULT_CONFIGS = "S3A3E8:energy:reps=energy:r=8,S2A2E16,S1A1E8"
+
+
 def local_wikitext() -> Path | None:
     for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
         d = base.parent / "shared" / "data" / "wikitext-2"
@@ -24,17 +29,46 @@ def local_wikitext() -> Path | None:
     return None
 
 
+_OPTIONS = {"reps": ("router_reps", str), "r": ("router_neurons", int),
+            "fit": ("router_fit_tokens", int)}
+
+
+def parse_config(spec: str) -> tuple[str, dict]:
+    """`S3A3E8:energy:reps=energy:r=8` -> ("S3A3E8", convert() keyword arguments)."""
+    name, *opts = spec.split(":")
+    kwargs = {}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if not eq and key in ("rate", "energy"):
+            kwargs["shared_by"] = key
+        elif eq and key in _OPTIONS:
+            arg, kind = _OPTIONS[key]
+            try:
+                kwargs[arg] = kind(value)
+            except ValueError:
+                raise ValueError(f"config {spec!r}: {key}={value!r} is not a valid {kind.__name__}") from None
+        else:
+            raise ValueError(f"config {spec!r}: unknown option {opt!r}; use rate, energy, "
+                             f"{', '.join(k + '=...' for k in _OPTIONS)}")
+    return name, kwargs
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cmoe_jax.demo", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--windows", type=int, default=8,
                    help="test windows of --seqlen tokens (the README table uses 40)")
     p.add_argument("--seqlen", type=int, default=2048)
-    p.add_argument("--configs", default="S3A3E8:energy,S2A2E16,S1A1E8",
-                   help="comma-separated SxAyEz[:rate|energy] (default: %(default)s)")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="comma-separated SxAyEz[:option...] (default: %(default)s)")
     p.add_argument("--calib-samples", type=int, default=8)
     p.add_argument("--json", help="write the table as JSON here")
     args = p.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    try:
+        parsed = [parse_config(c) for c in configs]
+    except ValueError as e:
+        p.error(str(e))
 
     from cmoe_jax.carving import MoEPlan
     from cmoe_jax.convert import convert
@@ -56,13 +90,11 @@ def main(argv=None) -> int:
     print(f"dense perplexity on {len(windows)} x {args.seqlen} tokens: {r['ppl']:.3f}")
     del dense
     with tempfile.TemporaryDirectory() as tmp:
-        for name in [c for c in args.configs.split(",") if c]:
-            plan_name, _, shared_by = name.partition(":")
+        for name, (plan_name, options) in zip(configs, parsed):
             out = Path(tmp) / plan_name
             manifest = convert(args.model, MoEPlan.parse(plan_name), out=out, calib="wikitext2",
                                data_path=valid_path, calib_samples=args.calib_samples,
-                               seqlen=args.seqlen, seed=0, shared_by=shared_by or "rate",
-                               progress=False)
+                               seqlen=args.seqlen, seed=0, progress=False, **options)
             seconds = manifest["seconds"]["convert"]
             moe = load_model(str(out), progress=False)
             r = perplexity(moe.model, windows)

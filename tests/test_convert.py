@@ -53,11 +53,13 @@ def test_shared_experts_are_top_mu_neurons(dense):
         assert shared == set(order[: len(shared)].tolist())
 
 
-def test_shared_experts_by_output_energy(dense):
+def test_shared_experts_and_router_neurons_by_output_energy(dense):
     """`shared_by="energy"`: the neurons of largest mean h^2 * ||W_down row||^2, recomputed in
-    numpy from the first layer's FFN inputs (the dense model's, since nothing precedes it)."""
+    numpy from the first layer's FFN inputs (the dense model's, since nothing precedes it);
+    `router_reps="energy"`: each expert's router neurons are its members of largest energy."""
     calib = _calib()
-    cc = ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4, shared_by="energy")
+    cc = ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4, shared_by="energy",
+                       router_reps="energy", router_neurons=3)
     _, records = convert_model(dense, calib, cc, progress=False)
     _, captured = dense(jnp.asarray(calib), capture_ffn_inputs=True)
     x = np.asarray(captured[0], np.float64).reshape(-1, 32)
@@ -70,6 +72,8 @@ def test_shared_experts_by_output_energy(dense):
     np.testing.assert_array_equal(shared, np.sort(np.argsort(-energy)[: len(shared)]))
     rate_rule = np.sort(np.argsort(-records[0].mu, kind="stable")[: len(shared)])
     assert not np.array_equal(shared, rate_rule)  # the two rules differ on this model
+    for members, reps in zip(records[0].carving.expert_idx, records[0].carving.representative_idx):
+        np.testing.assert_array_equal(reps, np.asarray(members)[np.argsort(-energy[members])[:3]])
 
 
 def test_router_picks_experts_with_largest_representative_activation(dense):
@@ -199,6 +203,17 @@ def test_cli_rejects_bad_plans(tiny_checkpoint, tmp_path, capsys, extra, message
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err, err
     assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+@pytest.mark.parametrize("bad, flag", [(dict(router_reps="nearest"), "--router-reps"),
+                                       (dict(shared_by="norm"), "--shared-by"),
+                                       (dict(router_neurons=0), "--router-neurons")])
+def test_api_rejects_bad_router_and_shared_rules(dense, bad, flag):
+    from cmoe_jax.convert.pipeline import ConversionError
+
+    with pytest.raises(ConversionError, match=flag):
+        convert_model(dense, _calib(), ConvertConfig(plan=MoEPlan.parse("S1A1E8"), **bad),
+                      progress=False)
 
 
 def test_cli_rejects_short_calibration(tiny_checkpoint, tmp_path, capsys):

@@ -24,7 +24,8 @@ class LayerCarving:
 
 
 def carve_layer(markers, mu, plan: MoEPlan, *, k_act: int = 10, kmeans_iters: int | None = None,
-                router_neurons: int = 1, shared_score=None, seed: int = 0) -> LayerCarving:
+                router_neurons: int = 1, shared_score=None, representative_score=None,
+                seed: int = 0) -> LayerCarving:
     """Partition the d_h neurons of one layer from its binary markers [T, d_h] and rates mu [d_h].
 
     Shared: the x*m neurons with the highest `shared_score` (default mu, the paper's rule; the
@@ -33,7 +34,8 @@ def carve_layer(markers, mu, plan: MoEPlan, *, k_act: int = 10, kmeans_iters: in
     N_r highest-mu remaining neurons (cluster j at the j-th), each step an exact balanced
     assignment; `kmeans_iters` None runs to convergence, 1 is the authors' code. The
     representatives of each cluster are its `router_neurons` members closest to the centroid
-    (1: the paper's single representative). Deterministic:
+    (1: the paper's single representative), or, given `representative_score` [d_h], its
+    members of highest score (ties: lower id). Deterministic:
     `seed` is not used by the method (it has no random choice) and is kept for API symmetry
     with the calibration sampling.
     """
@@ -56,14 +58,24 @@ def carve_layer(markers, mu, plan: MoEPlan, *, k_act: int = 10, kmeans_iters: in
     # rest is ascending, so each cluster's members come out ascending
     experts = np.stack([rest[km.labels == j] for j in range(plan.routed)]).astype(np.int64)
     assert experts.shape == (plan.routed, m)
-    reps = rest[representative_neurons(points, km.labels, km.centroid_counts, km.cluster_size,
-                                       router_neurons)]
+    if representative_score is None:
+        reps = rest[representative_neurons(points, km.labels, km.centroid_counts, km.cluster_size,
+                                           router_neurons)]
+    else:
+        reps = top_scored_members(experts, np.asarray(representative_score), router_neurons)
     t_end = time.perf_counter()
     timings = {"shared": t_shared - t_start, "kmeans": t_kmeans - t_shared,
                "assignment": km.assign_seconds, "representatives": t_end - t_kmeans,
                "total": t_end - t_start}
     return LayerCarving(shared.astype(np.int64), experts, reps.astype(np.int64), km.iterations,
                         timings, km.costs)
+
+
+def top_scored_members(experts, score, per_expert: int) -> np.ndarray:
+    """Per expert row of neuron ids [E, m], its `per_expert` ids of highest score, highest
+    first (stable: equal scores keep the lower id first)."""
+    order = np.argsort(-score[experts], axis=1, kind="stable")[:, :per_expert]
+    return np.take_along_axis(experts, order, axis=1)
 
 
 def slice_ffn(w_gate, w_up, w_down, carving: LayerCarving, normalize_router: bool = True) -> dict:

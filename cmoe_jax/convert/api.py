@@ -45,7 +45,8 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
             data_path: str | None = None, calib_samples: int = 8, seqlen: int = 2048,
             k_act: int = 10, kmeans_iters: int | None = None, normalize: bool = True,
             seed: int = 0, router_neurons: int = 4, router_scale: bool = True,
-            router_fit_tokens: int = 2048, shared_by: str = "rate", resume: bool = False,
+            router_fit_tokens: int = 2048, shared_by: str = "rate", router_reps: str = "centroid",
+            resume: bool = False,
             overwrite: bool = False, report: bool = False,
             progress: bool = True, stop_after_layers: int | None = None) -> dict:
     """Convert a dense checkpoint to CMoE and save it at `out`; returns the manifest.
@@ -63,7 +64,8 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     cfg, path = load_config(model)
     cc = ConvertConfig(plan=plan, k_act=k_act, normalize=normalize, kmeans_iters=kmeans_iters,
                        seed=seed, router_neurons=router_neurons, router_scale=router_scale,
-                       router_fit_tokens=router_fit_tokens, shared_by=shared_by)
+                       router_fit_tokens=router_fit_tokens, shared_by=shared_by,
+                       router_reps=router_reps)
     try:
         plan.validate(cfg.intermediate_size, k_act)
     except ValueError as e:
@@ -120,7 +122,7 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
         "k_act": k_act, "normalize": normalize, "kmeans_iters": kmeans_iters,
         "shared_by": shared_by,
         "router": {"neurons_per_expert": router_neurons, "fitted_scales": router_scale,
-                   "fit_tokens": router_fit_tokens},
+                   "fit_tokens": router_fit_tokens, "representatives_by": router_reps},
         "layers": [{k: v for k, v in r.to_json().items() if k not in ("mu", "seconds")}
                    for r in records],
     }

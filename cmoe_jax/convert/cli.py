@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shared-by", choices=["rate", "energy"], default="rate",
                    help="shared-expert neurons: highest activation rate mu (default, the paper's "
                         "rule) or highest output energy E[h^2]*||W_down row||^2")
+    p.add_argument("--router-reps", choices=["centroid", "energy"], default="centroid",
+                   help="router neurons of each expert: the members closest to the cluster centroid "
+                        "(default, the paper's rule) or of highest output energy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory of the converted model")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
@@ -77,7 +80,8 @@ def run(args) -> dict:
                    kmeans_iters=args.kmeans_iters, normalize=not args.no_normalize,
                    seed=args.seed, router_neurons=args.router_neurons,
                    router_scale=not args.no_router_scale, router_fit_tokens=args.router_fit_tokens,
-                   shared_by=args.shared_by, resume=args.resume, overwrite=args.overwrite,
+                   shared_by=args.shared_by, router_reps=args.router_reps, resume=args.resume,
+                   overwrite=args.overwrite,
                    report=args.report)
 
 

@@ -31,6 +31,7 @@ class ConversionError(CmoeError):
 
 
 SHARED_BY = ("energy", "rate")
+ROUTER_REPS = ("centroid", "energy")
 
 @dataclasses.dataclass(frozen=True)
 class ConvertConfig:
@@ -49,12 +50,16 @@ class ConvertConfig:
     # Shared experts: neurons of highest activation rate mu ("rate", the paper's rule), or of
     # highest output energy E[h^2] ||W_down row||^2 ("energy": better when many are shared).
     shared_by: str = "rate"
+    # Router neurons of each expert: its members closest to the cluster centroid ("centroid",
+    # the paper's rule) or of highest output energy ("energy": the neurons that matter most).
+    router_reps: str = "centroid"
 
     def to_dict(self) -> dict:
         return {"config": self.plan.name, "k_act": self.k_act, "normalize": self.normalize,
                 "kmeans_iters": self.kmeans_iters, "seed": self.seed,
                 "router_neurons": self.router_neurons, "router_scale": self.router_scale,
-                "router_fit_tokens": self.router_fit_tokens, "shared_by": self.shared_by}
+                "router_fit_tokens": self.router_fit_tokens, "shared_by": self.shared_by,
+                "router_reps": self.router_reps}
 
 
 @dataclasses.dataclass
@@ -109,6 +114,8 @@ def check_router(cfg: ModelConfig, cc: ConvertConfig) -> None:
                               f"expert width {m}")
     if cc.shared_by not in SHARED_BY:
         raise ConversionError(f"--shared-by {cc.shared_by!r} must be one of {', '.join(SHARED_BY)}")
+    if cc.router_reps not in ROUTER_REPS:
+        raise ConversionError(f"--router-reps {cc.router_reps!r} must be one of {', '.join(ROUTER_REPS)}")
     if cc.router_fit_tokens < 1:
         raise ConversionError(f"--router-fit-tokens {cc.router_fit_tokens} must be at least 1")
 
@@ -150,7 +157,9 @@ def carve_one_layer(layer, x, cfg: ModelConfig, cc: ConvertConfig, mesh) -> tupl
     t1 = time.perf_counter()
     carving = carve_layer(markers, mu, cc.plan, k_act=cc.k_act, kmeans_iters=cc.kmeans_iters,
                           router_neurons=cc.router_neurons,
-                          shared_score=energy if cc.shared_by == "energy" else None, seed=cc.seed)
+                          shared_score=energy if cc.shared_by == "energy" else None,
+                          representative_score=energy if cc.router_reps == "energy" else None,
+                          seed=cc.seed)
     t2 = time.perf_counter()
     return carving, mu, {"profile": t1 - t0, "cluster": t2 - t1}
 

@@ -1,0 +1,27 @@
+"""The demo's per-row option syntax (the README table's rows are written in it)."""
+import pytest
+
+from cmoe_jax.carving import MoEPlan
+from cmoe_jax.demo import DEFAULT_CONFIGS, parse_config
+
+
+def test_parse_config_options():
+    assert parse_config("S1A1E8") == ("S1A1E8", {})
+    assert parse_config("S3A3E8:energy") == ("S3A3E8", {"shared_by": "energy"})
+    assert parse_config("S3A3E8:rate:reps=energy:r=8:fit=16384") == (
+        "S3A3E8", {"shared_by": "rate", "router_reps": "energy", "router_neurons": 8,
+                   "router_fit_tokens": 16384})
+
+
+@pytest.mark.parametrize("spec, message", [("S1A1E8:fast", "unknown option 'fast'"),
+                                           ("S1A1E8:r=eight", "not a valid int"),
+                                           ("S1A1E8:depth=2", "unknown option")])
+def test_parse_config_rejects_unknown_options(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_config(spec)
+
+
+def test_default_rows_parse():
+    for spec in DEFAULT_CONFIGS.split(","):
+        name, _ = parse_config(spec)
+        MoEPlan.parse(name)
