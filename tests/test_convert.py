@@ -265,7 +265,14 @@ def test_cli_converts_and_eval_loads(tiny_checkpoint, tmp_path):
     assert sum(report["layers"][0]["load_per_expert"]) == 2 * 32  # one routed expert per token
     lm = load_model(str(out), progress=False)
     assert lm.config.moe_layers[0].router == "cmoe"
-    assert lm.model(jnp.zeros((1, 8), jnp.int32)).shape == (1, 8, 96)
+    tokens = jnp.asarray(_calib()[:1, :16])
+    logits = lm.model(tokens)
+    assert logits.shape == (1, 16, 96)
+    # bfloat16: the MoE layers compute in it too, not only store their weights in it
+    bf16 = load_model(str(out), dtype=jnp.bfloat16, progress=False).model
+    assert all(layer.mlp.dtype == jnp.bfloat16 and layer.mlp.expert_gate[...].dtype == jnp.bfloat16
+               for layer in bf16.layers)
+    np.testing.assert_allclose(np.asarray(bf16(tokens), np.float32), np.asarray(logits), atol=0.1)
 
 
 def test_interrupted_conversion_resumes_identically(tiny_checkpoint, tmp_path):

@@ -17,7 +17,7 @@ from cmoe_jax.carving.shared import split_shared
 class LayerCarving:
     shared_idx: np.ndarray          # int64 [x*m] neuron ids of the fused shared expert (ascending)
     expert_idx: np.ndarray          # int64 [N_r, m] neuron ids of each routed expert (ascending rows)
-    representative_idx: np.ndarray  # int64 [N_r, r] the r members closest to each centroid, closest first
+    representative_idx: np.ndarray  # int64 [N_r, r] each expert's router neurons, best first
     iterations: int = 0             # balanced K-means assignment steps run
     timings: dict = dataclasses.field(default_factory=dict)  # seconds per stage
     kmeans_costs: list = dataclasses.field(default_factory=list)  # K-means objective per step

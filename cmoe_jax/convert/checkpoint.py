@@ -91,12 +91,13 @@ def load_converted(directory: Path, *, dtype=jnp.float32, mesh=None):
     except Exception as e:
         raise CheckpointError(f"cannot restore {directory / 'state'} ({e}): the checkpoint is "
                               "corrupted or was written by another configuration") from e
-    model = nnx.merge(graphdef, state)
     if jnp.dtype(dtype) != jnp.float32:
+        # merge into a graph built for `dtype`, so every module (the MoE layers' compute dtype
+        # included) runs in it, not only the parameters
         state = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a,
-                             nnx.state(model))
-        model = nnx.merge(graphdef, state)
-        model.dtype = dtype
+                             state)
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+    model = nnx.merge(graphdef, state)
     tok_dir = directory / "tokenizer"
     tokenizer = load_tokenizer(tok_dir) if tok_dir.exists() else None
     return LoadedModel(model, cfg, tokenizer, str(directory), directory)
