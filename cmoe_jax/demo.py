@@ -65,12 +65,14 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the table as JSON here")
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
-    try:
-        parsed = [parse_config(c) for c in configs]
-    except ValueError as e:
-        p.error(str(e))
 
     from cmoe_jax.carving import MoEPlan
+
+    try:  # every row's plan and options are checked before the first (minutes-long) evaluation
+        parsed = [parse_config(c) for c in configs]
+        plans = [MoEPlan.parse(name) for name, _ in parsed]
+    except ValueError as e:
+        p.error(str(e))
     from cmoe_jax.convert import convert
     from cmoe_jax.data import load_text_tokens, text_windows
     from cmoe_jax.eval import perplexity
@@ -90,9 +92,9 @@ def main(argv=None) -> int:
     print(f"dense perplexity on {len(windows)} x {args.seqlen} tokens: {r['ppl']:.3f}")
     del dense
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (plan_name, options) in zip(configs, parsed):
-            out = Path(tmp) / plan_name
-            manifest = convert(args.model, MoEPlan.parse(plan_name), out=out, calib="wikitext2",
+        for row, (name, plan, (_, options)) in enumerate(zip(configs, plans, parsed)):
+            out = Path(tmp) / f"{row}_{plan.name}"  # rows may share a plan with other options
+            manifest = convert(args.model, plan, out=out, calib="wikitext2",
                                data_path=valid_path, calib_samples=args.calib_samples,
                                seqlen=args.seqlen, seed=0, progress=False, **options)
             seconds = manifest["seconds"]["convert"]

@@ -25,3 +25,12 @@ def test_default_rows_parse():
     for spec in DEFAULT_CONFIGS.split(","):
         name, _ = parse_config(spec)
         MoEPlan.parse(name)
+
+
+def test_bad_row_fails_before_any_work(capsys):
+    """A bad plan in the last row stops the demo before the dense model is even loaded."""
+    from cmoe_jax.demo import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--configs", "S1A1E8,S1A1E8:reps=energy,SxA1E8"])
+    assert e.value.code == 2 and "SxA1E8" in capsys.readouterr().err
