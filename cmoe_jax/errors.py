@@ -13,6 +13,21 @@ class CheckpointError(CmoeError):
     """A checkpoint file is missing, corrupted, truncated, or does not match its config."""
 
 
+class MissingDependencyError(CmoeError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
+
+
+def require(module: str, extra: str, purpose: str):
+    """Import an optional dependency, or raise a one-line error naming the extra to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingDependencyError(f"{purpose} needs the Python package {module.split('.')[0]!r}, "
+                                     f"which is not installed: pip install 'cmoe_jax[{extra}]'") from None
+
+
 EXIT_BAD_INPUT = 2
 
 

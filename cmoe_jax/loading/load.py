@@ -93,4 +93,8 @@ def load_model(name_or_path: str = "smollm2", *, dtype=jnp.float32, mesh=None,
         return load_converted(path, dtype=dtype, mesh=mesh)
     source = open_source(path)
     model = load_weights(source, cfg, dtype=dtype, mesh=mesh, progress=progress)
-    return LoadedModel(model, cfg, load_tokenizer(path), str(name_or_path), path)
+    if isinstance(source, GGUFSource):  # reuse the parsed file: reading it again costs seconds
+        tokenizer = load_tokenizer(source.path, gguf_reader=source.reader)
+    else:
+        tokenizer = load_tokenizer(path)
+    return LoadedModel(model, cfg, tokenizer, str(name_or_path), path)

