@@ -39,8 +39,28 @@ def test_pytorch_bin(tmp_path):
     np.testing.assert_allclose(_our_logits(tmp_path), _ref_logits(model), atol=1e-4)
 
 
-def _write_llama_gguf(model, path):
-    """Write a llama GGUF the way llama.cpp's converter does (Q/K rows permuted)."""
+def _llama_cpp_rope_freqs(cfg) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter writes as `rope_freqs` for Llama-3 scaling."""
+    s = cfg.rope_parameters
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (s["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    old, lo, hi, factor = (s["original_max_position_embeddings"], s["low_freq_factor"],
+                           s["high_freq_factor"], s["factor"])
+    out = []
+    for wavelen in 2 * np.pi / freqs:
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def _write_llama_gguf(model, path, rope: str | None = None):
+    """Write a llama GGUF the way llama.cpp's converter does (Q/K rows permuted); `rope`
+    "llama3" adds the `rope_freqs` tensor, "linear" the rope.scaling keys."""
     import gguf
 
     cfg = model.config
@@ -54,6 +74,11 @@ def _write_llama_gguf(model, path):
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
+    if rope == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(cfg))
+    elif rope == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_parameters["factor"])
 
     def permute(t, n_head):
         return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
@@ -88,6 +113,47 @@ def test_gguf_unpermutes_qk(tmp_path):
     model = tiny_hf_model("llama")
     _write_llama_gguf(model, tmp_path / "tiny.gguf")
     np.testing.assert_allclose(_our_logits(tmp_path / "tiny.gguf"), _ref_logits(model), atol=1e-4)
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("llama3", {}),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+])
+def test_gguf_rope_scaling_matches_the_source_model(tmp_path, family, overrides):
+    """A GGUF carrying RoPE scaling (Llama-3 `rope_freqs` / linear keys) loads to the logits of
+    the transformers model it was written from. (transformers itself ignores these GGUF keys
+    for llama files, so the reference is the source checkpoint, not transformers reading the GGUF.)"""
+    model = tiny_hf_model(family, **overrides)
+    rope = "llama3" if family == "llama3" else "linear"
+    _write_llama_gguf(model, tmp_path / "scaled.gguf", rope=rope)
+    _write_llama_gguf(model, tmp_path / "plain.gguf")
+    tokens = np.random.default_rng(1).integers(0, 96, size=(1, 120))
+    with torch.no_grad():
+        expected = model(torch.tensor(tokens)).logits.numpy()
+    lm = load_model(str(tmp_path / "scaled.gguf"), progress=False)
+    assert dict(lm.config.rope_scaling)["rope_type"] in ("freq_factors", "linear")
+    ours = np.asarray(lm.model(jnp.asarray(tokens, jnp.int32)))
+    np.testing.assert_allclose(ours, expected, atol=1e-4)
+    unscaled = np.asarray(load_model(str(tmp_path / "plain.gguf"), progress=False).model(
+        jnp.asarray(tokens, jnp.int32)))
+    # the scaling is visible at these positions: ignoring it misses the tolerance by far
+    assert np.abs(unscaled - expected).max() > 10 * max(np.abs(ours - expected).max(), 1e-4)
+
+
+def test_gguf_unsupported_rope_scaling_is_one_line_error(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "yarn.gguf"), "llama")
+    for add, value in ((w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, 8),
+                       (w.add_feed_forward_length, 16), (w.add_head_count, 2), (w.add_vocab_size, 8)):
+        add(value)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="RoPE scaling 'yarn' is not supported"):
+        load_config(str(tmp_path / "yarn.gguf"))
 
 
 def test_missing_path_error(tmp_path):
