@@ -5,8 +5,12 @@ m = d_h / z; x of them form the shared MLP (width x*m), the other z - x are rout
 token uses y of them (top_k = y). Active fraction (x + y) / z, so the ideal speedup is
 z / (x + y) (S1A1E8: 4x, S3A3E8: 1.33x).
 
-Routing is controlled exactly: the MoE runs a real linear router (x @ W_r, softmax, top_k)
-whose logits get a constructed offset that fixes the selection: "balanced" gives every
+Routing is controlled exactly: the MoE runs a real router whose scores get a constructed
+offset that fixes the selection. With `--router-neurons r` (default 8, the conversion
+default) it is the CMoE router of a converted model: r representative neurons per routed
+expert, s = sum |silu(x W_gate^R) * (x W_up^R)| (`cmoe_jax.moe.routers.cmoe_scores`), so its
+cost (2 x d x r(z - x) multiply-adds per token) is counted; `--router-neurons 0` runs a
+linear router (x @ W_r) instead. The offsets: "balanced" gives every
 routed expert T*y/(z-x) rows, "skewed" sends half the tokens' first choice to expert 0.
 Each printed row names configuration, shape, tokens, dtype and routing, gives the median
 times of the dense FFN, the MoE FFN (grouped-matmul backend of the platform, or --backend)
@@ -28,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cmoe_jax.moe.dispatch import routed_experts
+from cmoe_jax.moe.routers import cmoe_scores
 from cmoe_jax.moe.gmm import get_gmm, resolve_backend
 
 CONFIGS = ("S1A1E8", "S1A3E16", "S3A3E8", "S3A9E16")
@@ -72,16 +77,23 @@ def swiglu(x, wg, wu, wd):
     return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
 
 
-def make_moe(top_k: int, gmm):
+def router_scores(x, router, num_experts: int):
+    """CMoE representative-neuron scores for a (gate, up) pair, linear logits for a matrix."""
+    if isinstance(router, tuple):
+        return cmoe_scores(x, *router, num_experts)
+    return x.astype(jnp.float32) @ router
+
+
+def make_moe(top_k: int, gmm, num_experts: int):
     def moe(x, shared, experts, router, offsets):
-        logits = (x.astype(jnp.float32) @ router) + offsets
+        logits = router_scores(x, router, num_experts) + offsets
         gates, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
         routed, counts = routed_experts(x, ids.astype(jnp.int32), gates, *experts, gmm)
         return (swiglu(x, *shared).astype(jnp.float32) + routed).astype(x.dtype), counts
     return jax.jit(moe)
 
 
-def run_case(config, shape, tokens, dtype_name, routing, backend, reps, ragged_limit):
+def run_case(config, shape, tokens, dtype_name, routing, backend, reps, ragged_limit, router_neurons=8):
     s, a, z = parse_config(config)
     d, dh = (int(v) for v in shape.split("x"))
     if dh % z:
@@ -96,11 +108,16 @@ def run_case(config, shape, tokens, dtype_name, routing, backend, reps, ragged_l
     shared = (w(keys[4], d, s * m), w(keys[5], d, s * m), w(keys[6], s * m, d))
     ek = jax.random.split(keys[7], 3)
     experts = (w(ek[0], routed, d, m), w(ek[1], routed, d, m), w(ek[2], routed, m, d))
-    # tiny router weights: the logits stay |x @ W_r| << 1, so the offsets decide top_k
-    router = jax.random.normal(keys[7], (d, routed), jnp.float32) * (1e-3 / d)
+    # tiny router weights: the scores stay << 1, so the offsets decide top_k
+    rk = jax.random.split(keys[6], 2)
+    if router_neurons:
+        router = tuple(jax.random.normal(k, (d, routed * router_neurons), jnp.float32) * (1e-2 / d)
+                       for k in rk)
+    else:
+        router = jax.random.normal(keys[7], (d, routed), jnp.float32) * (1e-3 / d)
     offsets = jnp.asarray(routing_offsets(tokens, routed, a, routing == "skewed"))
 
-    moe = make_moe(a, get_gmm(backend))
+    moe = make_moe(a, get_gmm(backend), routed)
     counts = np.asarray(moe(x, shared, experts, router, offsets)[1])
     want = np.bincount(np.asarray(jax.lax.top_k(offsets, a)[1]).ravel(), minlength=routed)
     assert np.array_equal(counts, want), (counts, want)  # routing is what we asked for
@@ -109,11 +126,11 @@ def run_case(config, shape, tokens, dtype_name, routing, backend, reps, ragged_l
     # ragged_dot on CPU computes every group for every row: skip when that is too slow
     ragged_flop = 6 * tokens * a * d * m * routed
     if ragged_limit > 0 and ragged_flop <= ragged_limit * 1e12:
-        calls.append((make_moe(a, get_gmm("ragged_dot")), moe_args))
+        calls.append((make_moe(a, get_gmm("ragged_dot"), routed), moe_args))
     t_dense, t_moe, *t_ragged = median_times(calls, reps)
     t_ragged = f"{t_ragged[0]:8.4f}s" if t_ragged else "       -"
     loads = f"max/mean load {counts.max() / counts.mean():.2f}"
-    print(f"{config:8s} {shape:>10s} tokens={tokens:<6d} {dtype_name:4s} {routing:8s} "
+    print(f"{config:8s} {shape:>10s} tokens={tokens:<6d} {dtype_name:4s} {routing:8s} r={router_neurons} "
           f"{loads}  dense {t_dense:8.4f}s  moe {t_moe:8.4f}s  ragged_dot {t_ragged}  "
           f"{t_dense / t_moe:.2f}x", flush=True)
 
@@ -130,6 +147,8 @@ def main(argv=None):
                    help="also run the first selected configuration with skewed routing")
     p.add_argument("--backend", default="auto", help="grouped-matmul backend of the MoE column")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    p.add_argument("--router-neurons", type=int, default=8,
+                   help="CMoE router neurons per routed expert (0: a linear router)")
     p.add_argument("--ragged-limit-tflop", type=float, default=1.0,
                    help="skip the ragged_dot column above this much work (0: never run it)")
     args = p.parse_args(argv)
@@ -138,10 +157,10 @@ def main(argv=None):
     for shape, tokens, dtype_name in itertools.product(args.shape, args.tokens, args.dtype):
         for config, routing in itertools.product(args.config, args.routing):
             run_case(config, shape, tokens, dtype_name, routing, args.backend, args.reps,
-                     args.ragged_limit_tflop)
+                     args.ragged_limit_tflop, args.router_neurons)
         if args.skewed_case and "skewed" not in args.routing:
             run_case(args.config[0], shape, tokens, dtype_name, "skewed", args.backend,
-                     args.reps, args.ragged_limit_tflop)
+                     args.reps, args.ragged_limit_tflop, args.router_neurons)
 
 
 if __name__ == "__main__":
