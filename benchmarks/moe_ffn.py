@@ -22,15 +22,20 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import re
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import load_average  # noqa: E402
 from cmoe_jax.moe.dispatch import routed_experts
 from cmoe_jax.moe.routers import cmoe_scores
 from cmoe_jax.moe.gmm import get_gmm, resolve_backend
@@ -130,9 +135,11 @@ def run_case(config, shape, tokens, dtype_name, routing, backend, reps, ragged_l
     t_dense, t_moe, *t_ragged = median_times(calls, reps)
     t_ragged = f"{t_ragged[0]:8.4f}s" if t_ragged else "       -"
     loads = f"max/mean load {counts.max() / counts.mean():.2f}"
+    busy = load_average() > (os.cpu_count() or 1)
+    ratio = f"(load {load_average():.1f}: machine busy, no ratio)" if busy else f"{t_dense / t_moe:.2f}x"
     print(f"{config:8s} {shape:>10s} tokens={tokens:<6d} {dtype_name:4s} {routing:8s} r={router_neurons} "
           f"{loads}  dense {t_dense:8.4f}s  moe {t_moe:8.4f}s  ragged_dot {t_ragged}  "
-          f"{t_dense / t_moe:.2f}x", flush=True)
+          f"{ratio}", flush=True)
 
 
 def main(argv=None):
@@ -153,7 +160,8 @@ def main(argv=None):
                    help="skip the ragged_dot column above this much work (0: never run it)")
     args = p.parse_args(argv)
     print(f"# platform {jax.default_backend()} ({jax.device_count()} device(s)), "
-          f"MoE backend {resolve_backend(args.backend)}, median of {args.reps} alternating runs", flush=True)
+          f"MoE backend {resolve_backend(args.backend)}, median of {args.reps} alternating runs, "
+          f"load average {load_average():.2f} ({os.cpu_count()} cores)", flush=True)
     for shape, tokens, dtype_name in itertools.product(args.shape, args.tokens, args.dtype):
         for config, routing in itertools.product(args.config, args.routing):
             run_case(config, shape, tokens, dtype_name, routing, args.backend, args.reps,
@@ -161,6 +169,7 @@ def main(argv=None):
         if args.skewed_case and "skewed" not in args.routing:
             run_case(args.config[0], shape, tokens, dtype_name, "skewed", args.backend,
                      args.reps, args.ragged_limit_tflop, args.router_neurons)
+    print(f"# load average at end {load_average():.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,19 +3,21 @@
     python benchmarks/prefill.py [--config S1A1E8] [--batch 8] [--tokens 512] [--calib-samples 4]
 
 Both models run the same batch (8 sequences of 512 tokens): every layer, the final norm and
-the LM head on the last position, jit-compiled, median of several runs in one process. The
-MoE model uses the CPU grouped-matmul path of `MoEFFN`. The last line is dense-time /
-MoE-time as `N.NNx`.
+the LM head on the last position, jit-compiled, the two sides interleaved (dense, MoE,
+dense, ...) after a warm-up (`benchmarks/harness.py`). The MoE model is converted with the
+conversion defaults (or `--router-reps/--router-neurons`) and uses the CPU grouped-matmul
+path of `MoEFFN`. The last line is dense-time / MoE-time of the medians, withheld when the
+load average exceeds the core count.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import interleaved_times, load_average, report  # noqa: E402
 
 
 def prefill_fn(model):
@@ -32,16 +34,6 @@ def prefill_fn(model):
     return lambda tokens: run(state, tokens)
 
 
-def median_time(fn, tokens, repeats):
-    fn(tokens).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(tokens).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2")
@@ -50,7 +42,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--calib-samples", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--router-reps", choices=["centroid", "energy"], default=None)
+    p.add_argument("--router-neurons", type=int, default=None)
     args = p.parse_args()
+    load_start = load_average()
 
     import jax.numpy as jnp
     import numpy as np
@@ -66,15 +61,17 @@ def main() -> None:
     tokens = load_text_tokens("wikitext2", dense.tokenizer, "validation",
                               str(data / "valid.txt") if data else None)
     calib = calibration_windows(tokens, args.calib_samples, 2048, seed=0)
-    moe, _ = convert_model(dense.model, calib, ConvertConfig(plan=MoEPlan.parse(args.config)),
-                           progress=False)
+    options = {k: v for k, v in (("router_reps", args.router_reps),
+                                  ("router_neurons", args.router_neurons)) if v is not None}
+    cc = ConvertConfig(plan=MoEPlan.parse(args.config), **options)
+    moe, _ = convert_model(dense.model, calib, cc, progress=False)
     batch = jnp.asarray(calibration_windows(tokens, args.batch, args.tokens, seed=1))
-    t_dense = median_time(prefill_fn(dense.model), batch, args.repeats)
-    t_moe = median_time(prefill_fn(moe), batch, args.repeats)
-    n = args.batch * args.tokens
-    print(f"dense: {t_dense:.3f} s  {n / t_dense:8.0f} tokens/s")
-    print(f"{args.config}: {t_moe:.3f} s  {n / t_moe:8.0f} tokens/s")
-    print(f"prefill {args.config} batch {args.batch}x{args.tokens}: {t_dense / t_moe:.2f}x")
+    run_dense, run_moe = prefill_fn(dense.model), prefill_fn(moe)
+    times = interleaved_times([lambda: run_dense(batch).block_until_ready(),
+                               lambda: run_moe(batch).block_until_ready()], args.repeats)
+    print(f"prefill batch {args.batch}x{args.tokens}, {args.config} router: "
+          f"{cc.router_neurons} neurons per expert by {cc.router_reps}")
+    report(["dense", args.config], times, load_start, work=args.batch * args.tokens)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+"""Interleaved timing shared by the benchmarks: both sides alternate (A, B, A, B, ...) after a
+warm-up, so load drift hits them alike; medians and minima per side, the ratio of medians,
+and the load average at start and end. A ratio measured on an overloaded machine misleads,
+so above one runnable process per core the ratio is withheld and a warning printed instead.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable, Sequence
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def interleaved_times(sides: Sequence[Callable[[], object]], repeats: int, warmup: int = 1
+                      ) -> list[list[float]]:
+    """Wall times of each zero-argument `side` (which must block until its result is ready)."""
+    for _ in range(warmup):
+        for side in sides:
+            side()
+    times: list[list[float]] = [[] for _ in sides]
+    for _ in range(repeats):
+        for side, ts in zip(sides, times):
+            t0 = time.perf_counter()
+            side()
+            ts.append(time.perf_counter() - t0)
+    return times
+
+
+def report(names: Sequence[str], times: Sequence[Sequence[float]], load_start: float,
+           work: float | None = None, unit: str = "tokens/s") -> float | None:
+    """Print median/min per side and `ratio: first/second` of medians (None when overloaded)."""
+    for name, ts in zip(names, times):
+        rate = f"  {work / statistics.median(ts):10.1f} {unit}" if work else ""
+        print(f"{name:28s} median {statistics.median(ts):8.4f} s  min {min(ts):8.4f} s{rate}")
+    load_end, cores = load_average(), os.cpu_count() or 1
+    print(f"load average {load_start:.2f} at start, {load_end:.2f} at end ({cores} cores), "
+          f"{len(times[0])} interleaved repeats")
+    if max(load_start, load_end) > cores:
+        print(f"warning: load average above {cores} cores: the machine is busy, no ratio printed; "
+              "re-run on a quiet machine")
+        return None
+    ratio = statistics.median(times[0]) / statistics.median(times[1])
+    print(f"ratio ({names[0]} time / {names[1]} time, medians): {ratio:.2f}x")
+    return ratio
