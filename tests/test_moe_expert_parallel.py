@@ -1,0 +1,75 @@
+"""Expert parallelism on 8 simulated CPU devices, mesh ("data", "expert") = (2, 4).
+
+`MoEFFN` under `jax.set_mesh` with an "expert" axis runs `routed_experts_sharded`
+(shard_map + all-to-all); it must equal the same layer on one device (outputs, load
+counts, bias update, gradients of parameters and input), and its compiled HLO must
+exchange tokens with all-to-all and never all-gather the token activations. Runs in a
+fresh interpreter: XLA's device count is fixed when jax is first imported.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent('''
+    import re
+    import numpy as np, jax, jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from cmoe_jax.moe import MoEFFN
+
+    assert jax.device_count() == 8, jax.devices()
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
+    tokens, d = 8 * 16, 32
+
+    def check(router, backend):
+        top_k = 8 if router == "sum" else 2
+        layer = MoEFFN(d, 16, 8, top_k, shared_width=16, router=router, backend=backend,
+                       rngs=nnx.Rngs(0))
+        if router == "cmoe":
+            layer.u[...] = jnp.linspace(-1.0, 1.0, 8)
+        x = jax.random.normal(jax.random.PRNGKey(1), (8, 16, d))
+        graphdef, state = nnx.split(layer)
+
+        def run(state, x):
+            m = nnx.merge(graphdef, state)
+            y, counts = m(x, return_load=True)
+            rest = nnx.state(m, nnx.Not(nnx.Param))
+            loss = lambda p, x: jnp.sum(jnp.sin(nnx.merge(graphdef, p, rest)(x)))
+            return y, counts, jax.grad(loss, argnums=(0, 1))(nnx.state(m, nnx.Param), x)
+
+        want = jax.jit(run)(state, x)  # no mesh set: the one-device dispatch
+        experts = lambda path, v: P("expert") if path[0].key.startswith("expert_") else P()
+        specs = jax.tree_util.tree_map_with_path(experts, state)
+        sharded = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+        xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+        with jax.set_mesh(mesh):
+            got = jax.jit(run)(sharded, xs)
+            hlo = jax.jit(run).lower(sharded, xs).compile().as_text()
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        assert int(got[1].sum()) == tokens * top_k
+        # equal global counts (asserted above) give the same balancing bias update
+        assert "all-to-all" in hlo, "tokens must be exchanged with all-to-all"
+        # no all-gather of anything per token (activations, router scores): dims of the
+        # global token count never appear in a gathered array (each device holds 16 tokens)
+        for shape in re.findall(r"= \\w+\\[([\\d,]*)\\]\\S* all-gather", hlo):
+            dims = {int(s) for s in shape.split(",") if s}
+            assert not dims & {tokens, tokens * top_k}, f"all-gather of {shape}"
+        print("OK", router, backend)
+
+    check("cmoe", "cpu")
+    check("linear", "ragged_dot")
+    check("sum", "dense")
+''')
+
+
+def test_expert_parallel_matches_one_device_and_uses_all_to_all():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert proc.stdout.split() == ["OK", "cmoe", "cpu", "OK", "linear", "ragged_dot",
+                                   "OK", "sum", "dense"]
