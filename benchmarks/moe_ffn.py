@@ -13,6 +13,8 @@ times of the dense FFN, the MoE FFN (grouped-matmul backend of the platform, or 
 and the same MoE with `jax.lax.ragged_dot`, and ends with dense-time / MoE-time as `N.NNx`.
 
     python benchmarks/moe_ffn.py --shape 4096x11008 --tokens 4096 --dtype fp32 --config S1A1E8
+    python benchmarks/moe_ffn.py --backend pallas_gpu --shape 4096x11008 --dtype bf16   # on a GPU
+    python benchmarks/moe_ffn.py --backend megablox_tpu --shape 4096x11008 --dtype bf16 # on a TPU
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cmoe_jax.moe.dispatch import routed_experts
-from cmoe_jax.moe.gmm import get_gmm, resolve_backend
+from cmoe_jax.moe.gmm import BACKENDS, get_gmm, resolve_backend
 
 CONFIGS = ("S1A1E8", "S1A3E16", "S3A3E8", "S3A9E16")
 SHAPES = ("576x1536", "4096x11008")
@@ -128,7 +130,9 @@ def main(argv=None):
                    help="skewed: half the tokens on one expert")
     p.add_argument("--skewed-case", action="store_true",
                    help="also run the first selected configuration with skewed routing")
-    p.add_argument("--backend", default="auto", help="grouped-matmul backend of the MoE column")
+    p.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
+                   help="grouped-matmul backend of the MoE column: pallas_gpu, megablox_tpu, "
+                        "ragged_dot, dense, cpu (auto: the platform's)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     p.add_argument("--ragged-limit-tflop", type=float, default=1.0,
                    help="skip the ragged_dot column above this much work (0: never run it)")
