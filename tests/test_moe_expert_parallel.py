@@ -58,9 +58,45 @@ SCRIPT = textwrap.dedent('''
             assert not dims & {tokens, tokens * top_k}, f"all-gather of {shape}"
         print("OK", router, backend)
 
+    def check_lora_adapters():
+        """Per-expert adapters (the LoRA training path) are split and applied like the weights."""
+        from cmoe_jax.moe.expert_parallel import routed_swiglu_experts
+        from cmoe_jax.moe.gmm import get_gmm
+        keys = iter(jax.random.split(jax.random.PRNGKey(2), 12))
+        rnd = lambda *shape: jax.random.normal(next(keys), shape) * 0.3
+        e, m, r = 8, 16, 4
+        ids = jax.random.randint(next(keys), (tokens, 2), 0, e)
+        gates, x = jax.nn.softmax(rnd(tokens, 2)), rnd(tokens, d)
+        weights = (rnd(e, d, m), rnd(e, d, m), rnd(e, m, d))
+        adapters = {"expert_gate": {"a": rnd(e, d, r), "b": rnd(e, r, m)},
+                    "expert_down": {"a": rnd(e, m, r), "b": rnd(e, r, d)}}
+        gmm = get_gmm("cpu")
+
+        def make_lora(ad):
+            def lora(name, rows, sizes):
+                a = ad.get("expert_" + name)
+                return None if a is None else gmm(gmm(rows, a["a"], sizes), a["b"], sizes)
+            return lora
+
+        def loss(weights, adapters, x):
+            out, counts = routed_swiglu_experts(x, ids, gates, weights, gmm, adapters=adapters,
+                                                make_lora=make_lora)
+            return jnp.sum(jnp.sin(out)), counts
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+        want = fn(weights, adapters, x)
+        put = lambda t, spec: jax.device_put(t, NamedSharding(mesh, spec))
+        with jax.set_mesh(mesh):
+            got = fn(put(weights, P("expert")), put(adapters, P("expert")),
+                     put(x, P(("data", "expert"))))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        print("OK", "lora", "adapters")
+
     check("cmoe", "cpu")
     check("linear", "ragged_dot")
     check("sum", "dense")
+    check_lora_adapters()
 ''')
 
 
@@ -72,4 +108,4 @@ def test_expert_parallel_matches_one_device_and_uses_all_to_all():
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert proc.stdout.split() == ["OK", "cmoe", "cpu", "OK", "linear", "ragged_dot",
-                                   "OK", "sum", "dense"]
+                                   "OK", "sum", "dense", "OK", "lora", "adapters"]

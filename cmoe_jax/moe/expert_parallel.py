@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from cmoe_jax.moe.dispatch import combine, plan
+from cmoe_jax.moe.dispatch import combine, expert_swiglu, plan, routed_experts
 
 DEFAULT_EXPERT_AXIS = "expert"
 
@@ -108,3 +108,26 @@ def routed_experts_sharded(x: jax.Array, expert_ids: jax.Array, gates: jax.Array
     fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, P(expert_axis)),
                        out_specs=(tok, P()))
     return fn(x, expert_ids, gates, params)
+
+
+def routed_swiglu_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: tuple,
+                          gmm: Callable, *, expert_axis: str | None = DEFAULT_EXPERT_AXIS,
+                          adapters: dict | None = None, make_lora: Callable | None = None):
+    """The routed SwiGLU experts `weights = (w_gate, w_up, w_down)`, expert-parallel when the
+    mesh set with `jax.set_mesh` has `expert_axis` (size > 1), else the one-device dispatch.
+
+    `adapters`, optional: a pytree of per-expert arrays (expert axis first, e.g. stacked LoRA
+    factors), split over the devices like the weights; `make_lora(adapters)` turns a
+    device's share into the `lora(name, rows, group_sizes)` hook of `routed_experts`.
+    """
+    def lora_of(ad):
+        return make_lora(ad) if make_lora is not None and ad else None
+
+    if expert_axis_size(expert_axis) == 1:
+        return routed_experts(x, expert_ids, gates, *weights, gmm, lora=lora_of(adapters))
+
+    def apply(rows, sizes, params):
+        return expert_swiglu(rows, sizes, *params[0], gmm, lora=lora_of(params[1]))
+
+    return routed_experts_sharded(x, expert_ids, gates, (weights, adapters or {}), apply,
+                                  expert_axis=expert_axis)

@@ -25,9 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
-from cmoe_jax.moe.dispatch import expert_swiglu, routed_experts
 from cmoe_jax.moe.expert_parallel import (DEFAULT_EXPERT_AXIS, expert_axis_size,
-                                          routed_experts_sharded, tokens_sharded)
+                                          routed_swiglu_experts, tokens_sharded)
 from cmoe_jax.moe.gmm import get_gmm, resolve_backend
 from cmoe_jax.moe.routers import ROUTER_KINDS, RouterKind, cmoe_route, linear_route, sum_route
 
@@ -143,12 +142,8 @@ class MoEFFN(nnx.Module):
         """float32 `[T, d]` sum of the selected experts' gated outputs and int32 `[E]` loads."""
         c = lambda p: p[...].astype(self.dtype)
         weights = (c(self.expert_gate), c(self.expert_up), c(self.expert_down))
-        gmm = get_gmm(self.backend)
-        if not self._expert_parallel():
-            return routed_experts(x, ids, gates, *weights, gmm)
-        return routed_experts_sharded(
-            x, ids, gates, weights, lambda rows, sizes, w: expert_swiglu(rows, sizes, *w, gmm),
-            expert_axis=self.expert_axis)
+        return routed_swiglu_experts(x, ids, gates, weights, get_gmm(self.backend),
+                                     expert_axis=self.expert_axis)
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:
         """CMoE load balancing step in place: `b += gamma * sign(mean(counts) - counts)`."""
