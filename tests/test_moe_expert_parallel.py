@@ -109,3 +109,21 @@ def test_expert_parallel_matches_one_device_and_uses_all_to_all():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert proc.stdout.split() == ["OK", "cmoe", "cpu", "OK", "linear", "ragged_dot",
                                    "OK", "sum", "dense", "OK", "lora", "adapters"]
+
+
+def test_uneven_splits_fail_with_a_clear_message():
+    import jax
+    import jax.numpy as jnp
+    import pytest
+
+    from cmoe_jax.moe.expert_parallel import expert_axis_size, routed_experts_sharded
+
+    mesh = jax.sharding.AbstractMesh((2, 4), ("data", "expert"))
+    assert expert_axis_size("expert", mesh) == 4 and expert_axis_size("model", mesh) == 1
+    weights = (jnp.zeros((8, 4, 2)),)
+    ids, gates = jnp.zeros((12, 1), jnp.int32), jnp.ones((12, 1))
+    with pytest.raises(ValueError, match="12 tokens do not split over 8 devices"):
+        routed_experts_sharded(jnp.zeros((12, 4)), ids, gates, weights, None, mesh=mesh)
+    with pytest.raises(ValueError, match="6 experts do not split over 4 devices"):
+        routed_experts_sharded(jnp.zeros((16, 4)), ids[:1].repeat(16, 0), gates[:1].repeat(16, 0),
+                               (jnp.zeros((6, 4, 2)),), None, mesh=mesh)
