@@ -1,12 +1,21 @@
 """Wall time of a full CMoE conversion of SmolLM2-135M, split by stage (model loading excluded).
 
     python benchmarks/convert.py [--config S1A1E8] [--calib-samples 8] [--seqlen 2048]
+    python benchmarks/convert.py --shape llama2-7b --layers 2 [--backend pallas_gpu] [--dtype bf16]
 
 Prints one line per stage and, last, the total conversion time; also the process's peak
 host memory (ru_maxrss), which is what the README quotes. With `--floor`, first times the
 per-layer steps that any conversion must run (the calibration pass's attention, the FFN
 profile, the converted FFN's forward) on one layer in isolation, best of 3, to show where the
 time goes and what 30 layers of them cost.
+
+With `--shape llama2-7b --layers N`, no checkpoint is read: each of N decoder layers of that
+shape gets random weights just before it is converted (and is freed after), the calibration
+residual stream starts as random activations, and every layer runs the pipeline's own steps
+(attention pass, FFN profile, carving, router fit, converted FFN forward with `--backend`).
+Prints each layer's stage times and the peak device memory (`memory_stats`, else the host's
+peak RSS), and the projection to all the shape's layers: the paper's "minutes for a 7B
+model" measured with one command on an accelerator host.
 """
 from __future__ import annotations
 
@@ -77,9 +86,90 @@ def layer_floor(model: str, plan, samples: int, seqlen: int) -> None:
     print(f"{'floor of these steps':>30}: {total * cfg.num_layers:6.2f} s for {cfg.num_layers} layers")
 
 
+SHAPES = {  # Hugging Face config values (meta-llama/Llama-2-7b-hf)
+    "llama2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096,
+                      intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32,
+                      head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=4096),
+}
+
+
+def peak_memory() -> str:
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return f"peak device memory {stats['peak_bytes_in_use'] / 2**30:.2f} GiB"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return f"peak host RSS {rss:.2f} GiB (no device memory stats)"
+
+
+def random_layers(args) -> None:
+    """Convert `args.layers` random layers of shape `args.shape`, one at a time."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from cmoe_jax.carving import MoEPlan
+    from cmoe_jax.convert.pipeline import (ConvertConfig, build_moe_ffn, carve_one_layer,
+                                           fit_router_scales, slices_for)
+    from cmoe_jax.models.config import ModelConfig
+    from cmoe_jax.models.decoder import DecoderLayer
+    from cmoe_jax.models.layers import rope_tables
+    from cmoe_jax.profiling.layerwise import (attention_step, calibration_mesh,
+                                              ffn_residual_step, replicate, shard_batch)
+
+    cfg = ModelConfig(**SHAPES[args.shape])
+    dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[args.dtype]
+    cc = ConvertConfig(plan=MoEPlan.parse(args.config), kmeans_iters=args.kmeans_iters)
+    mesh = calibration_mesh(args.calib_samples)
+    shape = (args.calib_samples, args.seqlen, cfg.hidden_size)
+    h = shard_batch(jax.random.normal(jax.random.PRNGKey(0), shape, dtype), mesh)
+    rope = replicate(rope_tables(cfg, jnp.arange(args.seqlen)), mesh)
+    print(f"# {args.shape} {args.config} {args.dtype}, {args.calib_samples}x{args.seqlen} "
+          f"calibration tokens, backend {args.backend}, {jax.device_count()} {jax.default_backend()} "
+          f"device(s); random weights, one layer at a time", flush=True)
+    times = []
+    for i in range(args.layers):
+        t0 = time.perf_counter()
+        layer = DecoderLayer(cfg, 0, dtype=dtype, rngs=nnx.Rngs(i))
+        lg, ls = nnx.split(layer)
+        jax.block_until_ready(ls)
+        t1 = time.perf_counter()
+        h_mid, x, _ = attention_step(lg, replicate(ls, mesh), h, rope)
+        jax.block_until_ready(x)
+        t2 = time.perf_counter()
+        carving, _, secs = carve_one_layer(layer, x, cfg, cc, mesh)
+        ffn = build_moe_ffn(cfg, cc, slices_for(layer, carving, cc), dtype)
+        ffn.backend = args.backend
+        fit_router_scales(ffn, x, cc, mesh)
+        fg, fs = nnx.split(ffn)
+        h, _ = jax.block_until_ready(ffn_residual_step(fg, replicate(fs, mesh), h_mid, x))
+        t3 = time.perf_counter()
+        del layer, ls, h_mid, x, ffn, fs
+        times.append(t3 - t1)
+        print(f"layer {i}: {t3 - t1:7.2f} s (attention {t2 - t1:.2f}, profile {secs['profile']:.2f}, "
+              f"cluster {secs['cluster']:.2f}, router fit + forward "
+              f"{t3 - t2 - secs['profile'] - secs['cluster']:.2f}; random init {t1 - t0:.2f} "
+              f"excluded), {peak_memory()}", flush=True)
+    steady = times[1:] or times  # layer 0 also compiles every step
+    per_layer = sum(steady) / len(steady)
+    print(f"{args.layers} layer(s): {sum(times):.2f} s; {cfg.num_layers} layers at "
+          f"{per_layer:.2f} s per layer{' (layers after the first)' if times[1:] else ''}: "
+          f"{per_layer * cfg.num_layers / 60:.1f} min")
+
+
 def main() -> None:
+    from cmoe_jax.moe.gmm import BACKENDS
+
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="convert random layers of this shape instead of --model")
+    p.add_argument("--layers", type=int, default=2, help="with --shape: layers to convert")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="with --shape")
+    p.add_argument("--backend", choices=("auto",) + BACKENDS, default="auto",
+                   help="with --shape: grouped-matmul backend of the converted FFN forward")
     p.add_argument("--config", default="S1A1E8")
     p.add_argument("--calib-samples", type=int, default=8)
     p.add_argument("--seqlen", type=int, default=2048)
@@ -88,6 +178,8 @@ def main() -> None:
     p.add_argument("--floor", action="store_true",
                    help="also time the unavoidable per-layer steps in isolation")
     args = p.parse_args()
+    if args.shape:
+        return random_layers(args)
 
     from cmoe_jax.carving import MoEPlan
     from cmoe_jax.convert import convert

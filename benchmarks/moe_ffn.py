@@ -17,6 +17,8 @@ times of the dense FFN, the MoE FFN (grouped-matmul backend of the platform, or 
 and the same MoE with `jax.lax.ragged_dot`, and ends with dense-time / MoE-time as `N.NNx`.
 
     python benchmarks/moe_ffn.py --shape 4096x11008 --tokens 4096 --dtype fp32 --config S1A1E8
+    python benchmarks/moe_ffn.py --backend pallas_gpu --shape 4096x11008 --dtype bf16   # on a GPU
+    python benchmarks/moe_ffn.py --backend megablox_tpu --shape 4096x11008 --dtype bf16 # on a TPU
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import load_average  # noqa: E402
 from cmoe_jax.moe.dispatch import routed_experts
+from cmoe_jax.moe.gmm import BACKENDS, get_gmm, resolve_backend
 from cmoe_jax.moe.routers import cmoe_scores
-from cmoe_jax.moe.gmm import get_gmm, resolve_backend
 
 CONFIGS = ("S1A1E8", "S1A3E16", "S3A3E8", "S3A9E16")
 SHAPES = ("576x1536", "4096x11008")
@@ -152,7 +154,9 @@ def main(argv=None):
                    help="skewed: half the tokens on one expert")
     p.add_argument("--skewed-case", action="store_true",
                    help="also run the first selected configuration with skewed routing")
-    p.add_argument("--backend", default="auto", help="grouped-matmul backend of the MoE column")
+    p.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
+                   help="grouped-matmul backend of the MoE column: pallas_gpu, megablox_tpu, "
+                        "ragged_dot, dense, cpu (auto: the platform's)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     p.add_argument("--router-neurons", type=int, default=8,
                    help="CMoE router neurons per routed expert (0: a linear router)")

@@ -118,6 +118,20 @@ def test_bf16_cpu_matches_ragged_dot():
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype,precision,tol", [(jnp.bfloat16, "highest", 2e-2),
+                                                   (jnp.float32, "bf16x3", 1e-4)])
+def test_pallas_gpu_interpret_precisions_match_ragged_dot(dtype, precision, tol):
+    """bf16 inputs (fp32 accumulation) and fp32 via three bf16 products, at 32x32x32 tiles."""
+    lhs, rhs, gs = data([30, 0, 34], 70, k=40, n=36)
+    a, b = jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
+    fn = gmm_pallas_gpu.make_gmm((32, 32, 32), interpret=True, precision=precision)
+    out = fn(a, b, jnp.asarray(gs))
+    assert out.dtype == dtype
+    ref = jax.lax.ragged_dot(a, b, jnp.asarray(gs), precision=HI, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref.astype(dtype), np.float32),
+                               rtol=tol, atol=tol)
+
+
 def test_backend_selection():
     assert resolve_backend("auto") == {"cpu": "cpu", "gpu": "pallas_gpu",
                                        "tpu": "megablox_tpu"}[jax.default_backend()]

@@ -44,15 +44,24 @@ def routed_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate
     """
     num_tokens, top_k = expert_ids.shape
     d = plan(expert_ids, w_gate.shape[0])
-    xs = x[d.order // top_k]
+    ys = expert_swiglu(x[d.order // top_k], d.group_sizes, w_gate, w_up, w_down, gmm, lora)
+    return combine(ys[d.inverse], gates), d.group_sizes
 
-    def proj(name, rows, w):
-        y = gmm(rows, w, d.group_sizes)
-        delta = lora(name, rows, d.group_sizes) if lora is not None else None
+
+def expert_swiglu(rows: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                  w_down: jax.Array, gmm: Callable, lora: Callable | None = None) -> jax.Array:
+    """Each expert's SwiGLU on its rows (`rows` sorted by expert, `group_sizes [E]`)."""
+    def proj(name, inp, w):
+        y = gmm(inp, w, group_sizes)
+        delta = lora(name, inp, group_sizes) if lora is not None else None
         return y if delta is None else y + delta.astype(y.dtype)
 
-    h = jax.nn.silu(proj("gate", xs, w_gate)) * proj("up", xs, w_up)
-    ys = proj("down", h.astype(x.dtype), w_down)
-    y = ys[d.inverse].astype(jnp.float32).reshape(num_tokens, top_k, -1)
-    out = jnp.einsum("tkd,tk->td", y, gates.astype(jnp.float32))
-    return out, d.group_sizes
+    h = jax.nn.silu(proj("gate", rows, w_gate)) * proj("up", rows, w_up)
+    return proj("down", h.astype(rows.dtype), w_down)
+
+
+def combine(ys: jax.Array, gates: jax.Array) -> jax.Array:
+    """float32 `[T, d]`: sum over slots of `gates [T, k]` times the slot outputs `ys [T*k, d]`."""
+    num_tokens, top_k = gates.shape
+    y = ys.astype(jnp.float32).reshape(num_tokens, top_k, -1)
+    return jnp.einsum("tkd,tk->td", y, gates.astype(jnp.float32))

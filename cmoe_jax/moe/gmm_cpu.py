@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from cmoe_jax.moe.gmm_vjp import differentiable_gmm
+from cmoe_jax.moe.gmm_vjp import differentiable_gmm, varying_axes
 
 BLOCK = 256  # rows per full block: large enough for an efficient dot, measured on 2 cores
 TAIL = 32    # rows per block for the remainder of a group
@@ -34,6 +34,14 @@ def _compute_dtype(*arrays):
     # XLA:CPU upcasts half-precision dot operands itself, per dot: upcasting once per call
     # (and the weights once per expert) gives the same float32 products far faster.
     return jnp.float32 if any(a.dtype in (jnp.bfloat16, jnp.float16) for a in arrays) else None
+
+
+def _zeros(shape, dtype, *like):
+    """Zeros for a loop carry, varying over the same shard_map axes as `like` (else the
+    carry's type changes in the loop when the inputs are per-device blocks)."""
+    axes = tuple(sorted(varying_axes(*like)))
+    out = jnp.zeros(shape, dtype)
+    return jax.lax.pcast(out, axes, to="varying") if axes else out
 
 
 def _bounds(group_sizes):
@@ -51,7 +59,7 @@ def gmm_impl(lhs, rhs, group_sizes, transpose_rhs=False, *, block=BLOCK, tail=TA
     up = _compute_dtype(lhs, rhs)
     lhs_p = jnp.pad(lhs, ((0, pad), (0, 0)))
     lhs_p = lhs_p.astype(up) if up else lhs_p
-    out = jnp.zeros((m + pad, n), lhs.dtype)
+    out = _zeros((m + pad, n), lhs.dtype, lhs, rhs, group_sizes)
 
     def window(rows, out, w, r0):
         y = _dot(jax.lax.dynamic_slice_in_dim(lhs_p, r0, rows), w, transpose_rhs)
@@ -93,14 +101,14 @@ def tgmm_impl(lhs, rhs, group_sizes, *, block=BLOCK, tail=TAIL):
         s, size = starts[e], sizes[e]
         end = s + size
         full = size // block
-        acc = jnp.zeros((k, n), jnp.float32)
+        acc = _zeros((k, n), jnp.float32, lhs, rhs, group_sizes)
         acc = jax.lax.fori_loop(0, full, lambda i, a: window(block, a, s + i * block, end), acc)
         s2 = s + full * block
         rest = (size - full * block + tail - 1) // tail
         acc = jax.lax.fori_loop(0, rest, lambda i, a: window(tail, a, s2 + i * tail, end), acc)
         return jax.lax.dynamic_update_index_in_dim(out, acc.astype(out.dtype), e, 0)
 
-    out = jnp.zeros((num_groups, k, n), jnp.promote_types(lhs.dtype, rhs.dtype))
+    out = _zeros((num_groups, k, n), jnp.promote_types(lhs.dtype, rhs.dtype), lhs, rhs, group_sizes)
     return jax.lax.fori_loop(0, num_groups, expert, out)
 
 

@@ -1,4 +1,4 @@
-"""Grouped matmul for GPU: Pallas (Triton backend) kernels with a custom VJP.
+"""Grouped matmul for GPU: Pallas kernels lowered through Triton, with a custom VJP.
 
 Rows are sorted by group. The forward kernel runs one program per (row tile, group) pair
 that overlap ("visit", at most `tiles_m + G - 1` of them, computed on the host side of the
@@ -10,7 +10,15 @@ trip count, masking rows of other groups. Operands are zero-padded to tile multi
 the wrapper so every load is in bounds, which keeps `interpret=True` (CPU tests)
 bit-for-bit the same program as the compiled one.
 
-GPU timing is not measured yet (no GPU was available when this was written).
+Both `pallas_call`s pass `plgpu.CompilerParams` (Triton): in jax 0.10.2 a call without
+compiler params follows the global `jax_pallas_use_mosaic_gpu` flag (default: Mosaic GPU),
+which these kernels are not written for. Tiles default per dtype (`default_tiles`), warps
+and pipeline stages follow the tile (`launch_params`). fp32 products use the caller's
+`precision` ("highest": IEEE fp32, the default, matches the CPU backends; "tf32";
+"bf16x3": three bf16 products); bf16/fp16 inputs run on tensor cores and accumulate in fp32.
+
+Lowering for CUDA is tested on CPU with `jax.export` (tests/test_gmm_lowering.py); GPU
+timing is not measured yet (no GPU was available when this was written).
 """
 from __future__ import annotations
 
@@ -23,7 +31,32 @@ from jax.experimental.pallas import triton as plgpu
 
 from cmoe_jax.moe.gmm_vjp import differentiable_gmm
 
-TILES = (64, 32, 64)  # (tm, tk, tn); Triton needs powers of two >= 16
+PRECISIONS = {
+    "highest": jax.lax.Precision.HIGHEST,
+    "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
+    "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+}
+SMEM_BUDGET = 96 * 1024  # bytes of shared memory the pipeline may fill (fits A100/H100 and 100 KB parts)
+
+
+def default_tiles(dtype) -> tuple[int, int, int]:
+    """(tm, tk, tn): 128x64x128 for 16-bit inputs (tensor cores), 64x32x128 for fp32."""
+    return (128, 64, 128) if jnp.dtype(dtype).itemsize == 2 else (64, 32, 128)
+
+
+def launch_params(tiles, dtype) -> plgpu.CompilerParams:
+    """Triton launch: 8 warps for 128x128 output tiles (4 below), as many pipeline stages
+    (2..4) as fit `SMEM_BUDGET` with one lhs and one rhs tile per stage."""
+    tm, tk, tn = tiles
+    stage_bytes = (tm * tk + tk * tn) * jnp.dtype(dtype).itemsize
+    return plgpu.CompilerParams(num_warps=8 if tm * tn >= 128 * 128 else 4,
+                                num_stages=max(2, min(4, SMEM_BUDGET // stage_bytes)))
+
+
+def _dot_precision(dtype, precision: str):
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {tuple(PRECISIONS)}")
+    return PRECISIONS[precision] if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _round_up(x: int, t: int) -> int:
@@ -100,13 +133,11 @@ def _tgmm_kernel(start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, tm, tk, tn, k
     plgpu.store(out_ref.at[pl.ds(g * kp + kk * tk, tk), cols], acc.astype(out_ref.dtype))
 
 
-def _precision(dtype):
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
-def gmm_impl(lhs, rhs, group_sizes, transpose_rhs=False, *, tiles=TILES, interpret=False):
+def gmm_impl(lhs, rhs, group_sizes, transpose_rhs=False, *, tiles=None, precision="highest",
+             interpret=False):
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
+    tiles = tiles or default_tiles(lhs.dtype)
     tm, tk, tn = tiles
     m, k = lhs.shape
     num_groups, _, n = rhs.shape
@@ -116,19 +147,21 @@ def gmm_impl(lhs, rhs, group_sizes, transpose_rhs=False, *, tiles=TILES, interpr
     vg, vt = _visits(group_sizes, mp // tm, tm)
     starts, ends = _group_bounds(group_sizes)
     kernel = functools.partial(_gmm_kernel, tm=tm, tk=tk, tn=tn, kp=kp, num_groups=num_groups,
-                               precision=_precision(lhs.dtype))
+                               precision=_dot_precision(lhs.dtype, precision))
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((mp, np_), lhs.dtype),
         grid=(vg.shape[0], np_ // tn),
         input_output_aliases={6: 0},  # rows of no group stay zero
+        compiler_params=launch_params(tiles, lhs.dtype),
         interpret=interpret,
         name="cmoe_gmm",
     )(vg, vt, starts, ends, lhs_p, rhs_p, jnp.zeros((mp, np_), lhs.dtype))
     return out[:m, :n]
 
 
-def tgmm_impl(lhs, rhs, group_sizes, *, tiles=TILES, interpret=False):
+def tgmm_impl(lhs, rhs, group_sizes, *, tiles=None, precision="highest", interpret=False):
+    tiles = tiles or default_tiles(lhs.dtype)
     tm, tk, tn = tiles
     m, k = lhs.shape
     n = rhs.shape[1]
@@ -136,23 +169,29 @@ def tgmm_impl(lhs, rhs, group_sizes, *, tiles=TILES, interpret=False):
     mp, kp, np_ = _round_up(m, tm), _round_up(k, tk), _round_up(n, tn)
     starts, ends = _group_bounds(group_sizes)
     kernel = functools.partial(_tgmm_kernel, tm=tm, tk=tk, tn=tn, kp=kp,
-                               precision=_precision(lhs.dtype))
+                               precision=_dot_precision(lhs.dtype, precision))
     out_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_groups * kp, np_), out_dtype),
         grid=(num_groups, kp // tk, np_ // tn),
+        compiler_params=launch_params(tiles, lhs.dtype),
         interpret=interpret,
         name="cmoe_tgmm",
     )(starts, ends, _pad_to(lhs, (mp, kp)), _pad_to(rhs, (mp, np_)))
     return out.reshape(num_groups, kp, np_)[:, :k, :n]
 
 
-def make_gmm(tiles=TILES, interpret: bool = False):
-    """A differentiable Pallas grouped matmul; `interpret=True` runs it on CPU for tests."""
-    return differentiable_gmm(
-        functools.partial(gmm_impl, tiles=tiles, interpret=interpret),
-        functools.partial(tgmm_impl, tiles=tiles, interpret=interpret))
+def make_gmm(tiles=None, interpret: bool = False, precision: str = "highest"):
+    """A differentiable Pallas grouped matmul.
+
+    `tiles` (tm, tk, tn), powers of two >= 16 (None: `default_tiles` of the input dtype);
+    `precision` of fp32 products, one of `PRECISIONS`; `interpret=True` runs on CPU (tests).
+    """
+    _dot_precision(jnp.float32, precision)  # fail early on a typo
+    kw = dict(tiles=tiles, precision=precision, interpret=interpret)
+    return differentiable_gmm(functools.partial(gmm_impl, **kw),
+                              functools.partial(tgmm_impl, **kw))
 
 
 gmm = make_gmm()

@@ -19,6 +19,20 @@ from typing import Callable
 import jax
 
 
+def varying_axes(*arrays) -> frozenset:
+    """The shard_map axes over which any of `arrays` varies (empty outside shard_map)."""
+    return frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))
+
+
+def _like(ct, primal):
+    """Cotangent `ct` with the manual-axis type of `primal`: summed over the axes the primal
+    is invariant over (a weight shared by the devices gets their gradients' sum)."""
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+    ct = jax.lax.psum(ct, extra) if extra else ct
+    missing = tuple(sorted(varying_axes(primal) - varying_axes(ct)))
+    return jax.lax.pcast(ct, missing, to="varying") if missing else ct
+
+
 def differentiable_gmm(gmm_impl: Callable, tgmm_impl: Callable) -> Callable:
     """Wrap `gmm_impl(lhs, rhs, sizes, transpose_rhs)` and `tgmm_impl(lhs, rhs, sizes)`."""
 
@@ -37,7 +51,7 @@ def differentiable_gmm(gmm_impl: Callable, tgmm_impl: Callable) -> Callable:
             d_rhs = tgmm_impl(g, lhs, group_sizes)
         else:
             d_rhs = tgmm_impl(lhs, g, group_sizes)
-        return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype), None
+        return _like(d_lhs.astype(lhs.dtype), lhs), _like(d_rhs.astype(rhs.dtype), rhs), None
 
     gmm.defvjp(fwd, bwd)
     return gmm

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
-from cmoe_jax.moe.dispatch import routed_experts
+from cmoe_jax.moe.expert_parallel import (DEFAULT_EXPERT_AXIS, expert_axis_size,
+                                          routed_swiglu_experts, tokens_sharded)
 from cmoe_jax.moe.gmm import get_gmm, resolve_backend
 from cmoe_jax.moe.routers import ROUTER_KINDS, RouterKind, cmoe_route, linear_route, sum_route
 
@@ -48,6 +49,10 @@ class MoEFFN(nnx.Module):
       param_dtype: storage dtype of the parameters.
       backend: grouped-matmul backend, "auto" picks per platform (`cmoe_jax.moe.gmm`), or a
         gmm callable.
+      expert_axis: mesh axis the routed experts are split over. When the mesh set with
+        `jax.set_mesh` has this axis (size > 1) the layer runs expert-parallel
+        (`cmoe_jax.moe.expert_parallel`: tokens exchanged by all-to-all); otherwise, or with
+        None, every device runs the single-device dispatch.
 
     Parameters (JAX layout, `[in, out]`): `shared_gate/shared_up [d, S]`,
     `shared_down [S, d]`; `expert_gate/expert_up [E, d, m]`, `expert_down [E, m, d]`;
@@ -59,7 +64,7 @@ class MoEFFN(nnx.Module):
     def __init__(self, d_model: int, expert_width: int, num_experts: int, top_k: int, *,
                  shared_width: int = 0, router: RouterKind = "cmoe", norm_topk_prob: bool = False,
                  router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
-                 rngs: nnx.Rngs):
+                 expert_axis: str | None = DEFAULT_EXPERT_AXIS, rngs: nnx.Rngs):
         if router not in ROUTER_KINDS:
             raise ValueError(f"router must be one of {ROUTER_KINDS}, got {router!r}")
         if not 1 <= top_k <= num_experts:
@@ -75,6 +80,7 @@ class MoEFFN(nnx.Module):
         self.router, self.norm_topk_prob = router, norm_topk_prob
         self.router_neurons = router_neurons
         self.dtype, self.param_dtype, self.backend = dtype, param_dtype, backend
+        self.expert_axis = expert_axis
 
         def param(*shape):
             return nnx.Param(_init(rngs.params(), shape, param_dtype))
@@ -92,13 +98,29 @@ class MoEFFN(nnx.Module):
             self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32))
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Expert ids int32 `[T, k]` and float32 gates `[T, k]` for tokens `x [T, d]`."""
+        """Expert ids int32 `[T, k]` and float32 gates `[T, k]` for tokens `x [T, d]`.
+
+        Expert-parallel, each device routes its own tokens (XLA would otherwise gather the
+        router scores of all tokens for the top-k)."""
         if self.router == "linear":
-            return linear_route(x, self.router_kernel[...], self.top_k, self.norm_topk_prob)
+            arrays = (self.router_kernel[...],)
+        elif self.router == "cmoe":
+            arrays = (self.router_gate[...], self.router_up[...], self.u[...], self.router_bias[...])
+        else:
+            arrays = ()
+        if self._expert_parallel():
+            return tokens_sharded(self._route, x, arrays)
+        return self._route(x, arrays)
+
+    def _route(self, x, arrays):
+        if self.router == "linear":
+            return linear_route(x, *arrays, self.top_k, self.norm_topk_prob)
         if self.router == "cmoe":
-            return cmoe_route(x, self.router_gate[...], self.router_up[...], self.u[...],
-                              self.router_bias[...], self.top_k)
+            return cmoe_route(x, *arrays, self.top_k)
         return sum_route(x.shape[0], self.num_experts)
+
+    def _expert_parallel(self) -> bool:
+        return expert_axis_size(self.expert_axis) > 1
 
     def shared(self, x: jax.Array) -> jax.Array:
         """The shared MLP `down(silu(x W_gate) * (x W_up))` (zeros when there is none)."""
@@ -112,11 +134,16 @@ class MoEFFN(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, self.d_model).astype(self.dtype)
         ids, gates = self.route(x)
-        c = lambda p: p[...].astype(self.dtype)
-        routed, counts = routed_experts(x, ids, gates, c(self.expert_gate), c(self.expert_up),
-                                        c(self.expert_down), get_gmm(self.backend))
+        routed, counts = self.routed(x, ids, gates)
         y = (self.shared(x).astype(jnp.float32) + routed).astype(self.dtype).reshape(shape)
         return (y, counts) if return_load else y
+
+    def routed(self, x: jax.Array, ids: jax.Array, gates: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """float32 `[T, d]` sum of the selected experts' gated outputs and int32 `[E]` loads."""
+        c = lambda p: p[...].astype(self.dtype)
+        weights = (c(self.expert_gate), c(self.expert_up), c(self.expert_down))
+        return routed_swiglu_experts(x, ids, gates, weights, get_gmm(self.backend),
+                                     expert_axis=self.expert_axis)
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:
         """CMoE load balancing step in place: `b += gamma * sign(mean(counts) - counts)`."""

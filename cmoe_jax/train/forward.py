@@ -15,7 +15,7 @@ from flax import nnx
 
 from cmoe_jax.models.decoder import chunked_nll
 from cmoe_jax.models.layers import SwiGLU
-from cmoe_jax.moe.dispatch import routed_experts
+from cmoe_jax.moe.expert_parallel import routed_swiglu_experts
 from cmoe_jax.moe.gmm import get_gmm
 from cmoe_jax.moe.routers import cmoe_route
 
@@ -67,15 +67,19 @@ def _moe(mlp, x, ad, u, bias, scale, drop):
         shared = jnp.zeros_like(x)
     gmm = get_gmm(mlp.backend)
 
-    def lora(name, rows, sizes):
-        adapter = ad.get("expert_" + name)
-        if adapter is None:
-            return None
-        low = gmm(gmm(drop(rows).astype(jnp.float32), adapter["a"], sizes), adapter["b"], sizes)
-        return scale * low
+    def make_lora(expert_ad):  # expert_ad: this device's experts' adapters when expert-parallel
+        def lora(name, rows, sizes):
+            adapter = expert_ad.get("expert_" + name)
+            if adapter is None:
+                return None
+            low = gmm(gmm(drop(rows).astype(jnp.float32), adapter["a"], sizes), adapter["b"], sizes)
+            return scale * low
+        return lora
 
-    routed, counts = routed_experts(x, ids, gates, c(mlp.expert_gate), c(mlp.expert_up),
-                                    c(mlp.expert_down), gmm, lora=lora if ad else None)
+    weights = (c(mlp.expert_gate), c(mlp.expert_up), c(mlp.expert_down))
+    expert_ad = {k: v for k, v in ad.items() if k.startswith("expert_")}
+    routed, counts = routed_swiglu_experts(x, ids, gates, weights, gmm, expert_axis=mlp.expert_axis,
+                                           adapters=expert_ad, make_lora=make_lora)
     y = (shared.astype(jnp.float32) + routed).astype(mlp.dtype).reshape(shape)
     return y, counts
 

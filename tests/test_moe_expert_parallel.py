@@ -1,0 +1,129 @@
+"""Expert parallelism on 8 simulated CPU devices, mesh ("data", "expert") = (2, 4).
+
+`MoEFFN` under `jax.set_mesh` with an "expert" axis runs `routed_experts_sharded`
+(shard_map + all-to-all); it must equal the same layer on one device (outputs, load
+counts, bias update, gradients of parameters and input), and its compiled HLO must
+exchange tokens with all-to-all and never all-gather the token activations. Runs in a
+fresh interpreter: XLA's device count is fixed when jax is first imported.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent('''
+    import re
+    import numpy as np, jax, jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from cmoe_jax.moe import MoEFFN
+
+    assert jax.device_count() == 8, jax.devices()
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
+    tokens, d = 8 * 16, 32
+
+    def check(router, backend):
+        top_k = 8 if router == "sum" else 2
+        layer = MoEFFN(d, 16, 8, top_k, shared_width=16, router=router, backend=backend,
+                       rngs=nnx.Rngs(0))
+        if router == "cmoe":
+            layer.u[...] = jnp.linspace(-1.0, 1.0, 8)
+        x = jax.random.normal(jax.random.PRNGKey(1), (8, 16, d))
+        graphdef, state = nnx.split(layer)
+
+        def run(state, x):
+            m = nnx.merge(graphdef, state)
+            y, counts = m(x, return_load=True)
+            rest = nnx.state(m, nnx.Not(nnx.Param))
+            loss = lambda p, x: jnp.sum(jnp.sin(nnx.merge(graphdef, p, rest)(x)))
+            return y, counts, jax.grad(loss, argnums=(0, 1))(nnx.state(m, nnx.Param), x)
+
+        want = jax.jit(run)(state, x)  # no mesh set: the one-device dispatch
+        experts = lambda path, v: P("expert") if path[0].key.startswith("expert_") else P()
+        specs = jax.tree_util.tree_map_with_path(experts, state)
+        sharded = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+        xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+        with jax.set_mesh(mesh):
+            got = jax.jit(run)(sharded, xs)
+            hlo = jax.jit(run).lower(sharded, xs).compile().as_text()
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        assert int(got[1].sum()) == tokens * top_k
+        # equal global counts (asserted above) give the same balancing bias update
+        assert "all-to-all" in hlo, "tokens must be exchanged with all-to-all"
+        # no all-gather of anything per token (activations, router scores): dims of the
+        # global token count never appear in a gathered array (each device holds 16 tokens)
+        for shape in re.findall(r"= \\w+\\[([\\d,]*)\\]\\S* all-gather", hlo):
+            dims = {int(s) for s in shape.split(",") if s}
+            assert not dims & {tokens, tokens * top_k}, f"all-gather of {shape}"
+        print("OK", router, backend)
+
+    def check_lora_adapters():
+        """Per-expert adapters (the LoRA training path) are split and applied like the weights."""
+        from cmoe_jax.moe.expert_parallel import routed_swiglu_experts
+        from cmoe_jax.moe.gmm import get_gmm
+        keys = iter(jax.random.split(jax.random.PRNGKey(2), 12))
+        rnd = lambda *shape: jax.random.normal(next(keys), shape) * 0.3
+        e, m, r = 8, 16, 4
+        ids = jax.random.randint(next(keys), (tokens, 2), 0, e)
+        gates, x = jax.nn.softmax(rnd(tokens, 2)), rnd(tokens, d)
+        weights = (rnd(e, d, m), rnd(e, d, m), rnd(e, m, d))
+        adapters = {"expert_gate": {"a": rnd(e, d, r), "b": rnd(e, r, m)},
+                    "expert_down": {"a": rnd(e, m, r), "b": rnd(e, r, d)}}
+        gmm = get_gmm("cpu")
+
+        def make_lora(ad):
+            def lora(name, rows, sizes):
+                a = ad.get("expert_" + name)
+                return None if a is None else gmm(gmm(rows, a["a"], sizes), a["b"], sizes)
+            return lora
+
+        def loss(weights, adapters, x):
+            out, counts = routed_swiglu_experts(x, ids, gates, weights, gmm, adapters=adapters,
+                                                make_lora=make_lora)
+            return jnp.sum(jnp.sin(out)), counts
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+        want = fn(weights, adapters, x)
+        put = lambda t, spec: jax.device_put(t, NamedSharding(mesh, spec))
+        with jax.set_mesh(mesh):
+            got = fn(put(weights, P("expert")), put(adapters, P("expert")),
+                     put(x, P(("data", "expert"))))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        print("OK", "lora", "adapters")
+
+    check("cmoe", "cpu")
+    check("linear", "ragged_dot")
+    check("sum", "dense")
+    check_lora_adapters()
+''')
+
+
+def test_expert_parallel_matches_one_device_and_uses_all_to_all():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert proc.stdout.split() == ["OK", "cmoe", "cpu", "OK", "linear", "ragged_dot",
+                                   "OK", "sum", "dense", "OK", "lora", "adapters"]
+
+
+def test_uneven_splits_fail_with_a_clear_message():
+    import jax
+    import jax.numpy as jnp
+    import pytest
+
+    from cmoe_jax.moe.expert_parallel import expert_axis_size, routed_experts_sharded
+
+    mesh = jax.sharding.AbstractMesh((2, 4), ("data", "expert"))
+    assert expert_axis_size("expert", mesh) == 4 and expert_axis_size("model", mesh) == 1
+    weights = (jnp.zeros((8, 4, 2)),)
+    ids, gates = jnp.zeros((12, 1), jnp.int32), jnp.ones((12, 1))
+    with pytest.raises(ValueError, match="12 tokens do not split over 8 devices"):
+        routed_experts_sharded(jnp.zeros((12, 4)), ids, gates, weights, None, mesh=mesh)
+    with pytest.raises(ValueError, match="6 experts do not split over 4 devices"):
+        routed_experts_sharded(jnp.zeros((16, 4)), ids[:1].repeat(16, 0), gates[:1].repeat(16, 0),
+                               (jnp.zeros((6, 4, 2)),), None, mesh=mesh)
