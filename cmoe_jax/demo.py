@@ -1,11 +1,12 @@
 """The README demo: dense vs CMoE perplexity of the embedded SmolLM2-135M on WikiText-2.
 
-    python -m cmoe_jax.demo [--windows 8] [--configs S3A3E8:energy:reps=energy:r=8,S2A2E16,S1A1E8]
+    python -m cmoe_jax.demo [--windows 8] [--configs S3A3E8:energy,S2A2E16,S1A1E8]
 
 After a config's name, colon-separated options choose the carving rules of that row (see
 `python -m cmoe_jax.convert --help`): `rate` or `energy` (--shared-by), `reps=centroid|energy`
-(--router-reps), `r=N` (--router-neurons), `fit=N` (--router-fit-tokens). Without options a
-row uses the defaults: the paper's rules with 4 router neurons per expert.
+(--router-reps), `r=N` (--router-neurons), `fit=N` (--router-fit-tokens), `paper`
+(--paper-router). Without options a row uses the conversion defaults: shared experts by
+activation rate, 8 router neurons per expert chosen by output energy, fitted scales.
 
 Uses `../shared/data/wikitext-2/{valid,test}.txt` when present (this project's machines),
 otherwise downloads WikiText-2 with `datasets`.
@@ -18,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 
-DEFAULT_CONFIGS = "S3A3E8:energy:reps=energy:r=8,S2A2E16,S1A1E8"
+DEFAULT_CONFIGS = "S3A3E8:energy,S2A2E16,S1A1E8"
 
 
 def local_wikitext() -> Path | None:
@@ -41,6 +42,10 @@ def parse_config(spec: str) -> tuple[str, dict]:
         key, eq, value = opt.partition("=")
         if not eq and key in ("rate", "energy"):
             kwargs["shared_by"] = key
+        elif not eq and key == "paper":
+            from cmoe_jax.convert.pipeline import ConvertConfig
+
+            kwargs.update(ConvertConfig.PAPER_ROUTER)
         elif eq and key in _OPTIONS:
             arg, kind = _OPTIONS[key]
             try:
@@ -48,7 +53,7 @@ def parse_config(spec: str) -> tuple[str, dict]:
             except ValueError:
                 raise ValueError(f"config {spec!r}: {key}={value!r} is not a valid {kind.__name__}") from None
         else:
-            raise ValueError(f"config {spec!r}: unknown option {opt!r}; use rate, energy, "
+            raise ValueError(f"config {spec!r}: unknown option {opt!r}; use rate, energy, paper, "
                              f"{', '.join(k + '=...' for k in _OPTIONS)}")
     return name, kwargs
 

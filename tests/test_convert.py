@@ -108,11 +108,12 @@ def _silu(a):
     return a / (1 + np.exp(-a))
 
 
-def test_default_router_sums_several_neurons_with_least_squares_scales(dense):
-    """Default router: r = 4 closest neurons per expert, |h| summed, times c_j fitted by least
-    squares of the scores against the experts' output norms on the calibration inputs."""
+def test_router_sums_several_neurons_with_least_squares_scales(dense):
+    """r = 4 closest neurons per expert, |h| summed, times c_j fitted by least squares of the
+    scores against the experts' output norms on the calibration inputs."""
     plan, calib = MoEPlan.parse("S1A2E8"), _calib()
-    moe, records = convert_model(dense, calib, ConvertConfig(plan=plan, k_act=4), progress=False)
+    cc = ConvertConfig(plan=plan, k_act=4, router_neurons=4, router_reps="centroid")
+    moe, records = convert_model(dense, calib, cc, progress=False)
     layer, dmlp, carving = moe.layers[0].mlp, dense.layers[0].mlp, records[0].carving
     wg, wu, wd = (np.asarray(w[...], np.float64) for w in (dmlp.gate, dmlp.up, dmlp.down))
     reps, experts = np.asarray(carving.representative_idx), np.asarray(carving.expert_idx)
@@ -140,6 +141,26 @@ def test_default_router_sums_several_neurons_with_least_squares_scales(dense):
                          + sum(expert_out(x[t:t + 1], experts[e])[0] for e in top[t])
                          for t in range(len(x))])
     np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x, jnp.float32))), expected, atol=1e-4)
+
+
+def test_defaults_are_eight_energy_router_neurons_and_paper_router_one_flag_away(
+        tiny_checkpoint, tmp_path):
+    cc = ConvertConfig(plan=MoEPlan.parse("S1A1E8"))
+    assert (cc.router_neurons, cc.router_reps, cc.router_scale, cc.shared_by) == (8, "energy", True, "rate")
+    _, path, text = tiny_checkpoint
+    assert convert_main(_cli(path, text, tmp_path / "paper", "--config", "S1A1E8", "--paper-router")) == 0
+    router = json.loads((tmp_path / "paper" / "cmoe_manifest.json").read_text())["router"]
+    assert (router["neurons_per_expert"], router["representatives_by"], router["fitted_scales"]) == (
+        1, "centroid", False)
+
+
+def test_paper_router_flag_refuses_other_router_flags(tiny_checkpoint, tmp_path, capsys):
+    _, path, text = tiny_checkpoint
+    argv = _cli(path, text, tmp_path / "x", "--config", "S1A1E8", "--paper-router", "--router-neurons", "4")
+    assert convert_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--paper-router" in err[0] and "--router-neurons" in err[0]
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
 
 
 def test_same_seed_same_partition_bit_for_bit(dense):

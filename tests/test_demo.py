@@ -8,6 +8,8 @@ from cmoe_jax.demo import DEFAULT_CONFIGS, parse_config
 def test_parse_config_options():
     assert parse_config("S1A1E8") == ("S1A1E8", {})
     assert parse_config("S3A3E8:energy") == ("S3A3E8", {"shared_by": "energy"})
+    assert parse_config("S1A1E8:paper") == (
+        "S1A1E8", {"router_neurons": 1, "router_reps": "centroid", "router_scale": False})
     assert parse_config("S3A3E8:rate:reps=energy:r=8:fit=16384") == (
         "S3A3E8", {"shared_by": "rate", "router_reps": "energy", "router_neurons": 8,
                    "router_fit_tokens": 16384})

@@ -44,8 +44,10 @@ def _load_done(staging: Path, settings: dict, resume: bool) -> list[LayerRecord]
 def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str = "validation",
             data_path: str | None = None, calib_samples: int = 8, seqlen: int = 2048,
             k_act: int = 10, kmeans_iters: int | None = None, normalize: bool = True,
-            seed: int = 0, router_neurons: int = 4, router_scale: bool = True,
-            router_fit_tokens: int = 2048, shared_by: str = "rate", router_reps: str = "centroid",
+            seed: int = 0, router_neurons: int = ConvertConfig.router_neurons,
+            router_scale: bool = ConvertConfig.router_scale,
+            router_fit_tokens: int = ConvertConfig.router_fit_tokens,
+            shared_by: str = ConvertConfig.shared_by, router_reps: str = ConvertConfig.router_reps,
             resume: bool = False,
             overwrite: bool = False, report: bool = False,
             progress: bool = True, stop_after_layers: int | None = None) -> dict:

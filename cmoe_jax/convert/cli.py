@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cmoe_jax.convert.pipeline import ConvertConfig
 from cmoe_jax.errors import CmoeError, run_job
 
 
@@ -36,18 +37,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="balanced K-means iterations (default: to convergence; 1 = authors' code)")
     p.add_argument("--no-normalize", action="store_true",
                    help="profile unnormalised activations instead of the L2-normalised form")
-    p.add_argument("--router-neurons", type=int, default=4,
-                   help="representative neurons scoring each routed expert (1 = the paper's router)")
+    p.add_argument("--router-neurons", type=int, default=None,
+                   help=f"representative neurons scoring each routed expert (default "
+                        f"{ConvertConfig.router_neurons}; 1 = the paper's router)")
     p.add_argument("--no-router-scale", action="store_true",
                    help="do not fit per-expert router score scales (the paper's raw |h| scores)")
+    p.add_argument("--paper-router", action="store_true",
+                   help="the CMoE paper's router: one representative neuron per expert, closest to "
+                        "the centroid, raw |h| scores (= --router-neurons 1 --router-reps centroid "
+                        "--no-router-scale)")
     p.add_argument("--router-fit-tokens", type=int, default=2048,
                    help="calibration tokens used to fit the router score scales")
     p.add_argument("--shared-by", choices=["rate", "energy"], default="rate",
                    help="shared-expert neurons: highest activation rate mu (default, the paper's "
                         "rule) or highest output energy E[h^2]*||W_down row||^2")
-    p.add_argument("--router-reps", choices=["centroid", "energy"], default="centroid",
-                   help="router neurons of each expert: the members closest to the cluster centroid "
-                        "(default, the paper's rule) or of highest output energy")
+    p.add_argument("--router-reps", choices=["centroid", "energy"], default=None,
+                   help="router neurons of each expert: the members of highest output energy "
+                        "(default) or closest to the cluster centroid (the paper's rule)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory of the converted model")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
@@ -68,6 +74,19 @@ def plan_from_args(args):
     return MoEPlan(args.shared, args.active, args.experts)
 
 
+def router_options(args) -> dict:
+    """Router settings from the flags; `--paper-router` fixes all three and excludes the others."""
+    if args.paper_router:
+        given = [f for f, v in (("--router-neurons", args.router_neurons), ("--router-reps", args.router_reps),
+                                ("--no-router-scale", args.no_router_scale or None)) if v is not None]
+        if given:
+            raise CmoeError(f"--paper-router sets the router itself: drop {', '.join(given)}")
+        return dict(ConvertConfig.PAPER_ROUTER)
+    return {"router_neurons": args.router_neurons or ConvertConfig.router_neurons,
+            "router_reps": args.router_reps or ConvertConfig.router_reps,
+            "router_scale": not args.no_router_scale}
+
+
 def run(args) -> dict:
     from cmoe_jax.convert.api import convert
 
@@ -78,9 +97,8 @@ def run(args) -> dict:
                    calib_split=args.calib_split, data_path=args.data_path,
                    calib_samples=args.calib_samples, seqlen=args.seqlen, k_act=args.k_act,
                    kmeans_iters=args.kmeans_iters, normalize=not args.no_normalize,
-                   seed=args.seed, router_neurons=args.router_neurons,
-                   router_scale=not args.no_router_scale, router_fit_tokens=args.router_fit_tokens,
-                   shared_by=args.shared_by, router_reps=args.router_reps, resume=args.resume,
+                   seed=args.seed, router_fit_tokens=args.router_fit_tokens,
+                   shared_by=args.shared_by, resume=args.resume, **router_options(args),
                    overwrite=args.overwrite,
                    report=args.report)
 

@@ -44,15 +44,20 @@ class ConvertConfig:
     seed: int = 0
     # Router: r representative neurons per expert (1: the paper's), and per-expert score
     # scales fitted on `router_fit_tokens` calibration tokens (False: the paper's raw |h|).
-    router_neurons: int = 4
+    router_neurons: int = 8
     router_scale: bool = True
     router_fit_tokens: int = 2048
     # Shared experts: neurons of highest activation rate mu ("rate", the paper's rule), or of
     # highest output energy E[h^2] ||W_down row||^2 ("energy": better when many are shared).
     shared_by: str = "rate"
     # Router neurons of each expert: its members closest to the cluster centroid ("centroid",
-    # the paper's rule) or of highest output energy ("energy": the neurons that matter most).
-    router_reps: str = "centroid"
+    # the paper's rule) or of highest output energy ("energy", the default: the neurons whose
+    # output matters most; best measured on every plan of the README's table).
+    router_reps: str = "energy"
+
+    # The CMoE paper's analytical router: one representative neuron per expert, the member
+    # closest to the centroid, raw |h| scores (`--paper-router`).
+    PAPER_ROUTER = {"router_neurons": 1, "router_reps": "centroid", "router_scale": False}
 
     def to_dict(self) -> dict:
         return {"config": self.plan.name, "k_act": self.k_act, "normalize": self.normalize,
