@@ -82,13 +82,15 @@ def _checked_document(task: MultipleChoiceTask, line: str, where: str) -> dict:
     if missing:
         raise CmoeError(f"{where}: missing field(s) {', '.join(missing)} needed by task {task.name}")
     try:
-        choices, gold = task.choices(doc), task.gold(doc)
-        context = task.context.format(**doc)
+        choices = task.choices(doc)
+        if isinstance(choices, list) and not choices:
+            raise CmoeError(f"{where}: empty choice list (every question needs at least one choice)")
+        gold, context = task.gold(doc), task.context.format(**doc)
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise CmoeError(f"{where}: cannot build the task's context, choices or answer "
                         f"({type(e).__name__}: {e})") from None
-    if not isinstance(choices, list) or not choices:
-        raise CmoeError(f"{where}: empty choice list (every question needs at least one choice)")
+    if not isinstance(choices, list):
+        raise CmoeError(f"{where}: the choices must be a list, got {type(choices).__name__}")
     if not all(isinstance(c, str) and c for c in choices):
         raise CmoeError(f"{where}: every choice must be a non-empty string, got {choices!r}")
     if not 0 <= gold < len(choices):
