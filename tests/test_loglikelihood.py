@@ -151,3 +151,25 @@ def test_encode_pair_equals_lm_evals_on_a_bpe_tokenizer():
     for ctx, cont in [("Question: what is w1?\nAnswer:", " w1"), ("Answer: ", "w22 w3"),
                       ("Question:  ", " w7?"), ("x", "y")]:
         assert encode_pair(encode, ctx, cont) == ref._encode_pair(ctx, cont)
+
+
+@pytest.mark.slow
+def test_smollm2_arc_loglikelihoods_match_transformers_on_a_sample():
+    import transformers
+    from pathlib import Path
+
+    from cmoe_jax.eval.tasks import get_task, load_documents, task_requests
+    from cmoe_jax.loading import smollm2_gguf
+
+    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "arc-easy" / "test.jsonl"
+    if not data.exists():
+        pytest.skip("needs ../shared/data/arc-easy/test.jsonl")
+    task = get_task("arc_easy")
+    docs = load_documents(task, data)[::300]  # 8 questions spread over the split
+    lm = load_model("smollm2", progress=False)
+    requests = task_requests(task, docs, lm.tokenizer.encode)
+    gguf = smollm2_gguf()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32).eval()
+    ours, _ = score_requests(lm.model, requests, batch_size=8, progress=False)
+    assert_same(ours, torch_scores(ref, requests), atol=1e-3)
