@@ -73,7 +73,12 @@ def test_rolling_and_greedy_generation_equal_the_hf_backend(tiny_checkpoint):
     from cmoe_jax.eval.lmeval import CmoeJaxLM
     from conftest import WORDS
 
+    import transformers
+
     _, path, _ = tiny_checkpoint
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    tok.eos_token = "w0"  # generation needs an end-of-text token: the tiny model's config says id 2
+    tok.save_pretrained(str(path))
     ours = CmoeJaxLM(pretrained=str(path), progress=False, max_length=32)
     ref = HFLM(pretrained=str(path), dtype="float32", device="cpu", batch_size=2, max_length=32)
     texts = [" ".join(WORDS[i:i + n]) for i, n in ((0, 5), (3, 70), (10, 31))]

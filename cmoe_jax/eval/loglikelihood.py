@@ -7,8 +7,8 @@ left to `max_length + 1` tokens, the model reads all but its last token, and the
 that predict the continuation are scored.
 
 Batching: requests are sorted by length and cut into batches of `batch_size` rows; each batch
-is right-padded to the next length of a short geometric ladder (so only a few shapes are
-compiled), and the continuation positions to a power of two. Right padding needs no mask in
+is right-padded to the next length of a short geometric ladder, and its continuation slots to
+the power of two that fits every continuation of that rung, so each rung is one compiled shape. Right padding needs no mask in
 a causal model: padded tokens come after every scored position, and padded continuation slots
 are masked out of the sums. Only the scored positions reach the LM head (in chunks of rows),
 so no [B, T, vocab] logits exist. Rows are sharded over the mesh's "data" axis.
@@ -151,8 +151,11 @@ def score_requests(model, requests, batch_size: int = 32, mesh: Mesh | None = No
     prepared = _prepare(requests, max_length)
     todo = [i for i, (_, cont) in enumerate(prepared) if cont]  # empty continuation: (0.0, True)
     # longest first, and within one length rung by continuation length: few (rung, slots) shapes
-    rung = lambda i: length_bucket(len(prepared[i][0]), max_length)
-    todo.sort(key=lambda i: (rung(i), len(prepared[i][1]), len(prepared[i][0])), reverse=True)
+    rung = {i: length_bucket(len(prepared[i][0]), max_length) for i in todo}
+    todo.sort(key=lambda i: (rung[i], len(prepared[i][1]), len(prepared[i][0])), reverse=True)
+    slots = collections.defaultdict(int)  # one continuation width per rung: one shape per rung
+    for i in todo:
+        slots[rung[i]] = max(slots[rung[i]], _pow2_at_least(len(prepared[i][1])))
     results = [(0.0, True)] * len(prepared)
 
     graphdefs, states = layer_scan.placed_parts(model, mesh, scan_layers)
@@ -173,8 +176,8 @@ def score_requests(model, requests, batch_size: int = 32, mesh: Mesh | None = No
     for start in range(0, len(todo), rows):
         idx = todo[start:start + rows]
         items = [prepared[i] for i in idx]
-        length = length_bucket(max(len(inp) for inp, _ in items), max_length)
-        cont_len = _pow2_at_least(max(len(cont) for _, cont in items))
+        length = max(rung[i] for i in idx)
+        cont_len = max(slots[rung[i]] for i in idx)
         arrays = jax.device_put(_batch_arrays(items, rows, length, cont_len), sharding)
         stats["tokens"] += sum(len(inp) for inp, _ in items)
         stats["padded_tokens"] += rows * length
