@@ -1,4 +1,5 @@
-"""`python -m cmoe_jax.eval`: perplexity of a dense or converted model on WikiText-2 or C4.
+"""`python -m cmoe_jax.eval`: perplexity on WikiText-2 or C4, or with `--task` zero-shot
+multiple-choice accuracy (lm-eval conventions), of a dense, converted or fine-tuned model.
 
 Arguments, data and the model's context are checked before any weight is loaded; a bad
 input prints one `error: ...` line on stderr and exits with status 2 without writing
@@ -19,13 +20,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m cmoe_jax.eval",
         description="Perplexity (GPTQ convention: non-overlapping windows, mean NLL of tokens[1:]) "
-                    "of a dense or converted model on WikiText-2 or C4, data-parallel over all devices.",
-        epilog="example: python -m cmoe_jax.eval --model smollm2 --dataset wikitext2 "
-               "--data-path ../shared/data/wikitext-2/test.txt --max-windows 40 --json ppl.json. "
-               "Bad input exits with status 2 and one 'error: ...' line.")
+                    "of a dense or converted model on WikiText-2 or C4, or with --task its zero-shot "
+                    "multiple-choice accuracy (lm-evaluation-harness conventions), data-parallel over all devices.",
+        epilog="examples: python -m cmoe_jax.eval --model smollm2 --dataset wikitext2 "
+               "--data-path ../shared/data/wikitext-2/test.txt --max-windows 40 --json ppl.json; "
+               "python -m cmoe_jax.eval --task arc_easy --data-path ../shared/data/arc-easy/test.jsonl "
+               "--json arc.json. Bad input exits with status 2 and one 'error: ...' line.")
     p.add_argument("--model", default="smollm2",
                    help="Hugging Face checkpoint dir, Hub id, .gguf file, converted cmoe_jax model dir, "
                         "or 'smollm2' (the embedded SmolLM2-135M-Instruct; default)")
+    p.add_argument("--task", help="zero-shot multiple-choice task instead of perplexity "
+                                  "(arc_easy, arc_challenge); needs --data-path, a JSON-lines file")
+    p.add_argument("--limit", type=int, default=None, help="--task: score only the first N questions")
     p.add_argument("--dataset", default="wikitext2", choices=["wikitext2", "c4"])
     p.add_argument("--data-path", help="local text file instead of downloading the dataset "
                                        "(WikiText-2: a release file; C4: JSON lines or one document per line)")
@@ -35,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlen", type=int, default=2048, help="tokens per window (default 2048)")
     p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="windows per step, rounded up to a multiple of the device count (default: one per device)")
+                   help="windows per step (--task: sequences per step, default 32), rounded up to a "
+                        "multiple of the device count (default: one per device)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
     p.add_argument("--json", help="write the result as JSON to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -51,6 +58,8 @@ def _validate_args(args) -> None:
         raise CmoeError(f"--seqlen must be at least 2, got {args.seqlen}")
     if args.max_windows is not None and args.max_windows < 1:
         raise CmoeError(f"--max-windows must be at least 1, got {args.max_windows}")
+    if args.limit is not None and args.limit < 1:
+        raise CmoeError(f"--limit must be at least 1, got {args.limit}")
     if args.batch_size is not None and args.batch_size < 1:
         raise CmoeError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.json:
@@ -62,22 +71,19 @@ def _validate_args(args) -> None:
 def run(args) -> dict:
     """Evaluate; raises CmoeError / ValueError / OSError on bad input."""
     _validate_args(args)
+    if args.task:
+        return run_task(args)
     import jax
     import jax.numpy as jnp
 
     from cmoe_jax.data import default_split, eval_windows, load_text_tokens
     from cmoe_jax.eval.perplexity import perplexity
-    from cmoe_jax.loading import load_config, load_model, load_tokenizer
+    from cmoe_jax.loading import load_model
 
-    cfg, path = load_config(args.model)  # cheap: validates the path, architecture and context
+    cfg, path, tokenizer = _checked_tokenizer(args)
     if args.seqlen > cfg.max_position_embeddings:
         raise CmoeError(f"--seqlen {args.seqlen} exceeds the model's context of "
                         f"{cfg.max_position_embeddings} tokens: use --seqlen {cfg.max_position_embeddings} or less")
-    tok_path = path / "tokenizer" if path.is_dir() and (path / "tokenizer").is_dir() else path
-    tokenizer = load_tokenizer(tok_path)
-    if tokenizer is None:
-        raise CmoeError(f"{path} has no tokenizer (tokenizer.json / tokenizer.model): "
-                        "copy the source model's tokenizer files next to its weights")
     split = args.split or default_split(args.dataset)
     tokens = load_text_tokens(args.dataset, tokenizer, split=split, data_path=args.data_path,
                               source=args.source)
@@ -87,6 +93,40 @@ def run(args) -> dict:
     result = perplexity(lm.model, windows, batch_size=args.batch_size, progress=not args.no_progress)
     return {"model": args.model, "dataset": args.dataset, "split": split, "data_path": args.data_path,
             "seqlen": args.seqlen, "dtype": args.dtype, "platform": jax.devices()[0].platform, **result}
+
+
+def _checked_tokenizer(args):
+    from cmoe_jax.loading import load_config, load_tokenizer
+
+    cfg, path = load_config(args.model)  # cheap: validates the path, architecture and context
+    tok_path = path / "tokenizer" if path.is_dir() and (path / "tokenizer").is_dir() else path
+    tokenizer = load_tokenizer(tok_path)
+    if tokenizer is None:
+        raise CmoeError(f"{path} has no tokenizer (tokenizer.json / tokenizer.model): "
+                        "copy the source model's tokenizer files next to its weights")
+    return cfg, path, tokenizer
+
+
+def run_task(args) -> dict:
+    """Zero-shot multiple-choice accuracy; task, data file and model are checked before loading."""
+    from cmoe_jax.eval.tasks import evaluate_task, get_task, load_documents
+
+    task = get_task(args.task)
+    if not args.data_path:
+        raise CmoeError(f"--task {args.task} needs --data-path, the task's JSON-lines file "
+                        "(e.g. ../shared/data/arc-easy/test.jsonl)")
+    docs = load_documents(task, args.data_path, args.limit)
+    _, _, tokenizer = _checked_tokenizer(args)
+    import jax
+    import jax.numpy as jnp
+
+    from cmoe_jax.loading import load_model
+
+    lm = load_model(args.model, dtype=getattr(jnp, args.dtype), progress=not args.no_progress)
+    result = evaluate_task(lm.model, tokenizer.encode, task, docs, batch_size=args.batch_size or 32,
+                           progress=not args.no_progress)
+    return {"model": args.model, "data_path": args.data_path, "limit": args.limit, "dtype": args.dtype,
+            "platform": jax.devices()[0].platform, **result}
 
 
 def write_json_atomic(path, obj) -> None:
@@ -108,10 +148,17 @@ def main(argv=None) -> int:
     result, code = run_job(run, args)
     if code:
         return code
-    print(f"{result['dataset']} perplexity {result['ppl']:.4f} (mean NLL {result['nll']:.5f}) over "
-          f"{result['windows']} windows x {result['seqlen']} ({result['tokens']} predicted tokens); "
-          f"{result['tokens_per_s']:,.0f} tokens/s on {result['devices']} {result['platform']} device(s), "
-          f"{result['seconds']:.1f} s + {result['compile_seconds']:.1f} s compile")
+    if args.task:
+        print(f"{result['task']}: acc {result['acc']:.4f} ± {result['acc_stderr']:.4f}, acc_norm "
+              f"{result['acc_norm']:.4f} ± {result['acc_norm_stderr']:.4f} over {result['items']} questions "
+              f"({result['requests']} continuations); {result['items_per_s']:.2f} questions/s on "
+              f"{result['devices']} {result['platform']} device(s), {result['seconds']:.1f} s "
+              f"(of which {result['compile_seconds']:.1f} s first calls of {result['shapes']} shapes)")
+    else:
+        print(f"{result['dataset']} perplexity {result['ppl']:.4f} (mean NLL {result['nll']:.5f}) over "
+              f"{result['windows']} windows x {result['seqlen']} ({result['tokens']} predicted tokens); "
+              f"{result['tokens_per_s']:,.0f} tokens/s on {result['devices']} {result['platform']} device(s), "
+              f"{result['seconds']:.1f} s + {result['compile_seconds']:.1f} s compile")
     if args.json:
         write_json_atomic(args.json, result)
     return 0

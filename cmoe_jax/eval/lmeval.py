@@ -1,0 +1,138 @@
+"""lm-evaluation-harness backend `cmoe_jax` (needs `pip install 'cmoe_jax[lmeval]'`).
+
+    python -m cmoe_jax.eval.lmeval --model cmoe_jax --model_args pretrained=DIR --tasks arc_easy
+
+is `lm_eval` with this backend registered (lm-eval 0.4.13 finds external models only once
+their module is imported; it has no plugin entry points). From Python, `import
+cmoe_jax.eval.lmeval` before `lm_eval.simple_evaluate(model="cmoe_jax", ...)`.
+
+Model arguments: pretrained (anything `load_model` takes: HF dir, .gguf, converted or
+fine-tuned cmoe_jax dir, `smollm2`), dtype (float32 | bfloat16), batch_size (sequences per
+step, default 32), max_length (default: the model's context), max_gen_toks (default 256).
+Tokenisation, context/continuation splitting and rolling windows are lm-eval's own
+(`TemplateLM`); the scoring is `cmoe_jax.eval.loglikelihood.score_requests`.
+"""
+from __future__ import annotations
+
+import lm_eval.models  # noqa: F401  (registers the built-in backends first: get_model fills an empty registry only)
+from lm_eval import utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+
+from cmoe_jax.eval.generate import greedy_generate
+from cmoe_jax.eval.loglikelihood import score_requests
+
+
+def _special_id(tokenizer, name: str):
+    """A special token id of our tokenizer wrapper (or the Hugging Face tokenizer it wraps)."""
+    value = getattr(tokenizer, name, None)
+    if value is None and hasattr(tokenizer, "hf"):
+        value = getattr(tokenizer.hf, name, None)
+    return value
+
+
+@register_model("cmoe_jax")
+class CmoeJaxLM(TemplateLM):
+    """A cmoe_jax model (dense, converted or LoRA-merged) as an lm-eval `LM`."""
+
+    def __init__(self, pretrained: str = "smollm2", dtype: str = "float32", batch_size=32,
+                 max_length=None, max_gen_toks: int = 256, progress: bool = True, **_ignored):
+        super().__init__()
+        import jax.numpy as jnp
+
+        from cmoe_jax.loading import load_model
+
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+        self.lm = load_model(str(pretrained), dtype=getattr(jnp, dtype), progress=progress)
+        if self.lm.tokenizer is None:
+            raise ValueError(f"{pretrained} has no tokenizer: copy the source model's tokenizer files beside it")
+        self.batch_size = 32 if str(batch_size).startswith("auto") else int(batch_size)
+        self.max_length = int(max_length) if max_length else self.lm.config.max_position_embeddings
+        self.max_gen_toks = int(max_gen_toks)
+        self.progress = progress
+
+    @property
+    def eot_token_id(self) -> int:
+        return _special_id(self.lm.tokenizer, "eos_token_id")
+
+    @property
+    def prefix_token_id(self) -> int:  # as lm-eval's HF backend: BOS, else EOS
+        bos = _special_id(self.lm.tokenizer, "bos_token_id")
+        return self.eot_token_id if bos is None else bos
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.lm.path)
+
+    def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
+        return list(self.lm.tokenizer.encode(string))
+
+    def tok_decode(self, tokens) -> str:
+        return self.lm.tokenizer.decode(tokens)
+
+    def _score(self, requests, disable_tqdm: bool, desc: str):
+        results, _ = score_requests(self.lm.model, requests, batch_size=self.batch_size,
+                                    max_length=self.max_length, desc=desc,
+                                    progress=self.progress and not disable_tqdm)
+        return results
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        """requests: ((context, continuation), context_ids, continuation_ids) from lm-eval."""
+        results = self._score([(ctx, cont) for _, ctx, cont in requests], disable_tqdm, "loglikelihood")
+        for (pair, _, _), result in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", pair, result)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Summed log-likelihood of whole strings in disjoint windows of max_length (as HFLM)."""
+        windows, owner = [], []
+        for i, (string,) in enumerate(req.args for req in requests):
+            for window in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append(window)
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (ll, _) in zip(owner, self._score(windows, disable_tqdm, "loglikelihood_rolling")):
+            totals[i] += ll
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuations, cut at the first `until` string (sampling is not supported)."""
+        out = []
+        for req in requests:  # one generation per request: each may have its own stop strings
+            context, kwargs = req.args
+            kwargs = dict(kwargs or {})
+            if kwargs.get("do_sample") or kwargs.get("temperature", 0.0) not in (0, 0.0, None):
+                raise ValueError("the cmoe_jax backend generates greedily only (do_sample=False, temperature=0)")
+            until = kwargs.get("until") or [self.tok_decode([self.eot_token_id])]
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            eot = self.eot_token_id
+            stop = lambda ids: ids[-1] == eot or any(u in self.tok_decode(ids) for u in until)
+            ids = greedy_generate(self.lm.model, [self.tok_encode(context)], max_new, stop,
+                                  batch_size=1, max_length=self.max_length, progress=False)[0]
+            text = self.tok_decode([t for t in ids if t != eot])
+            for u in until:
+                text = text.split(u)[0]
+            out.append(text)
+            self.cache_hook.add_partial("generate_until", (context, kwargs), text)
+        return out
+
+
+def main(argv=None) -> None:
+    """`lm_eval`'s command line with the `cmoe_jax` backend registered."""
+    import sys
+
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
