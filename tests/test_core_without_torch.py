@@ -21,8 +21,9 @@ _SCRIPT = BLOCK_TORCH + r"""
 import importlib, json, pkgutil, sys
 import cmoe_jax
 
+EXTRAS = {"cmoe_jax.eval.lmeval"}  # the [lmeval] extra (lm-eval brings torch)
 for mod in pkgutil.walk_packages(cmoe_jax.__path__, "cmoe_jax."):
-    if not mod.name.endswith(".__main__"):  # importing those would run the CLIs
+    if not mod.name.endswith(".__main__") and mod.name not in EXTRAS:  # __main__ runs a CLI
         importlib.import_module(mod.name)
 
 from cmoe_jax.convert.cli import main as convert_main
@@ -77,3 +78,14 @@ def test_missing_optional_dependency_is_one_error_line(tmp_path):
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("error:") and "cmoe_jax[torch]" in lines[0]
+
+
+def test_lmeval_backend_without_its_extra_is_one_error_line():
+    """The [lmeval] extra missing: one `error:` line naming it, exit 2."""
+    block = BLOCK_TORCH + "sys.modules['lm_eval'] = None\n"
+    proc = subprocess.run([sys.executable, "-c", block + "import runpy; runpy.run_module("
+                           "'cmoe_jax.eval.lmeval', run_name='__main__')"],
+                          cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "cmoe_jax[lmeval]" in lines[0]

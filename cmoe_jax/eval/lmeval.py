@@ -14,13 +14,25 @@ Tokenisation, context/continuation splitting and rolling windows are lm-eval's o
 """
 from __future__ import annotations
 
-import lm_eval.models  # noqa: F401  (registers the built-in backends first: get_model fills an empty registry only)
-from lm_eval import utils
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
+import sys
 
-from cmoe_jax.eval.generate import greedy_generate
-from cmoe_jax.eval.loglikelihood import score_requests
+from cmoe_jax.errors import EXIT_BAD_INPUT, MissingDependencyError, require
+
+try:  # an extra: without it, one error line naming the extra (exit 2), not a traceback
+    require("lm_eval.models", "lmeval", "the lm-evaluation-harness backend `cmoe_jax`")
+except MissingDependencyError as e:
+    if __name__ != "__main__":
+        raise
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(EXIT_BAD_INPUT)
+
+import lm_eval.models  # noqa: E402,F401  (registers the built-in backends first: get_model fills an empty registry only)
+from lm_eval import utils  # noqa: E402
+from lm_eval.api.model import TemplateLM  # noqa: E402
+from lm_eval.api.registry import register_model  # noqa: E402
+
+from cmoe_jax.eval.generate import greedy_generate  # noqa: E402
+from cmoe_jax.eval.loglikelihood import score_requests  # noqa: E402
 
 
 def _special_id(tokenizer, name: str):
@@ -125,8 +137,6 @@ class CmoeJaxLM(TemplateLM):
 
 def main(argv=None) -> None:
     """`lm_eval`'s command line with the `cmoe_jax` backend registered."""
-    import sys
-
     from lm_eval.__main__ import cli_evaluate
 
     if argv is not None:
