@@ -18,18 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cmoe_jax.checkpoint import MANIFEST, publish, save_converted, staging_dir
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.train.lora import DEFAULT_TARGETS, LoRAConfig, TrainError, parse_targets
-
-# settings that decide the trajectory: a resumed run must have the same
-TRAJECTORY_KEYS = ("model", "dataset", "split", "data_path", "samples", "seqlen", "batch_size",
-                   "lora_rank", "lora_alpha", "dropout", "targets", "lr", "router_lr",
-                   "bias_speed", "epochs", "seed", "dtype")
-
-
-def _staging(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
-
 
 def _prepare_dirs(out: Path, staging: Path, settings: dict, resume: bool, overwrite: bool) -> bool:
     """Set up the staging directory; True when `out` must be replaced at the end."""
@@ -130,7 +121,7 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
                 "lora_rank": lora_rank, "lora_alpha": float(lora_alpha), "dropout": float(dropout),
                 "targets": list(targets), "lr": lr, "router_lr": router_lr,
                 "bias_speed": bias_speed, "epochs": epochs, "seed": seed, "dtype": dtype}
-    staging = _staging(out)
+    staging = staging_dir(out)
     replace_out = _prepare_dirs(out, staging, settings, resume, overwrite)
     staging.mkdir(parents=True, exist_ok=True)
     write_run_config(staging, settings)
@@ -213,8 +204,6 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
     manifest["finetune"] = {k: summary[k] for k in (*settings, "steps", "final_loss")}
     final = staging / "final"
     shutil.rmtree(final, ignore_errors=True)
-    from cmoe_jax.convert.checkpoint import publish, save_converted
-
     save_converted(merged, manifest, final, tokenizer=lm.tokenizer)
     save_adapters(final / "adapters", adapters, us, bs,
                   {"source_model": str(model), "rank": lora_rank, "alpha": float(lora_alpha),
@@ -231,8 +220,6 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
 
 def _source_manifest(path: Path, model: str) -> dict:
     """The source's conversion manifest (converted models) or a minimal one (dense models)."""
-    from cmoe_jax.convert.checkpoint import MANIFEST
-
     if path.is_dir() and (path / MANIFEST).exists():
         manifest = json.loads((path / MANIFEST).read_text())
         for key in ("format", "model_config", "finetune"):
