@@ -92,8 +92,9 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
     from cmoe_jax.train.data import BatchOrder, training_windows
     from cmoe_jax.train.lora import adapted_weights, merge_adapters
     from cmoe_jax.train.report import plot_loss, write_log
-    from cmoe_jax.train.step import (OptimConfig, batch_sharding, init_state, make_mesh,
-                                     make_train_step, split_frozen)
+    from cmoe_jax.sharding import make_mesh
+    from cmoe_jax.train.step import (OptimConfig, batch_sharding, init_state, make_train_step,
+                                     split_frozen)
 
     # ---- everything that can be wrong is checked before any weight is loaded ---------------
     cfg, path = load_config(model)
