@@ -111,7 +111,7 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
     windows = training_windows(tokens, samples, seqlen, seed, name=f"{dataset} ({data_path or split})")
     order = BatchOrder(samples, batch_size, epochs, seed)
     model_par = 1 if mesh_shape is None else mesh_shape[1]
-    mesh = make_mesh(None if mesh_shape is None else mesh_shape[0], model_par, devices)
+    mesh = make_mesh(None if mesh_shape is None else mesh_shape[0], model_par, devices=devices)
     data_par = dict(mesh.shape)["data"]
     if batch_size % data_par:
         raise TrainError(f"--batch-size {batch_size} is not a multiple of the {data_par} devices "
