@@ -71,7 +71,7 @@ def layer_floor(model: str, plan, samples: int, seqlen: int) -> None:
     markers, mu, _ = profile_layer(xt, *w, k_act=cc.k_act)
     carving = carve_layer(np.asarray(markers), np.asarray(mu), plan, k_act=cc.k_act,
                           router_neurons=cc.router_neurons)
-    fg, fs = nnx.split(build_moe_ffn(cfg, cc, slices_for(layer, carving, cc), dense.dtype))
+    fg, fs = nnx.split(build_moe_ffn(cfg, cc, slices_for(layer, carving), dense.dtype))
     fs = replicate(fs, mesh)
     steps = {
         "attention (calibration pass)": lambda: attention_step(lg, ls, h, rope),
@@ -140,7 +140,7 @@ def random_layers(args) -> None:
         jax.block_until_ready(x)
         t2 = time.perf_counter()
         carving, _, secs = carve_one_layer(layer, x, cfg, cc, mesh)
-        ffn = build_moe_ffn(cfg, cc, slices_for(layer, carving, cc), dtype)
+        ffn = build_moe_ffn(cfg, cc, slices_for(layer, carving), dtype)
         ffn.backend = args.backend
         fit_router_scales(ffn, x, cc, mesh)
         fg, fs = nnx.split(ffn)

@@ -1,12 +1,10 @@
-"""ATopK markers, activation rates and the profiling hidden state, vs numpy."""
+"""`profile_layer`: ATopK markers, activation rates and output energies, vs numpy."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from cmoe_jax.carving import (activation_rates, atopk_markers, ffn_hidden, marker_counts,
-                              profile_markers)
-from cmoe_jax.carving.markers import profile_layer
+from cmoe_jax.carving import profile_layer
 
 
 def _np_hidden(x, wg, wu, normalize):
@@ -31,42 +29,31 @@ def _inputs(seed=0, tokens=64, d=12, d_h=40):
             rng.normal(size=(d, d_h)).astype(np.float32))
 
 
-@pytest.mark.parametrize("normalize", [False, True])
-def test_hidden_and_markers_match_numpy(normalize):
-    x, wg, wu = _inputs()
-    h = _np_hidden(x, wg, wu, normalize)
-    np.testing.assert_allclose(np.asarray(ffn_hidden(x, wg, wu, normalize)), h, rtol=2e-5, atol=2e-6)
-    markers, mu = profile_markers(x, wg, wu, k_act=5, normalize=normalize)
-    expected = _np_markers(h, 5)
-    np.testing.assert_array_equal(np.asarray(markers), expected)
-    assert np.asarray(markers).dtype == np.bool_ and (np.asarray(markers).sum(axis=1) == 5).all()
-    np.testing.assert_allclose(np.asarray(mu), expected.mean(axis=0), atol=1e-7)
-    np.testing.assert_allclose(activation_rates(markers), expected.mean(axis=0), atol=0)
+def _down(d_h, d, seed=5):
+    return np.random.default_rng(seed).normal(size=(d_h, d)).astype(np.float32)
 
 
 def test_normalisation_removes_token_and_column_scales():
+    """Normalised markers ignore per-token and per-neuron scales; the plain ones do not."""
     x, wg, wu = _inputs(1)
+    wd = _down(wg.shape[1], x.shape[1])
     scale_t = np.linspace(0.1, 10, len(x), dtype=np.float32)[:, None]
     scale_c = np.linspace(0.5, 4, wg.shape[1], dtype=np.float32)[None, :]
-    base = np.asarray(ffn_hidden(x, wg, wu))
-    scaled = np.asarray(ffn_hidden(x * scale_t, wg * scale_c, wu / scale_c))
-    np.testing.assert_allclose(scaled, base, rtol=1e-5, atol=1e-6)
-    assert not np.allclose(np.asarray(ffn_hidden(x * scale_t, wg, wu, normalize=False)),
-                           np.asarray(ffn_hidden(x, wg, wu, normalize=False)))
+    base = np.asarray(profile_layer(x, wg, wu, wd, k_act=5)[0])
+    scaled = np.asarray(profile_layer(x * scale_t, wg * scale_c, wu * scale_c, wd, k_act=5)[0])
+    np.testing.assert_array_equal(scaled, base)
+    np.testing.assert_array_equal(base, _np_markers(_np_hidden(x, wg, wu, True), 5))
+    plain = lambda xs, g: np.asarray(profile_layer(xs, g, wu, wd, k_act=5, normalize=False)[0])
+    assert not np.array_equal(plain(x, wg * scale_c), plain(x, wg))
 
 
-def test_atopk_markers_on_given_hidden():
-    rng = np.random.default_rng(3)
-    h = rng.normal(size=(30, 25))
-    np.testing.assert_array_equal(np.asarray(atopk_markers(h, 4)), _np_markers(h, 4))
-    np.testing.assert_array_equal(np.asarray(atopk_markers(h, 25)), np.ones_like(h, bool))
-
-
-def test_chunk_counts_sum_to_total():
+def test_markers_of_chunks_add_up():
+    """Marker counts of token chunks sum to the whole batch's (what a data-parallel sum needs)."""
     x, wg, wu = _inputs(2, tokens=96)
-    total = np.asarray(marker_counts(x, wg, wu, k_act=6))
-    chunks = sum(np.asarray(marker_counts(x[i:i + 32], wg, wu, k_act=6)) for i in range(0, 96, 32))
-    assert total.dtype == np.int32
+    wd = _down(wg.shape[1], x.shape[1])
+    total = np.asarray(profile_layer(x, wg, wu, wd, k_act=6)[0]).sum(axis=0)
+    chunks = sum(np.asarray(profile_layer(x[i:i + 32], wg, wu, wd, k_act=6)[0]).sum(axis=0)
+                 for i in range(0, 96, 32))
     np.testing.assert_array_equal(total, chunks)
     np.testing.assert_array_equal(total, _np_markers(_np_hidden(x, wg, wu, True), 6).sum(axis=0))
     assert total.sum() == 96 * 6
@@ -79,6 +66,7 @@ def test_profile_layer_markers_and_energy_match_numpy(normalize):
     markers, mu, energy = profile_layer(x, wg, wu, wd, k_act=5, normalize=normalize)
     expected = _np_markers(_np_hidden(x, wg, wu, normalize), 5)
     np.testing.assert_array_equal(np.asarray(markers), expected)
+    assert np.asarray(markers).dtype == np.bool_ and (np.asarray(markers).sum(axis=1) == 5).all()
     np.testing.assert_allclose(np.asarray(mu), expected.mean(axis=0), atol=1e-7)
     plain = _np_hidden(x, wg, wu, False)
     np.testing.assert_allclose(np.asarray(energy), (plain ** 2).mean(axis=0) * (wd.astype(np.float64) ** 2).sum(axis=1),

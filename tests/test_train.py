@@ -16,11 +16,12 @@ from flax import nnx
 
 from cmoe_jax.carving import MoEPlan
 from cmoe_jax.convert import ConvertConfig, convert_model
-from cmoe_jax.convert.checkpoint import save_converted
+from cmoe_jax.checkpoint import save_converted
 from cmoe_jax.loading import load_model
 from cmoe_jax.models import Decoder, ModelConfig
+from cmoe_jax.lora import LoRA
 from cmoe_jax.train import (LoRAConfig, adapted_weights, finetune, init_adapters, load_adapters,
-                            lora_logits, lora_loss, merge_adapters, router_params)
+                            lora_logits, lora_loss, merge_adapters, router_params, with_adapters)
 from cmoe_jax.train.cli import main as train_main
 from conftest import save_tiny_tokenizer, write_random_text
 
@@ -83,26 +84,44 @@ def test_targets_cover_attention_shared_and_experts(models):
 
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
-@pytest.mark.parametrize("scan", [True, False])
-def test_zero_adapters_give_the_base_model(models, which, scan):
+def test_zero_adapters_give_the_base_model(models, which):
     model = dict(zip(("dense", "moe"), models))[which]
     lora = LoRAConfig(rank=4, alpha=8)
     adapters = init_adapters(model, lora, jax.random.key(1))  # B = 0, A random
     us, bs = router_params(model)
     tokens = _tokens()
-    got = lora_logits(model, adapters, us, bs, tokens, scale=lora.scale, scan=scan)
+    got = lora_logits(model, adapters, us, bs, tokens, scale=lora.scale)
     np.testing.assert_allclose(np.asarray(got), np.asarray(model(tokens)), rtol=0, atol=1e-6)
 
 
-def test_layer_scan_equals_layer_loop_with_dropout(models):
+def test_adapters_are_variables_of_the_model_split_by_type(models):
+    _, moe = models
+    lora = LoRAConfig(rank=4, alpha=8)
+    adapters, us, bs = _trained_like(moe, lora)
+    adapted = with_adapters(moe, adapters, lora.scale, us, bs)
+    _, lora_state, frozen = nnx.split(adapted, LoRA, ...)
+    got = {p for p, _ in nnx.to_flat_state(lora_state)}
+    want = {(*p[:-1], p[-1] + s) for p, _ in adapted_weights(moe, lora.targets)
+            for s in ("_lora_a", "_lora_b")}
+    assert got == want and not any(isinstance(v, LoRA) for _, v in nnx.to_flat_state(frozen))
+    assert not any(isinstance(v, LoRA) for _, v in nnx.to_flat_state(nnx.state(moe)))  # base untouched
+    # the model's own forward runs them: the same logits as the functional entry point
+    tokens = _tokens()
+    np.testing.assert_allclose(np.asarray(adapted(tokens)),
+                               np.asarray(lora_logits(moe, adapters, us, bs, tokens, scale=lora.scale)),
+                               rtol=0, atol=0)
+
+
+def test_dropout_follows_the_key_and_remat_changes_nothing(models):
     _, moe = models
     lora = LoRAConfig(rank=4, alpha=8, dropout=0.3)
     adapters, us, bs = _trained_like(moe, lora)
     tokens, key = _tokens(), jax.random.key(9)
-    f = lambda scan: jax.jit(lambda ad, u: lora_loss(moe, ad, u, bs, tokens, scale=lora.scale,
-                                                      dropout=0.3, key=key, scan=scan))(adapters, us)
+    f = lambda remat, key=key: jax.jit(lambda ad, u: lora_loss(
+        moe, ad, u, bs, tokens, scale=lora.scale, dropout=0.3, key=key, remat=remat))(adapters, us)
     (l1, loads1), (l2, loads2) = f(True), f(False)
     np.testing.assert_allclose(float(l1), float(l2), rtol=1e-6)
+    assert abs(float(f(False, jax.random.key(10))[0]) - float(l1)) > 1e-5  # masks follow the key
     assert sorted(loads1) == sorted(loads2) == ["0", "1"]
     for k in loads1:
         np.testing.assert_array_equal(np.asarray(loads1[k]), np.asarray(loads2[k]))

@@ -1,4 +1,4 @@
-"""ATopK activation markers and activation rates of FFN neurons (jit, data-parallel).
+"""Profile of one FFN: ATopK activation markers, activation rates, output energies (jit).
 
 h = Swish(x W_gate) * (x W_up) is computed on L2-normalised tokens and weight columns by
 default (as the authors' code does: F.normalize on the token and on each neuron's weight
@@ -6,10 +6,8 @@ row of the torch [d_h, d] weight, i.e. each column of our [d, d_h] layout), so t
 reflect activation patterns rather than norms; `normalize=False` gives the plain form.
 
 A token marks the K_a neurons with the largest |h| (ATopK); mu is the mean marker over
-tokens. `marker_counts` gives per-chunk integer counts, which a data-parallel caller sums
-across chunks/devices before dividing by the token total; `atopk_markers` /
-`profile_markers` give the binary marker matrix that the clustering needs, and
-`profile_layer` adds each neuron's output energy (the shared-expert score by default).
+tokens; the binary markers are what the clustering needs. With x sharded over a data axis
+the markers stay sharded and mu's token sum becomes a cross-device reduction.
 """
 from __future__ import annotations
 
@@ -17,52 +15,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
-
-def normalize_columns(w: jax.Array) -> jax.Array:
-    """Each neuron's weight column ([d, d_h] layout) scaled to unit L2 norm (float32)."""
-    w = jnp.asarray(w).astype(jnp.float32)
-    return w / jnp.maximum(jnp.linalg.norm(w, axis=0, keepdims=True), 1e-12)
-
-
-def ffn_hidden(x, w_gate, w_up, normalize: bool = True) -> jax.Array:
-    """Hidden activations [N, d_h] (float32) of a SwiGLU FFN for tokens x [N, d], weights [d, d_h]."""
-    x = jnp.asarray(x).astype(jnp.float32)
-    w_gate, w_up = jnp.asarray(w_gate).astype(jnp.float32), jnp.asarray(w_up).astype(jnp.float32)
-    if normalize:
-        x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-        w_gate, w_up = normalize_columns(w_gate), normalize_columns(w_up)
-    return jax.nn.silu(x @ w_gate) * (x @ w_up)
 
 
 def _atopk(h: jax.Array, k_act: int) -> jax.Array:
     _, top = jax.lax.top_k(jnp.abs(h), k_act)
     return jnp.zeros(h.shape, jnp.bool_).at[jnp.arange(h.shape[0])[:, None], top].set(True)
-
-
-@functools.partial(jax.jit, static_argnames=("k_act",))
-def atopk_markers(h, k_act: int) -> jax.Array:
-    """Binary markers bool [T, d_h]: per token, the K_a neurons of largest |h| (numpy or jax h)."""
-    return _atopk(jnp.asarray(h), k_act)
-
-
-@functools.partial(jax.jit, static_argnames=("k_act", "normalize"))
-def marker_counts(x, w_gate, w_up, *, k_act: int, normalize: bool = True) -> jax.Array:
-    """int32 [d_h]: how many of the tokens x [N, d] mark each neuron (sum over a chunk)."""
-    return _atopk(ffn_hidden(x, w_gate, w_up, normalize), k_act).sum(axis=0, dtype=jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=("k_act", "normalize"))
-def profile_markers(x, w_gate, w_up, *, k_act: int, normalize: bool = True) -> tuple[jax.Array, jax.Array]:
-    """(markers bool [N, d_h], activation rates mu float32 [d_h]) for tokens x [N, d].
-
-    With x sharded over a data axis the markers stay sharded and mu's token sum becomes a
-    cross-device reduction.
-    """
-    markers = _atopk(ffn_hidden(x, w_gate, w_up, normalize), k_act)
-    mu = markers.sum(axis=0, dtype=jnp.int32).astype(jnp.float32) / markers.shape[0]
-    return markers, mu
 
 
 @functools.partial(jax.jit, static_argnames=("k_act", "normalize"))
@@ -89,9 +46,3 @@ def profile_layer(x, w_gate, w_up, w_down, *, k_act: int, normalize: bool = True
     down_sq = jnp.sum(jnp.square(jnp.asarray(w_down).astype(jnp.float32)), axis=1)
     energy = jnp.mean(jnp.square(plain), axis=0) * down_sq
     return markers, mu, energy
-
-
-def activation_rates(markers) -> np.ndarray:
-    """mu = mean marker over tokens, float64 [d_h], from a binary [T, d_h] matrix."""
-    markers = np.asarray(markers)
-    return markers.sum(axis=0, dtype=np.int64) / markers.shape[0]

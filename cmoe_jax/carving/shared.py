@@ -4,17 +4,6 @@ from __future__ import annotations
 import numpy as np
 
 
-def top_mu(mu, count: int, exclude=None) -> np.ndarray:
-    """Ids of the `count` highest activation rates, highest first (ties: lower id first),
-    optionally among the neurons not in `exclude`."""
-    order = np.argsort(-np.asarray(mu, np.float64), kind="stable")
-    if exclude is not None and len(exclude):
-        order = order[~np.isin(order, np.asarray(exclude))]
-    if count > len(order):
-        raise ValueError(f"asked for {count} neurons, only {len(order)} available")
-    return order[:count]
-
-
 def split_shared(mu, shared_width: int, routed: int, score=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(shared ids sorted, remaining ids sorted, initial centroid ids).
 

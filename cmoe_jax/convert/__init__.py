@@ -1,6 +1,7 @@
 """CMoE conversion: the job API (`convert`), the in-memory API (`convert_model`) and checkpoints."""
-from cmoe_jax.convert.checkpoint import load_converted, read_manifest, save_converted
+from cmoe_jax.checkpoint import read_manifest, save_converted
 from cmoe_jax.convert.pipeline import ConversionError, ConvertConfig, LayerRecord, convert_model
+from cmoe_jax.loading import load_converted
 
 
 def convert(*args, **kwargs):

@@ -7,16 +7,11 @@ import time
 from pathlib import Path
 
 import jax.numpy as jnp
-import numpy as np
 
-from cmoe_jax.convert.checkpoint import publish, save_converted, write_json_atomic
+from cmoe_jax.checkpoint import MANIFEST, publish, save_converted, staging_dir, write_json_atomic
 from cmoe_jax.convert.pipeline import (ConversionError, ConvertConfig, LayerRecord, check_router,
                                        convert_model)
 from cmoe_jax.errors import CmoeError
-
-
-def _staging(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
 
 
 def _load_done(staging: Path, settings: dict, resume: bool) -> list[LayerRecord]:
@@ -83,7 +78,7 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     windows = calibration_windows(tokens, calib_samples, seqlen, seed)
     settings = {"model": str(model), **cc.to_dict(), "calib": calib, "calib_split": calib_split,
                 "data_path": data_path, "calib_samples": calib_samples, "seqlen": seqlen}
-    staging = _staging(out)
+    staging = staging_dir(out)
     done = _load_done(staging, settings, resume)
     (staging / "layers").mkdir(parents=True, exist_ok=True)
     write_json_atomic(staging / "progress.json", settings)
@@ -137,8 +132,8 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
         write_report(records, plan.name, stage_seconds, final / "report")
     stage_seconds["save"] = time.perf_counter() - t_save
     manifest["seconds"] = stage_seconds
-    write_json_atomic(final / "cmoe_manifest.json",
-                      dict(json.loads((final / "cmoe_manifest.json").read_text()), seconds=stage_seconds))
+    write_json_atomic(final / MANIFEST,
+                      dict(json.loads((final / MANIFEST).read_text()), seconds=stage_seconds))
     publish(final, out, overwrite)
     shutil.rmtree(staging, ignore_errors=True)
     return dict(manifest, out=str(out))

@@ -8,13 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
-import time
 from pathlib import Path
-
-import numpy as np
 
 from cmoe_jax.convert.pipeline import ConvertConfig
 from cmoe_jax.errors import CmoeError, run_job
@@ -90,10 +85,7 @@ def router_options(args) -> dict:
 def run(args) -> dict:
     from cmoe_jax.convert.api import convert
 
-    out = Path(args.out)
-    if out.exists() and not args.overwrite:
-        raise CmoeError(f"output directory {out} exists: pass --overwrite to replace it")
-    return convert(args.model, plan_from_args(args), out=out, calib=args.calib,
+    return convert(args.model, plan_from_args(args), out=Path(args.out), calib=args.calib,
                    calib_split=args.calib_split, data_path=args.data_path,
                    calib_samples=args.calib_samples, seqlen=args.seqlen, k_act=args.k_act,
                    kmeans_iters=args.kmeans_iters, normalize=not args.no_normalize,

@@ -6,12 +6,9 @@ before it produce (as in the papers), so only one layer's activations live at a 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-from pathlib import Path
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -21,7 +18,7 @@ from cmoe_jax.carving import LayerCarving, MoEPlan, carve_layer, slice_ffn
 from cmoe_jax.carving.markers import profile_layer
 from cmoe_jax.carving.router import router_fit_sums, scale_router_up
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.models import Decoder, FFNSpec, ModelConfig, SwiGLU
+from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.profiling.layerwise import (attention_step, calibration_mesh,
                                           embed_step, ffn_residual_step, replicate, shard_batch)
 
@@ -152,7 +149,7 @@ def build_moe_ffn(cfg: ModelConfig, cc: ConvertConfig, slices: dict, dtype) -> n
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def carve_one_layer(layer, x, cfg: ModelConfig, cc: ConvertConfig, mesh) -> tuple[LayerCarving, np.ndarray, dict]:
+def carve_one_layer(layer, x, cc: ConvertConfig) -> tuple[LayerCarving, np.ndarray, dict]:
     """Profile the FFN input x of one dense layer and carve its neurons."""
     t0 = time.perf_counter()
     mlp = layer.mlp
@@ -169,7 +166,7 @@ def carve_one_layer(layer, x, cfg: ModelConfig, cc: ConvertConfig, mesh) -> tupl
     return carving, mu, {"profile": t1 - t0, "cluster": t2 - t1}
 
 
-def slices_for(layer, carving: LayerCarving, cc: ConvertConfig) -> dict:
+def slices_for(layer, carving: LayerCarving) -> dict:
     mlp = layer.mlp
     return slice_ffn(np.asarray(mlp.gate[...], np.float32), np.asarray(mlp.up[...], np.float32),
                      np.asarray(mlp.down[...], np.float32), carving)
@@ -233,10 +230,10 @@ def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devic
         if i < len(done):
             record = done[i]
         else:
-            carving, mu, secs = carve_one_layer(layer, x, cfg, cc, mesh)
+            carving, mu, secs = carve_one_layer(layer, x, cc)
             record = LayerRecord(carving, mu, np.zeros(0), dict(secs, attention=t_attn))
         t1 = time.perf_counter()
-        ffn = build_moe_ffn(cfg, cc, slices_for(layer, record.carving, cc), model.dtype)
+        ffn = build_moe_ffn(cfg, cc, slices_for(layer, record.carving), model.dtype)
         if cc.router_scale:
             record.router_scales = fit_router_scales(ffn, x, cc, mesh)
         fg, fs = nnx.split(ffn)

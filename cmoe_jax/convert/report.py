@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cmoe_jax.convert.checkpoint import write_json_atomic
+from cmoe_jax.checkpoint import write_json_atomic
 
 
 def summary(records, plan_name: str, stage_seconds: dict) -> dict:

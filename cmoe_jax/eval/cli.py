@@ -8,9 +8,6 @@ anything. The --json file is written only at the end (temporary file + rename).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 from pathlib import Path
 
 from cmoe_jax.errors import CmoeError, run_job
@@ -129,20 +126,6 @@ def run_task(args) -> dict:
             "platform": jax.devices()[0].platform, **result}
 
 
-def write_json_atomic(path, obj) -> None:
-    """Write JSON to a temporary file beside `path`, then rename it over `path`."""
-    path = Path(path).expanduser()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     result, code = run_job(run, args)
@@ -160,5 +143,7 @@ def main(argv=None) -> int:
               f"{result['tokens_per_s']:,.0f} tokens/s on {result['devices']} {result['platform']} device(s), "
               f"{result['seconds']:.1f} s + {result['compile_seconds']:.1f} s compile")
     if args.json:
-        write_json_atomic(args.json, result)
+        from cmoe_jax.checkpoint import write_json_atomic
+
+        write_json_atomic(Path(args.json).expanduser(), result)
     return 0

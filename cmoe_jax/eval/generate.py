@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from cmoe_jax.eval import layer_scan
 from cmoe_jax.eval.loglikelihood import length_bucket
-from cmoe_jax.eval.perplexity import default_mesh
+from cmoe_jax.sharding import make_mesh
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -38,7 +38,7 @@ def greedy_generate(model, prompts, max_new_tokens: int, stop: Callable[[list[in
                     progress: bool = True) -> list[list[int]]:
     """Greedy continuations (token ids) of each prompt; a row ends when `stop(generated)` is
     true or after `max_new_tokens`. Prompts are cut from the left to leave room for them."""
-    mesh = default_mesh() if mesh is None else mesh
+    mesh = make_mesh() if mesh is None else mesh
     n_data = dict(mesh.shape)["data"]
     rows = -(-max(1, batch_size) // n_data) * n_data
     cfg = getattr(model, "config", None)

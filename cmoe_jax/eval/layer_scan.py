@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from cmoe_jax.eval.perplexity import _place_state
+from cmoe_jax.sharding import placed_split
 
 
 class ScannedDecoder:
@@ -60,14 +60,17 @@ def scan_parts(model):
 
 def placed_parts(model, mesh: Mesh, scan_layers: bool = True):
     """(graphdefs, states) to pass through jit (graphdefs static), parameters placed on `mesh`:
-    the scanned form when the layers allow it and the mesh has no "model" axis to split over."""
-    parts = scan_parts(model) if scan_layers and dict(mesh.shape).get("model", 1) == 1 else None
+    the scanned form when the layers allow it and the mesh has only a "data" axis to split over
+    (the parameters are then replicated)."""
+    data_only = all(size == 1 for name, size in dict(mesh.shape).items() if name != "data")
+    parts = scan_parts(model) if scan_layers and data_only else None
     if parts is None:
-        graphdef, state = nnx.split(model)
-        return (graphdef,), (_place_state(state, mesh),)
+        graphdef, state = placed_split(model, mesh)
+        return (graphdef,), (state,)
     shell_graphdef, shell_state, layer_graphdef, stack = parts
+    replicated = NamedSharding(mesh, P())
     return ((shell_graphdef, layer_graphdef),
-            (_place_state(shell_state, mesh), jax.device_put(stack, NamedSharding(mesh, P()))))
+            (jax.device_put(shell_state, replicated), jax.device_put(stack, replicated)))
 
 
 def merge_parts(graphdefs, states):

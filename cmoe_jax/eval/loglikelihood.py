@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from cmoe_jax.eval import layer_scan
-from cmoe_jax.eval.perplexity import default_mesh
+from cmoe_jax.sharding import make_mesh
 
 _HEAD_ROWS = 256  # scored positions per LM-head tile
 
@@ -143,7 +143,7 @@ def score_requests(model, requests, batch_size: int = 32, mesh: Mesh | None = No
     shape, which traces and compiles; near 0 when an earlier call compiled them), shapes,
     devices, batch_size.
     """
-    mesh = default_mesh() if mesh is None else mesh
+    mesh = make_mesh() if mesh is None else mesh
     n_data = dict(mesh.shape)["data"]
     rows = -(-max(1, batch_size) // n_data) * n_data
     cfg = getattr(model, "config", None)

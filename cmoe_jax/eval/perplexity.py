@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from cmoe_jax.data import DataError
+from cmoe_jax.sharding import make_mesh, placed_split
 
 
 def _summed_nll(model, tokens: jax.Array) -> jax.Array:
@@ -63,24 +64,6 @@ def _compiled_step(graphdef, state, batch_shape, batch_sharding):
     return step
 
 
-def default_mesh() -> Mesh:
-    """A 1-D ("data",) mesh over every device."""
-    return Mesh(np.array(jax.devices()), ("data",))
-
-
-def _place_state(state, mesh: Mesh):
-    """Replicate the parameters over the mesh (Megatron split over a "model" axis if any)."""
-    if dict(mesh.shape).get("model", 1) == 1:
-        return jax.device_put(state, NamedSharding(mesh, P()))
-    from cmoe_jax.sharding import param_sharding
-
-    flat = list(nnx.to_flat_state(state))
-    for path, var in flat:
-        value = var.get_value()
-        var.set_value(jax.device_put(value, param_sharding(path, tuple(value.shape), mesh)))
-    return nnx.from_flat_state(flat)
-
-
 def _check_windows(model, windows) -> np.ndarray:
     windows = np.asarray(windows)
     if windows.ndim != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
@@ -115,7 +98,7 @@ def perplexity(model, windows, batch_size: int | None = None, mesh: Mesh | None 
     """
     windows = _check_windows(model, windows)
     n, t = windows.shape
-    mesh = default_mesh() if mesh is None else mesh
+    mesh = make_mesh() if mesh is None else mesh
     if "data" not in mesh.axis_names:
         raise ValueError(f"the mesh needs a 'data' axis, it has {mesh.axis_names}")
     n_data = dict(mesh.shape)["data"]
@@ -124,8 +107,7 @@ def perplexity(model, windows, batch_size: int | None = None, mesh: Mesh | None 
     per_step = -(-per_step // n_data) * n_data  # a multiple of the data-parallel size
     batch_sharding = NamedSharding(mesh, P("data"))
 
-    graphdef, state = nnx.split(model)
-    state = _place_state(state, mesh)
+    graphdef, state = placed_split(model, mesh)
 
     def batches():
         for start in range(0, n, per_step):

@@ -16,15 +16,14 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from cmoe_jax.checkpoint import MANIFEST, is_converted, restore_model
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.loading import hf_names
 from cmoe_jax.loading.sources import GGUFSource, TensorSource, open_source
 from cmoe_jax.loading.tokenizer import Tokenizer, load_tokenizer
 from cmoe_jax.loading.zoo import resolve
 from cmoe_jax.models import Decoder, ModelConfig
-from cmoe_jax.sharding import data_mesh, param_sharding
-
-CONVERTED_MANIFEST = "cmoe_manifest.json"
+from cmoe_jax.sharding import make_mesh, place_state, shardings_of
 
 
 @dataclasses.dataclass
@@ -39,8 +38,8 @@ class LoadedModel:
 def load_config(name_or_path: str) -> tuple[ModelConfig, Path]:
     """Config only (no weights): lets callers validate arguments before any heavy work."""
     path = resolve(name_or_path)
-    if path.is_dir() and (path / CONVERTED_MANIFEST).exists():
-        manifest = json.loads((path / CONVERTED_MANIFEST).read_text())
+    if is_converted(path):
+        manifest = json.loads((path / MANIFEST).read_text())
         return ModelConfig.from_dict(manifest["model_config"]), path
     if path.is_file() and path.suffix == ".gguf":
         return ModelConfig.from_hf(GGUFSource(path).hf_config()), path
@@ -64,12 +63,14 @@ def _to_dtype(a: np.ndarray, dtype) -> np.ndarray:
 def load_weights(source: TensorSource, cfg: ModelConfig, *, dtype=jnp.float32, mesh=None,
                  progress: bool = True) -> Decoder:
     """Fill an abstract Decoder from a tensor source, placing each tensor on its sharding."""
-    mesh = mesh if mesh is not None else data_mesh()
+    mesh = mesh if mesh is not None else make_mesh(devices=jax.local_devices())
     abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    flat = list(nnx.to_flat_state(state))
-    for path, var in tqdm(flat, desc="loading weights", disable=not progress, leave=False):
-        expected = tuple(var.get_value().shape)
+    shardings = shardings_of(abstract, mesh)
+    bar = tqdm(total=len(shardings), desc="loading weights", disable=not progress, leave=False)
+
+    def read(path, abstract_value):
+        expected = tuple(abstract_value.shape)
         if path[-1] in hf_names._EXPERT_NAMES and path[2] == "mlp":
             name = f"model.layers.{path[1]}.mlp.experts.*.{path[3]}"
             arr = hf_names.fetch_experts(source, path, expected[0])
@@ -78,18 +79,28 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, dtype=jnp.float32, m
         if tuple(arr.shape) != expected:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)} but the config "
                                   f"implies {expected}: config.json does not match the weights")
-        var.set_value(jax.device_put(_to_dtype(arr, dtype), param_sharding(path, expected, mesh)))
-        del arr
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+        bar.update(1)
+        return _to_dtype(arr, dtype)
+
+    state = place_state(state, shardings, read)
+    bar.close()
+    return nnx.merge(graphdef, state)
+
+
+def load_converted(directory: Path, *, dtype=jnp.float32, mesh=None) -> LoadedModel:
+    """A converted model directory as a `LoadedModel`, restored directly onto its shardings."""
+    directory = Path(directory)
+    model = restore_model(directory, dtype=dtype, mesh=mesh)
+    tok_dir = directory / "tokenizer"
+    tokenizer = load_tokenizer(tok_dir) if tok_dir.exists() else None
+    return LoadedModel(model, model.config, tokenizer, str(directory), directory)
 
 
 def load_model(name_or_path: str = "smollm2", *, dtype=jnp.float32, mesh=None,
                progress: bool = True) -> LoadedModel:
     """Load a Hugging Face directory / Hub id / GGUF file / converted cmoe_jax model."""
     cfg, path = load_config(name_or_path)
-    if path.is_dir() and (path / CONVERTED_MANIFEST).exists():
-        from cmoe_jax.convert.checkpoint import load_converted
-
+    if is_converted(path):
         return load_converted(path, dtype=dtype, mesh=mesh)
     source = open_source(path)
     model = load_weights(source, cfg, dtype=dtype, mesh=mesh, progress=progress)

@@ -31,21 +31,31 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = make_ffn(cfg, cfg.ffn_spec(layer), dtype=dtype, rngs=rngs)
 
-    def attention_block(self, h: jax.Array, rope) -> jax.Array:
+    def attention_block(self, h: jax.Array, rope, key=None) -> jax.Array:
         """Residual stream after attention (before the FFN)."""
-        return h + self.attn(self.input_norm(h), *rope)
+        return h + self.attn(self.input_norm(h), *rope, key=key)
 
     def ffn_input(self, h: jax.Array) -> jax.Array:
         """What the FFN sees: the post-attention RMSNorm of the residual stream."""
         return self.post_attn_norm(h)
 
-    def __call__(self, h: jax.Array, rope) -> jax.Array:
-        h = self.attention_block(h, rope)
-        return h + self.mlp(self.ffn_input(h))
+    def __call__(self, h: jax.Array, rope, key=None):
+        """(new residual stream, FFN input, expert loads int32 [E] or None for a dense FFN).
+
+        `key` drives the LoRA adapters' dropout (None: none)."""
+        h = self.attention_block(h, rope, key)
+        x = self.ffn_input(h)
+        if isinstance(self.mlp, SwiGLU):
+            return h + self.mlp(x, key), x, None
+        y, load = self.mlp(x, return_load=True, key=key)
+        return h + y, x, load
 
 
 class Decoder(nnx.Module):
     """Causal LM: tokens [B, T] -> logits [B, T, vocab]."""
+
+    # the embedding table stays whole (a gather); the LM head is split over its vocabulary
+    LOGICAL_AXES = {"embed": (None, "embed"), "lm_head": ("embed", "vocab")}
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
@@ -72,13 +82,35 @@ class Decoder(nnx.Module):
         """[d, vocab]: the LM head, or the transposed embedding when they are tied."""
         return self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
 
-    def hidden_states(self, tokens: jax.Array) -> jax.Array:
-        """Residual stream after the last layer (before the final norm)."""
+    def run_layers(self, tokens: jax.Array, *, key=None, remat: bool = False, capture: bool = False):
+        """(residual stream after the last layer, every layer's FFN input when `capture`
+        else [], expert loads `{layer: int32 [E]}` of the MoE layers): the one forward
+        behind evaluation, conversion and training.
+
+        `key`: dropout key of the LoRA adapters (layer i uses `fold_in(key, i)`; None: no
+        dropout). `remat`: recompute each layer in the backward pass instead of storing its
+        activations (training memory).
+        """
         rope = self.rope(tokens.shape[-1])
         h = self.embed_tokens(tokens)
-        for layer in self.layers:
-            h = layer(h, rope)
-        return h
+        inputs, loads = [], {}
+        for i, layer in enumerate(self.layers):
+            k = None if key is None else jax.random.fold_in(key, i)
+            if remat:
+                graphdef, state = nnx.split(layer)
+                h, x, load = jax.checkpoint(
+                    lambda st, h, k, g=graphdef: nnx.merge(g, st)(h, rope, k))(state, h, k)
+            else:
+                h, x, load = layer(h, rope, k)
+            if capture:
+                inputs.append(x)
+            if load is not None:
+                loads[str(i)] = load
+        return h, inputs, loads
+
+    def hidden_states(self, tokens: jax.Array) -> jax.Array:
+        """Residual stream after the last layer (before the final norm)."""
+        return self.run_layers(tokens)[0]
 
     def token_nll(self, tokens: jax.Array, chunk: int = 128) -> jax.Array:
         """Per-token negative log-likelihood of tokens[:, 1:] given the prefix, [B, T-1], fp32.
@@ -95,15 +127,7 @@ class Decoder(nnx.Module):
 
         The flag is a Python bool, so the plain forward traces without any capture.
         """
-        rope = self.rope(tokens.shape[-1])
-        h = self.embed_tokens(tokens)
-        captured = []
-        for layer in self.layers:
-            h = layer.attention_block(h, rope)
-            x = layer.ffn_input(h)
-            if capture_ffn_inputs:
-                captured.append(x)
-            h = h + layer.mlp(x)
+        h, captured, _ = self.run_layers(tokens, capture=capture_ffn_inputs)
         logits = self.unembed(h)
         return (logits, captured) if capture_ffn_inputs else logits
 

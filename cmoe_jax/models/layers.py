@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cmoe_jax.lora import project
 from cmoe_jax.models.config import ModelConfig, rope_inv_freq
 
 _init = nnx.initializers.normal(0.02)
@@ -20,6 +21,8 @@ def _param(rngs: nnx.Rngs, shape, dtype) -> nnx.Param:
 
 class RMSNorm(nnx.Module):
     """RMSNorm computed in float32 and cast back, as `transformers` does."""
+
+    LOGICAL_AXES = {"weight": ("norm",)}
 
     def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
@@ -51,6 +54,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
     """Causal grouped-query attention with optional q/k/v biases (Qwen2) and q/k RMSNorm (Qwen3)."""
 
+    LOGICAL_AXES = {"q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"),
+                    "v_proj": ("embed", "kv_heads"), "o_proj": ("heads", "embed"),
+                    "q_bias": ("heads",), "k_bias": ("kv_heads",), "v_bias": ("kv_heads",)}
+
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         d, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = n, kv, h
@@ -68,14 +75,13 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, project=None) -> jax.Array:
-        """Self-attention of x [B, T, d]. `project(name, x, w)` replaces the plain `x @ w` of
-        the q/k/v/o projections (fine-tuning passes one that adds LoRA adapters)."""
-        project = project or (lambda name, inp, w: inp @ w)
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, key=None) -> jax.Array:
+        """Self-attention of x [B, T, d]; q/k/v/o add their LoRA adapters when they have
+        some (`key`: the adapters' dropout key, None for no dropout)."""
         b, t, _ = x.shape
-        q = project("q_proj", x, self.q_proj[...])
-        k = project("k_proj", x, self.k_proj[...])
-        v = project("v_proj", x, self.v_proj[...])
+        q = project(self, "q_proj", x, self.q_proj[...], key)
+        k = project(self, "k_proj", x, self.k_proj[...], key)
+        v = project(self, "v_proj", x, self.v_proj[...], key)
         if self.use_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         q = q.reshape(b, t, self.num_heads, self.head_dim)
@@ -85,7 +91,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = causal_attention(q, k, v).reshape(b, t, self.num_heads * self.head_dim)
-        return project("o_proj", out, self.o_proj[...])
+        return project(self, "o_proj", out, self.o_proj[...], key)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 128) -> jax.Array:
@@ -123,14 +129,17 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 128)
 class SwiGLU(nnx.Module):
     """Dense FFN: down(silu(x @ gate) * (x @ up))."""
 
+    LOGICAL_AXES = {"gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
+
     def __init__(self, d_model: int, width: int, *, dtype, rngs: nnx.Rngs):
         self.gate = _param(rngs, (d_model, width), dtype)
         self.up = _param(rngs, (d_model, width), dtype)
         self.down = _param(rngs, (width, d_model), dtype)
 
-    def hidden(self, x: jax.Array) -> jax.Array:
+    def hidden(self, x: jax.Array, key=None) -> jax.Array:
         """The FFN hidden activations h = silu(x W_gate) * (x W_up) that CMoE profiles."""
-        return jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
+        return (jax.nn.silu(project(self, "gate", x, self.gate[...], key))
+                * project(self, "up", x, self.up[...], key))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.hidden(x) @ self.down[...]
+    def __call__(self, x: jax.Array, key=None) -> jax.Array:
+        return project(self, "down", self.hidden(x, key), self.down[...], key)

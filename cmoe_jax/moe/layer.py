@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cmoe_jax.lora import factors, grouped_delta, project
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.expert_parallel import (DEFAULT_EXPERT_AXIS, expert_axis_size,
                                           routed_swiglu_experts, tokens_sharded)
@@ -60,6 +61,13 @@ class MoEFFN(nnx.Module):
     (each expert's r representative neurons, expert-major), `u [E]` (trainable gate scales, init 0) and `router_bias [E]`
     (a `RouterBias`, not a `Param`, init 0).
     """
+
+    LOGICAL_AXES = {
+        "shared_gate": ("embed", "mlp"), "shared_up": ("embed", "mlp"), "shared_down": ("mlp", "embed"),
+        "expert_gate": ("expert", "embed", "mlp"), "expert_up": ("expert", "embed", "mlp"),
+        "expert_down": ("expert", "mlp", "embed"), "router_kernel": ("embed", "router"),
+        "router_gate": ("embed", "router"), "router_up": ("embed", "router"),
+        "u": ("router",), "router_bias": ("router",)}
 
     def __init__(self, d_model: int, expert_width: int, num_experts: int, top_k: int, *,
                  shared_width: int = 0, router: RouterKind = "cmoe", norm_topk_prob: bool = False,
@@ -122,28 +130,43 @@ class MoEFFN(nnx.Module):
     def _expert_parallel(self) -> bool:
         return expert_axis_size(self.expert_axis) > 1
 
-    def shared(self, x: jax.Array) -> jax.Array:
+    def shared(self, x: jax.Array, key=None) -> jax.Array:
         """The shared MLP `down(silu(x W_gate) * (x W_up))` (zeros when there is none)."""
         if self.shared_width == 0:
             return jnp.zeros_like(x)
-        c = lambda p: p[...].astype(self.dtype)
-        return (jax.nn.silu(x @ c(self.shared_gate)) * (x @ c(self.shared_up))) @ c(self.shared_down)
+        proj = lambda name, inp: project(self, name, inp, getattr(self, name)[...].astype(self.dtype), key)
+        return proj("shared_down", jax.nn.silu(proj("shared_gate", x)) * proj("shared_up", x))
 
-    def __call__(self, x: jax.Array, *, return_load: bool = False):
-        """`x [..., d_model] -> [..., d_model]`; with `return_load` also int32 `[E]` counts."""
+    def __call__(self, x: jax.Array, *, return_load: bool = False, key=None):
+        """`x [..., d_model] -> [..., d_model]`; with `return_load` also int32 `[E]` counts.
+
+        Adapted weights (`cmoe_jax.lora`) add their low-rank updates, the routed experts'
+        through the same grouped matmuls; `key` drives the adapters' dropout."""
         shape = x.shape
         x = x.reshape(-1, self.d_model).astype(self.dtype)
         ids, gates = self.route(x)
-        routed, counts = self.routed(x, ids, gates)
-        y = (self.shared(x).astype(jnp.float32) + routed).astype(self.dtype).reshape(shape)
+        routed, counts = self.routed(x, ids, gates, key)
+        y = (self.shared(x, key).astype(jnp.float32) + routed).astype(self.dtype).reshape(shape)
         return (y, counts) if return_load else y
 
-    def routed(self, x: jax.Array, ids: jax.Array, gates: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """float32 `[T, d]` sum of the selected experts' gated outputs and int32 `[E]` loads."""
+    def routed(self, x: jax.Array, ids: jax.Array, gates: jax.Array, key=None
+               ) -> tuple[jax.Array, jax.Array]:
+        """float32 `[T, d]` sum of the selected experts' gated outputs and int32 `[E]` loads.
+
+        LoRA factors of the experts (if any) travel with the weights, so expert-parallel each
+        device applies the adapters of the experts it holds."""
         c = lambda p: p[...].astype(self.dtype)
         weights = (c(self.expert_gate), c(self.expert_up), c(self.expert_down))
-        return routed_swiglu_experts(x, ids, gates, weights, get_gmm(self.backend),
-                                     expert_axis=self.expert_axis)
+        gmm = get_gmm(self.backend)
+        adapters = {n: ab for n in ("gate", "up", "down")
+                    if (ab := factors(self, "expert_" + n)) is not None}
+
+        def make_lora(ad):
+            return lambda name, rows, sizes: (grouped_delta(self, "expert_" + name, rows, sizes, gmm,
+                                                            key, ab=ad[name]) if name in ad else None)
+
+        return routed_swiglu_experts(x, ids, gates, weights, gmm, expert_axis=self.expert_axis,
+                                     adapters=adapters or None, make_lora=make_lora)
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:
         """CMoE load balancing step in place: `b += gamma * sign(mean(counts) - counts)`."""

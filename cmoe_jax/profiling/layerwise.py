@@ -7,19 +7,20 @@ distinct layer structure, so all layers of a model share one compilation.
 from __future__ import annotations
 
 import functools
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from cmoe_jax.sharding import make_mesh
 
 
 def calibration_mesh(num_windows: int, devices=None) -> Mesh:
     """A "data" mesh over the largest number of local devices that divides the batch."""
     devices = list(jax.local_devices() if devices is None else devices)
     n = max(d for d in range(1, len(devices) + 1) if num_windows % d == 0)
-    return Mesh(np.array(devices[:n]), ("data",))
+    return make_mesh(n, devices=devices)
 
 
 def shard_batch(x, mesh: Mesh):

@@ -2,14 +2,16 @@
 
 `finetune` is the job behind `python -m cmoe_jax.train`; the pieces are usable alone:
 `init_adapters` / `merge_adapters` (LoRA on q/k/v/o and the gate/up/down projections of
-dense, shared and routed-expert MLPs), `lora_loss` / `lora_logits` (the adapted forward
-pass), `init_state` / `make_train_step` (Optax, sharding, one jitted step).
+dense, shared and routed-expert MLPs), `with_adapters` (the adapters as variables of the
+model, run by its own forward), `lora_loss` / `lora_logits`, `init_state` /
+`make_train_step` (Optax, sharding, one jitted step).
 """
 from cmoe_jax.train.checkpoint import load_adapters
-from cmoe_jax.train.forward import lora_hidden, lora_logits, lora_loss
 from cmoe_jax.train.lora import (DEFAULT_TARGETS, LoRAConfig, TrainError, adapted_weights,
-                                 init_adapters, merge_adapters, parse_targets, router_params)
-from cmoe_jax.train.step import OptimConfig, init_state, make_mesh, make_train_step, split_frozen
+                                 init_adapters, lora_hidden, lora_logits, lora_loss,
+                                 merge_adapters, parse_targets, router_params, with_adapters)
+from cmoe_jax.sharding import make_mesh
+from cmoe_jax.train.step import OptimConfig, init_state, make_train_step, split_frozen
 
 
 def finetune(*args, **kwargs):
@@ -20,5 +22,5 @@ def finetune(*args, **kwargs):
 
 __all__ = ["finetune", "load_adapters", "lora_hidden", "lora_logits", "lora_loss",
            "DEFAULT_TARGETS", "LoRAConfig", "TrainError", "adapted_weights", "init_adapters",
-           "merge_adapters", "parse_targets", "router_params", "OptimConfig", "init_state",
+           "merge_adapters", "parse_targets", "router_params", "with_adapters", "OptimConfig", "init_state",
            "make_mesh", "make_train_step", "split_frozen"]

@@ -18,18 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cmoe_jax.checkpoint import MANIFEST, publish, save_converted, staging_dir
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.train.lora import DEFAULT_TARGETS, LoRAConfig, TrainError, parse_targets
-
-# settings that decide the trajectory: a resumed run must have the same
-TRAJECTORY_KEYS = ("model", "dataset", "split", "data_path", "samples", "seqlen", "batch_size",
-                   "lora_rank", "lora_alpha", "dropout", "targets", "lr", "router_lr",
-                   "bias_speed", "epochs", "seed", "dtype")
-
-
-def _staging(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
-
 
 def _prepare_dirs(out: Path, staging: Path, settings: dict, resume: bool, overwrite: bool) -> bool:
     """Set up the staging directory; True when `out` must be replaced at the end."""
@@ -101,8 +92,9 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
     from cmoe_jax.train.data import BatchOrder, training_windows
     from cmoe_jax.train.lora import adapted_weights, merge_adapters
     from cmoe_jax.train.report import plot_loss, write_log
-    from cmoe_jax.train.step import (OptimConfig, batch_sharding, init_state, make_mesh,
-                                     make_train_step, split_frozen)
+    from cmoe_jax.sharding import make_mesh
+    from cmoe_jax.train.step import (OptimConfig, batch_sharding, init_state, make_train_step,
+                                     split_frozen)
 
     # ---- everything that can be wrong is checked before any weight is loaded ---------------
     cfg, path = load_config(model)
@@ -119,7 +111,7 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
     windows = training_windows(tokens, samples, seqlen, seed, name=f"{dataset} ({data_path or split})")
     order = BatchOrder(samples, batch_size, epochs, seed)
     model_par = 1 if mesh_shape is None else mesh_shape[1]
-    mesh = make_mesh(None if mesh_shape is None else mesh_shape[0], model_par, devices)
+    mesh = make_mesh(None if mesh_shape is None else mesh_shape[0], model_par, devices=devices)
     data_par = dict(mesh.shape)["data"]
     if batch_size % data_par:
         raise TrainError(f"--batch-size {batch_size} is not a multiple of the {data_par} devices "
@@ -130,7 +122,7 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
                 "lora_rank": lora_rank, "lora_alpha": float(lora_alpha), "dropout": float(dropout),
                 "targets": list(targets), "lr": lr, "router_lr": router_lr,
                 "bias_speed": bias_speed, "epochs": epochs, "seed": seed, "dtype": dtype}
-    staging = _staging(out)
+    staging = staging_dir(out)
     replace_out = _prepare_dirs(out, staging, settings, resume, overwrite)
     staging.mkdir(parents=True, exist_ok=True)
     write_run_config(staging, settings)
@@ -213,8 +205,6 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
     manifest["finetune"] = {k: summary[k] for k in (*settings, "steps", "final_loss")}
     final = staging / "final"
     shutil.rmtree(final, ignore_errors=True)
-    from cmoe_jax.convert.checkpoint import publish, save_converted
-
     save_converted(merged, manifest, final, tokenizer=lm.tokenizer)
     save_adapters(final / "adapters", adapters, us, bs,
                   {"source_model": str(model), "rank": lora_rank, "alpha": float(lora_alpha),
@@ -231,8 +221,6 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
 
 def _source_manifest(path: Path, model: str) -> dict:
     """The source's conversion manifest (converted models) or a minimal one (dense models)."""
-    from cmoe_jax.convert.checkpoint import MANIFEST
-
     if path.is_dir() and (path / MANIFEST).exists():
         manifest = json.loads((path / MANIFEST).read_text())
         for key in ("format", "model_config", "finetune"):

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from cmoe_jax.convert.checkpoint import write_json_atomic
+from cmoe_jax.checkpoint import write_json_atomic
 from cmoe_jax.train.lora import TrainError
 
 RUN_CONFIG = "run_config.json"

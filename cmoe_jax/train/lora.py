@@ -1,11 +1,13 @@
-"""LoRA adapters for a `Decoder`: which weights get one, initialisation, shardings, merging.
+"""LoRA adapters for a `Decoder`: which weights get one, initialisation, shardings, the
+adapted forward and merging.
 
-Adapters live outside the model, in a nested dict that mirrors the parameter paths:
-``{"layers": {"3": {"attn": {"q_proj": {"a": A, "b": B}}, "mlp": {"expert_up": {...}}}}}``.
+The optimizer and the checkpoints hold the adapters as a nested dict that mirrors the
+parameter paths: ``{"layers": {"3": {"attn": {"q_proj": {"a": A, "b": B}}, ...}}}``.
 A weight ``W [in, out]`` gets ``A [in, r]`` and ``B [r, out]``; stacked experts
 ``W [E, in, out]`` get stacked ``A [E, in, r]`` and ``B [E, r, out]``. The adapted weight is
-``W + (alpha / r) * A @ B``; B starts at zero, so a fresh adapter changes nothing. The base
-modules are never modified: `cmoe_jax.train.forward` runs the model with the adapters, and
+``W + (alpha / r) * A @ B``; B starts at zero, so a fresh adapter changes nothing.
+`with_adapters` puts them into (a copy of) the model as `cmoe_jax.lora.LoRA` variables of
+the modules they adapt, so the model's own forward (`Decoder.run_layers`) runs them;
 `merge_adapters` folds them into a copy of the weights.
 """
 from __future__ import annotations
@@ -18,7 +20,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.sharding import param_spec
+from cmoe_jax.lora import attach
+from cmoe_jax.models.decoder import chunked_nll
+from cmoe_jax.moe.balance import RouterBias
+from cmoe_jax.sharding import logical_axes, spec_for
 
 
 class TrainError(CmoeError):
@@ -140,8 +145,9 @@ def adapter_specs(model, cfg: LoRAConfig, mesh: Mesh) -> dict:
     experts split A and B on the expert axis.
     """
     specs: dict = {}
+    axes = logical_axes(model)
     for path, shape in adapted_weights(model, cfg.targets):
-        s = tuple(param_spec(path, shape, mesh))
+        s = tuple(spec_for(axes[path], shape, mesh))
         s = s + (None,) * (len(shape) - len(s))
         _put(specs, path, {"a": P(*s[:-1], None), "b": P(*s[:-2], None, s[-1])})
     return specs
@@ -171,11 +177,63 @@ def router_params(model) -> tuple[dict, dict]:
     return us, bs
 
 
+def _copy(model):
+    """New module objects over the same arrays (so attributes can change, not the model)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+
+
+def with_adapters(model, adapters: dict, scale: float, u: dict | None = None,
+                  bias: dict | None = None, dropout: float = 0.0):
+    """A copy of `model` carrying `adapters` as `LoRA` variables of the modules they adapt,
+    and the router scales u / selection biases b given by layer (float32, as given; layers
+    missing from them keep the model's). Traceable: the train step calls it inside `jit`."""
+    out = _copy(model)
+    for i, layer in enumerate(out.layers):
+        for group, module in (("attn", layer.attn), ("mlp", layer.mlp)):
+            for name, ab in (get_adapter(adapters, ("layers", i, group)) or {}).items():
+                attach(module, name, ab["a"], ab["b"], scale, dropout)
+        if u and str(i) in u:
+            layer.mlp.u = nnx.Param(jnp.asarray(u[str(i)]))
+        if bias and str(i) in bias:
+            layer.mlp.router_bias = RouterBias(jnp.asarray(bias[str(i)]))
+    return out
+
+
+def lora_hidden(model, adapters: dict, u: dict, bias: dict, tokens: jax.Array, *,
+                scale: float, dropout: float = 0.0, key: jax.Array | None = None,
+                remat: bool = False):
+    """Residual stream after the last layer of the adapted model, and the expert loads
+    `{layer: int32 [E]}` of its CMoE layers. Layer i's dropout masks come from
+    `fold_in(key, i)` (no dropout without a key)."""
+    adapted = with_adapters(model, adapters, scale, u, bias, dropout)
+    h, _, loads = adapted.run_layers(tokens, key=key, remat=remat)
+    cmoe = {str(i) for i, layer in enumerate(model.layers) if getattr(layer.mlp, "router", None) == "cmoe"}
+    return h, {k: v for k, v in loads.items() if k in cmoe}
+
+
+def lora_logits(model, adapters: dict, u: dict | None = None, bias: dict | None = None,
+                tokens=None, *, scale: float, dropout: float = 0.0, key=None) -> jax.Array:
+    """Logits `[B, T, vocab]` of the adapted model (for tests and small inputs)."""
+    h, _ = lora_hidden(model, adapters, u or {}, bias or {}, tokens, scale=scale,
+                       dropout=dropout, key=key)
+    return model.unembed(h)
+
+
+def lora_loss(model, adapters, u, bias, tokens, *, scale, dropout=0.0, key=None, remat=False):
+    """(mean next-token NLL, expert loads by layer) of the adapted model on `tokens [B, T]`;
+    the LM head runs in rematerialised chunks, so `[B, T, vocab]` logits are never stored."""
+    h, loads = lora_hidden(model, adapters, u, bias, tokens, scale=scale, dropout=dropout,
+                           key=key, remat=remat)
+    h = model.norm(h)[:, :-1]
+    nll = chunked_nll(h, tokens[:, 1:], model.lm_head_matrix(), 128, remat=True)
+    return jnp.mean(nll), loads
+
+
 def merge_adapters(model, adapters: dict, scale: float, u: dict | None = None,
                    bias: dict | None = None):
     """A copy of `model` with `W + scale * A @ B` folded in and u / b set; `model` is unchanged."""
-    graphdef, state = nnx.split(model)
-    merged = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+    merged = _copy(model)
     for i, layer in enumerate(merged.layers):
         for group, module in (("attn", layer.attn), ("mlp", layer.mlp)):
             node = get_adapter(adapters, ("layers", i, group)) or {}

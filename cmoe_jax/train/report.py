@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cmoe_jax.convert.checkpoint import write_json_atomic
+from cmoe_jax.checkpoint import write_json_atomic
 
 
 def write_log(path: Path, summary: dict, steps: list[dict]) -> None:

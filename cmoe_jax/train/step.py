@@ -22,8 +22,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cmoe_jax.moe.balance import update_router_bias
-from cmoe_jax.train.forward import lora_loss
-from cmoe_jax.train.lora import LoRAConfig, adapter_specs, init_adapters, named, router_params
+from cmoe_jax.sharding import placed_split
+from cmoe_jax.train.lora import (LoRAConfig, adapter_specs, init_adapters, lora_loss, named,
+                                 router_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,21 +41,6 @@ def make_optimizer(trainable: dict, oc: OptimConfig) -> optax.GradientTransforma
               "u": jax.tree.map(lambda _: "router", trainable["u"])}
     return optax.multi_transform({"lora": optax.adam(oc.lr, b1=oc.b1, b2=oc.b2),
                                   "router": optax.adam(oc.router_lr, b1=oc.b1, b2=oc.b2)}, labels)
-
-
-def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
-    """A ("data", "model") mesh; `data` defaults to all devices / model."""
-    import numpy as np
-
-    devices = list(jax.devices() if devices is None else devices)
-    if data is None:
-        data = len(devices) // model
-    if data * model > len(devices) or data < 1 or model < 1:
-        from cmoe_jax.train.lora import TrainError
-
-        raise TrainError(f"a mesh of {data} x {model} devices needs {data * model} devices, "
-                         f"{len(devices)} available")
-    return Mesh(np.array(devices[: data * model]).reshape(data, model), ("data", "model"))
 
 
 def init_state(model, lora: LoRAConfig, oc: OptimConfig, key: jax.Array, mesh: Mesh):
@@ -126,15 +112,7 @@ def make_train_step(graphdef, lora: LoRAConfig, oc: OptimConfig, tx, shardings, 
 def split_frozen(model, mesh: Mesh):
     """(graphdef, model state placed on `mesh`, its shardings): the frozen weights the step reads.
 
-    Weights follow `cmoe_jax.sharding.param_spec` (Megatron-style over "model", experts on
-    their leading axis), everything else is replicated.
+    Every variable follows its logical axes and `cmoe_jax.sharding.RULES`.
     """
-    from cmoe_jax.sharding import param_sharding
-
-    graphdef, state = nnx.split(model)
-    flat = nnx.to_flat_state(state)
-    for path, var in flat:
-        v = var.get_value()
-        var.set_value(jax.device_put(v, param_sharding(path, v.shape, mesh)))
-    state = nnx.from_flat_state(flat)
+    graphdef, state = placed_split(model, mesh)
     return graphdef, state, jax.tree.map(lambda a: a.sharding, state)

@@ -1,17 +1,19 @@
-"""Save and load converted models: an Orbax checkpoint of the NNX state plus a JSON manifest.
+"""The converted-model directory format, and the staging/publish protocol every job uses.
 
-Layout of a converted model directory:
+Layout of a converted (or fine-tuned) model directory:
     cmoe_manifest.json   source model, plan, calibration, per-layer neuron indices, timings
     state/               Orbax StandardCheckpointer of `nnx.state(model)`
     tokenizer/           the source tokenizer (so `python -m cmoe_jax.eval` needs nothing else)
-Everything is written into a staging directory first and renamed into place at the end, so
-an interrupted run never leaves a half-written model at the output path.
+Jobs write into `staging_dir(out)` and `publish` it at the end, so an interrupted run never
+leaves a half-written model at the output path. This module sits below both `loading`
+(which reads these directories) and `convert` / `train` (which write them).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import jax
@@ -21,29 +23,31 @@ from flax import nnx
 
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.models import Decoder, ModelConfig
-from cmoe_jax.sharding import data_mesh, param_sharding
+from cmoe_jax.sharding import make_mesh, place_state, shardings_of
 
 MANIFEST = "cmoe_manifest.json"
 FORMAT = "cmoe_jax.converted/v1"
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    """Write JSON to a temporary file beside `path`, then rename it over `path`, so readers
+    never see half a file and a failed write leaves nothing behind."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
-def save_converted(model: Decoder, manifest: dict, directory: Path, tokenizer=None) -> None:
-    """Write model state, tokenizer and manifest into `directory` (which must not exist yet)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save((directory / "state").absolute(), nnx.state(model))
-    checkpointer.wait_until_finished()
-    if tokenizer is not None:
-        tokenizer.hf.save_pretrained(str(directory / "tokenizer"))
-    manifest = dict(manifest, format=FORMAT, model_config=model.config.to_dict())
-    write_json_atomic(directory / MANIFEST, manifest)
+def staging_dir(out: Path) -> Path:
+    """Where a job writing `out` works until it publishes: `out.partial`."""
+    out = Path(out)
+    return out.with_name(out.name + ".partial")
 
 
 def publish(staging: Path, out: Path, overwrite: bool) -> None:
@@ -60,6 +64,23 @@ def publish(staging: Path, out: Path, overwrite: bool) -> None:
         os.replace(staging, out)
 
 
+def is_converted(path: Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / MANIFEST).exists()
+
+
+def save_converted(model: Decoder, manifest: dict, directory: Path, tokenizer=None) -> None:
+    """Write model state, tokenizer and manifest into `directory` (which must not exist yet)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save((directory / "state").absolute(), nnx.state(model))
+    checkpointer.wait_until_finished()
+    if tokenizer is not None:
+        tokenizer.hf.save_pretrained(str(directory / "tokenizer"))
+    manifest = dict(manifest, format=FORMAT, model_config=model.config.to_dict())
+    write_json_atomic(directory / MANIFEST, manifest)
+
+
 def read_manifest(directory: Path) -> dict:
     path = Path(directory) / MANIFEST
     if not path.exists():
@@ -70,22 +91,14 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
-def load_converted(directory: Path, *, dtype=jnp.float32, mesh=None):
-    """A converted model as a `LoadedModel`, restored directly onto its target shardings."""
-    from cmoe_jax.loading.load import LoadedModel
-    from cmoe_jax.loading.tokenizer import load_tokenizer
-
+def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None) -> Decoder:
+    """The model saved in a converted directory, restored directly onto its shardings."""
     directory = Path(directory)
-    manifest = read_manifest(directory)
-    cfg = ModelConfig.from_dict(manifest["model_config"])
-    mesh = mesh if mesh is not None else data_mesh()
+    cfg = ModelConfig.from_dict(read_manifest(directory)["model_config"])
+    mesh = mesh if mesh is not None else make_mesh(devices=jax.local_devices())
     abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
-    flat = nnx.to_flat_state(abstract_state)
-    for path, var in flat:
-        v = var.get_value()
-        var.set_value(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=param_sharding(path, v.shape, mesh)))
-    target = nnx.from_flat_state(flat)
+    target = place_state(abstract_state, shardings_of(abstract, mesh))
     try:
         state = ocp.StandardCheckpointer().restore((directory / "state").absolute(), target)
     except Exception as e:
@@ -97,7 +110,4 @@ def load_converted(directory: Path, *, dtype=jnp.float32, mesh=None):
         state = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a,
                              state)
         graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
-    model = nnx.merge(graphdef, state)
-    tok_dir = directory / "tokenizer"
-    tokenizer = load_tokenizer(tok_dir) if tok_dir.exists() else None
-    return LoadedModel(model, cfg, tokenizer, str(directory), directory)
+    return nnx.merge(graphdef, state)

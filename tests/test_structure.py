@@ -1,0 +1,87 @@
+"""The package's shape: no import circle between its parts, imports only flow downwards.
+
+Every import is read with `ast`, function-level ones included (a circle that only lazy
+imports keep from failing is still a circle).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "cmoe_jax"
+# lower layers first; a part may import only parts of a lower layer. `moe` is self-contained
+# and `models` builds its MoE layers from it; `checkpoint` (the converted-model format)
+# sits below both `loading`, which reads it, and `convert` / `train`, which write it.
+LAYERS = [
+    {"errors", "lora"},
+    {"sharding", "moe"},
+    {"models", "data"},
+    {"checkpoint", "profiling", "carving"},
+    {"loading"},
+    {"convert", "train", "eval"},
+    {"demo", "__init__"},
+]
+RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
+
+
+def _part(module: str) -> str:
+    """`cmoe_jax.convert.api` -> "convert"; the package itself -> "__init__"."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def import_graph() -> dict[str, set[str]]:
+    subs = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+            if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())}
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        src = _part(".".join(rel.parts)) if len(rel.parts) > 1 else "__init__"
+        edges = graph.setdefault(src, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module]
+                if node.module == "cmoe_jax":  # `from cmoe_jax import loading` names a part
+                    targets = [f"cmoe_jax.{a.name}" if a.name in subs else "cmoe_jax"
+                               for a in node.names]
+            else:
+                continue
+            edges.update(_part(t) for t in targets if t.split(".")[0] == "cmoe_jax")
+        edges.discard(src)
+    return graph
+
+
+def test_every_part_has_a_layer():
+    assert set(import_graph()) <= set(RANK), set(import_graph()) - set(RANK)
+
+
+def test_imports_flow_downwards():
+    wrong = [f"{src} imports {dst}" for src, dsts in import_graph().items() for dst in dsts
+             if RANK[dst] >= RANK[src]]
+    assert not wrong, wrong
+
+
+def test_no_import_circle():
+    graph = import_graph()
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == 1:
+                raise AssertionError("import circle: " + " -> ".join(stack + [node, nxt]))
+            if nxt not in state:
+                visit(nxt, stack + [node])
+        state[node] = 2
+
+    for node in graph:
+        if node not in state:
+            visit(node, [])
+
+
+def test_modules_stay_small():
+    big = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > 300}
+    assert not big, big
