@@ -30,7 +30,7 @@ class ScannedDecoder:
         h = self.shell.embed_tokens(tokens)
 
         def step(h, weights):
-            return nnx.merge(self.layer_graphdef, weights)(h, rope), None
+            return nnx.merge(self.layer_graphdef, weights)(h, rope)[0], None  # new residual
 
         return jax.lax.scan(step, h, self.layer_stack)[0]
 
@@ -49,7 +49,7 @@ def scan_parts(model):
     if any(g != splits[0][0] or shapes(s) != shapes(splits[0][1]) for g, s in splits):
         return None
     h = jax.ShapeDtypeStruct((1, 2, model.config.hidden_size), model.dtype)
-    out = jax.eval_shape(lambda h: layers[0](h, model.rope(2)), h)
+    out = jax.eval_shape(lambda h: layers[0](h, model.rope(2))[0], h)
     if out.dtype != h.dtype:
         return None
     stack = jax.tree.map(lambda *xs: jnp.stack(xs), *[s for _, s in splits])
