@@ -1,7 +1,9 @@
 """Interleaved timing shared by the benchmarks: both sides alternate (A, B, A, B, ...) after a
 warm-up, so load drift hits them alike; medians and minima per side, the ratio of medians,
 and the load average at start and end. A ratio measured on an overloaded machine misleads,
-so above one runnable process per core the ratio is withheld and a warning printed instead.
+so when the load at start (before the benchmark's own threads add to it) is above one
+runnable process per core, the ratio is withheld and a warning printed instead. The end
+figure includes the benchmark's own threads (about one per core while it runs).
 """
 from __future__ import annotations
 
@@ -13,6 +15,11 @@ from typing import Callable, Sequence
 
 def load_average() -> float:
     return os.getloadavg()[0]
+
+
+def machine_busy(load_at_start: float) -> bool:
+    """More runnable processes than cores before the benchmark started."""
+    return load_at_start > (os.cpu_count() or 1)
 
 
 def interleaved_times(sides: Sequence[Callable[[], object]], repeats: int, warmup: int = 1
@@ -39,9 +46,9 @@ def report(names: Sequence[str], times: Sequence[Sequence[float]], load_start: f
     load_end, cores = load_average(), os.cpu_count() or 1
     print(f"load average {load_start:.2f} at start, {load_end:.2f} at end ({cores} cores), "
           f"{len(times[0])} interleaved repeats")
-    if max(load_start, load_end) > cores:
-        print(f"warning: load average above {cores} cores: the machine is busy, no ratio printed; "
-              "re-run on a quiet machine")
+    if machine_busy(load_start):
+        print(f"warning: load average {load_start:.2f} at start is above {cores} cores: the machine "
+              "is busy, no ratio printed; re-run on a quiet machine")
         return None
     ratio = statistics.median(times[0]) / statistics.median(times[1])
     print(f"ratio ({names[0]} time / {names[1]} time, medians): {ratio:.2f}x")

@@ -37,7 +37,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import load_average  # noqa: E402
+from benchmarks.harness import load_average, machine_busy  # noqa: E402
+
+LOAD_AT_START = load_average()
 from cmoe_jax.moe.dispatch import routed_experts
 from cmoe_jax.moe.gmm import BACKENDS, get_gmm, resolve_backend
 from cmoe_jax.moe.routers import cmoe_scores
@@ -137,8 +139,8 @@ def run_case(config, shape, tokens, dtype_name, routing, backend, reps, ragged_l
     t_dense, t_moe, *t_ragged = median_times(calls, reps)
     t_ragged = f"{t_ragged[0]:8.4f}s" if t_ragged else "       -"
     loads = f"max/mean load {counts.max() / counts.mean():.2f}"
-    busy = load_average() > (os.cpu_count() or 1)
-    ratio = f"(load {load_average():.1f}: machine busy, no ratio)" if busy else f"{t_dense / t_moe:.2f}x"
+    busy = machine_busy(LOAD_AT_START)
+    ratio = f"(load {LOAD_AT_START:.1f} at start: machine busy, no ratio)" if busy else f"{t_dense / t_moe:.2f}x"
     print(f"{config:8s} {shape:>10s} tokens={tokens:<6d} {dtype_name:4s} {routing:8s} r={router_neurons} "
           f"{loads}  dense {t_dense:8.4f}s  moe {t_moe:8.4f}s  ragged_dot {t_ragged}  "
           f"{ratio}", flush=True)
@@ -165,7 +167,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     print(f"# platform {jax.default_backend()} ({jax.device_count()} device(s)), "
           f"MoE backend {resolve_backend(args.backend)}, median of {args.reps} alternating runs, "
-          f"load average {load_average():.2f} ({os.cpu_count()} cores)", flush=True)
+          f"load average {LOAD_AT_START:.2f} at start ({os.cpu_count()} cores)", flush=True)
     for shape, tokens, dtype_name in itertools.product(args.shape, args.tokens, args.dtype):
         for config, routing in itertools.product(args.config, args.routing):
             run_case(config, shape, tokens, dtype_name, routing, args.backend, args.reps,
