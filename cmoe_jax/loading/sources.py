@@ -5,6 +5,7 @@ a single name map (`hf_names.py`) serves safetensors, PyTorch `.bin` and GGUF al
 """
 from __future__ import annotations
 
+import abc
 import json
 import os
 from pathlib import Path
@@ -15,14 +16,16 @@ import numpy as np
 from cmoe_jax.errors import CheckpointError
 
 
-class TensorSource:
+class TensorSource(abc.ABC):
     """A read-only mapping name -> numpy array that loads lazily."""
 
+    @abc.abstractmethod
     def names(self) -> Iterable[str]:
-        raise NotImplementedError
+        """Every tensor name the source holds."""
 
+    @abc.abstractmethod
     def get(self, name: str) -> np.ndarray:
-        raise NotImplementedError
+        """The tensor `name`, read now."""
 
     def __contains__(self, name: str) -> bool:
         return name in set(self.names())
