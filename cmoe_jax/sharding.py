@@ -60,6 +60,12 @@ def make_mesh(data: int | None = None, model: int = 1, *, expert: int = 1, devic
     return Mesh(np.array(devices[:need]).reshape(data, model), ("data", "model"))
 
 
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """Mesh axes a batch is split over: "data", and "expert" too (outside the routed experts
+    the expert axis is one more data-parallel axis; inside them, tokens move by all-to-all)."""
+    return tuple(a for a in ("data", "expert") if a in mesh.axis_names)
+
+
 def spec_for(axes: tuple, shape: tuple, mesh: Mesh) -> P:
     """PartitionSpec of an array of `shape` whose dimensions have the logical `axes`."""
     if len(axes) != len(shape):

@@ -177,30 +177,43 @@ def test_same_seed_same_partition_bit_for_bit(dense):
 _MULTI_DEVICE_SCRIPT = """
 import sys, json, numpy as np, jax
 sys.path.insert(0, {root!r})
+import cmoe_jax.moe.expert_parallel as ep
 from cmoe_jax.carving import MoEPlan
 from cmoe_jax.convert import ConvertConfig, convert_model
 from cmoe_jax.loading import load_model
+exchanges = []
+_exchange = ep._exchange
+ep._exchange = lambda *a, **k: exchanges.append(a[5]) or _exchange(*a, **k)  # traced all-to-all
 dense = load_model({path!r}, progress=False).model
 calib = np.random.default_rng(0).integers(0, 96, size=(8, 32)).astype(np.int32)
-moe, recs = convert_model(dense, calib, ConvertConfig(plan=MoEPlan.parse("S1A2E8"), k_act=4), progress=False)
+moe, recs = convert_model(dense, calib, ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4),
+                          progress=False, expert_parallel={expert})
 tokens = np.random.default_rng(1).integers(0, 96, size=(2, 16)).astype(np.int32)
 np.savez({out!r}, logits=np.asarray(moe(tokens)), experts=np.stack([r.carving.expert_idx for r in recs]),
-         devices=len(jax.devices()))
+         loads=np.stack([r.load for r in recs]), devices=len(jax.devices()), exchanges=len(exchanges))
 """
 
 
 def test_eight_device_conversion_equals_one_device(save_tiny, tmp_path):
+    """1 device, 8 data-parallel devices, and 4 data x 2 expert-parallel devices (the routed
+    experts of each converted layer split over 2 devices, tokens exchanged by all-to-all):
+    the same partitions, expert loads and logits."""
     _, path = save_tiny("llama", intermediate_size=64)
     results = {}
-    for n in (1, 8):
-        out = tmp_path / f"r{n}.npz"
+    for n, expert in ((1, 1), (8, 1), (8, 2)):
+        out = tmp_path / f"r{n}_{expert}.npz"
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
-        script = _MULTI_DEVICE_SCRIPT.format(root=str(ROOT), path=str(path), out=str(out))
+        script = _MULTI_DEVICE_SCRIPT.format(root=str(ROOT), path=str(path), out=str(out), expert=expert)
         subprocess.run([sys.executable, "-c", script], check=True, env=env)
-        results[n] = np.load(out)
-    assert int(results[8]["devices"]) == 8 and int(results[1]["devices"]) == 1
-    np.testing.assert_array_equal(results[1]["experts"], results[8]["experts"])
-    np.testing.assert_allclose(results[1]["logits"], results[8]["logits"], atol=1e-5)
+        results[n, expert] = np.load(out)
+    one = results[1, 1]
+    assert int(one["devices"]) == 1 and int(results[8, 1]["devices"]) == 8
+    assert int(one["exchanges"]) == int(results[8, 1]["exchanges"]) == 0
+    assert int(results[8, 2]["exchanges"]) > 0  # the converted layers ran expert-parallel
+    for key in ((8, 1), (8, 2)):
+        np.testing.assert_array_equal(one["experts"], results[key]["experts"])
+        np.testing.assert_array_equal(one["loads"], results[key]["loads"])
+        np.testing.assert_allclose(one["logits"], results[key]["logits"], atol=1e-5)
 
 
 # ---- the CLI: bad input fails before any work, nothing written --------------------------
@@ -216,6 +229,8 @@ def _cli(path, text, out, *extra):
     (["--config", "S8A0E8"], "shared"),
     (["--config", "S1A1E8", "--k-act", "100"], "K_a"),
     (["--config", "S1A1E8", "--seqlen", "100000"], "context"),
+    (["--config", "S1A1E8", "--expert-parallel", "7"], "local devices"),
+    (["--config", "S1A2E4", "--expert-parallel", "2"], "does not divide the 3 routed experts"),
 ])
 def test_cli_rejects_bad_plans(tiny_checkpoint, tmp_path, capsys, extra, message):
     _, path, text = tiny_checkpoint

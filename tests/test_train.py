@@ -268,31 +268,44 @@ kw = dict(data_path=root + "/text.txt", samples=8, seqlen=32, batch_size=4, lora
           lr=1e-2, router_lr=1e-2, bias_speed=1e-2, epochs=3, save_every=100, progress=False)
 one = finetune(root + "/moe", out=out + "/one", mesh_shape=(1, 1), devices=jax.devices()[:1], **kw)
 many = finetune(root + "/moe", out=out + "/many", mesh_shape=(4, 2), **kw)
+import cmoe_jax.moe.expert_parallel as ep
+exchanges = []
+_exchange = ep._exchange
+ep._exchange = lambda *a, **k: exchanges.append(a[5]) or _exchange(*a, **k)  # traced all-to-all
+expert = finetune(root + "/moe", out=out + "/expert", mesh_shape=(2, 2), expert_parallel=2, **kw)
 assert one["mesh"] == {"data": 1, "model": 1} and many["mesh"] == {"data": 4, "model": 2}
-la = [s["loss"] for s in json.load(open(out + "/one/train_log.json"))["steps"]]
-lb = [s["loss"] for s in json.load(open(out + "/many/train_log.json"))["steps"]]
-a, _ = load_adapters(out + "/one/adapters"); b, _ = load_adapters(out + "/many/adapters")
-diff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-print(json.dumps({"one": la, "many": lb, "param_diff": diff}))
+assert expert["mesh"] == {"data": 2, "expert": 2, "model": 2}, expert["mesh"]
+logs = {k: [s["loss"] for s in json.load(open(f"{out}/{k}/train_log.json"))["steps"]]
+        for k in ("one", "many", "expert")}
+a, _ = load_adapters(out + "/one/adapters")
+def diff(k):
+    b, _ = load_adapters(f"{out}/{k}/adapters")
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+print(json.dumps({**logs, "param_diff": diff("many"), "expert_param_diff": diff("expert"),
+                  "exchanges": len(exchanges)}))
 '''
 
 
 def test_eight_devices_train_like_one(model_dirs, tmp_path):
-    """Data x model = 4 x 2 simulated CPU devices against one device: per-step losses within
-    1e-5 relative, final adapters / u / b within 1e-5 absolute (float32 reductions reorder)."""
+    """Data x model = 4 x 2 and data x expert x model = 2 x 2 x 2 simulated CPU devices (the
+    latter expert-parallel: routed experts split over 2 devices, tokens exchanged by
+    all-to-all) against one device: per-step losses within 1e-5 relative, final adapters /
+    u / b within 1e-5 absolute (float32 reductions reorder)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, "-c", SHARDED, str(model_dirs), str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(res["one"]) == len(res["many"]) == 6
-    rel = np.max(np.abs(np.subtract(res["many"], res["one"])) / np.abs(res["one"]))
-    print(f"8 devices vs 1: max relative loss difference {rel:.2e}, "
-          f"max parameter difference {res['param_diff']:.2e}")
-    np.testing.assert_allclose(res["many"], res["one"], rtol=1e-5)
+    assert len(res["one"]) == len(res["many"]) == len(res["expert"]) == 6
+    for k, d in (("many", "param_diff"), ("expert", "expert_param_diff")):
+        rel = np.max(np.abs(np.subtract(res[k], res["one"])) / np.abs(res["one"]))
+        print(f"8 devices ({k}) vs 1: max relative loss difference {rel:.2e}, "
+              f"max parameter difference {res[d]:.2e}")
+        np.testing.assert_allclose(res[k], res["one"], rtol=1e-5)
+        assert res[d] < 1e-5
+    assert res["exchanges"] > 0  # the expert-parallel run really exchanged tokens
     assert res["one"][-1] < res["one"][0]  # it learns
-    assert res["param_diff"] < 1e-5
 
 
 def _cli(model_dirs, out, *extra, model="moe"):
@@ -309,6 +322,8 @@ def _cli(model_dirs, out, *extra, model="moe"):
     (("--batch-size", "16"), "moe", "exceeds --samples"),
     (("--mesh", "four"), "moe", "is not of the form DATAxMODEL"),
     (("--mesh", "64x2"), "moe", "needs 128 devices"),
+    (("--expert-parallel", "4"), "moe", "must divide the number of routed experts"),
+    (("--expert-parallel", "2"), "dense", "the model has none"),
     (("--lora-rank", "0"), "moe", "--lora-rank must be at least 1"),
 ])
 def test_bad_input_fails_before_training(model_dirs, tmp_path, capsys, extra, model, message):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from cmoe_jax.checkpoint import MANIFEST, publish, save_converted, staging_dir, write_json_atomic
 from cmoe_jax.convert.pipeline import (ConversionError, ConvertConfig, LayerRecord, check_router,
-                                       convert_model)
+                                       conversion_mesh, convert_model)
 from cmoe_jax.errors import CmoeError
 
 
@@ -43,13 +43,14 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
             router_scale: bool = ConvertConfig.router_scale,
             router_fit_tokens: int = ConvertConfig.router_fit_tokens,
             shared_by: str = ConvertConfig.shared_by, router_reps: str = ConvertConfig.router_reps,
-            resume: bool = False,
+            resume: bool = False, expert_parallel: int = 1,
             overwrite: bool = False, report: bool = False,
             progress: bool = True, stop_after_layers: int | None = None) -> dict:
     """Convert a dense checkpoint to CMoE and save it at `out`; returns the manifest.
 
     `stop_after_layers` exists for testing interruption: the job stops (as if killed) once
-    that many layers are saved in the staging directory.
+    that many layers are saved in the staging directory. `expert_parallel`: see
+    `convert_model`; it changes where work runs, not the result.
     """
     from cmoe_jax.data import calibration_windows, load_text_tokens
     from cmoe_jax.loading import load_config, load_model, load_tokenizer
@@ -68,6 +69,7 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     except ValueError as e:
         raise ConversionError(str(e)) from e
     check_router(cfg, cc)
+    conversion_mesh(cc, calib_samples, expert_parallel=expert_parallel)
     if seqlen > cfg.max_position_embeddings:
         raise CmoeError(f"--seqlen {seqlen} exceeds the model's context "
                         f"({cfg.max_position_embeddings} positions)")
@@ -97,7 +99,7 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
 
     try:
         moe_model, records = convert_model(lm.model, windows, cc, progress=progress, done=done,
-                                           on_layer=on_layer)
+                                           on_layer=on_layer, expert_parallel=expert_parallel)
     except _Stop:
         return {"out": None, "config": plan.name, "interrupted_after": stop_after_layers}
     t_save = time.perf_counter()

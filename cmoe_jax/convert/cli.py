@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="router neurons of each expert: the members of highest output energy "
                         "(default) or closest to the cluster centroid (the paper's rule)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="split each converted layer's routed experts over N devices (all-to-all "
+                        "token exchange) when it runs forward; the batch uses the rest (default 1)")
     p.add_argument("--out", required=True, help="output directory of the converted model")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
@@ -91,6 +94,7 @@ def run(args) -> dict:
                    kmeans_iters=args.kmeans_iters, normalize=not args.no_normalize,
                    seed=args.seed, router_fit_tokens=args.router_fit_tokens,
                    shared_by=args.shared_by, resume=args.resume, **router_options(args),
+                   expert_parallel=args.expert_parallel,
                    overwrite=args.overwrite,
                    report=args.report)
 

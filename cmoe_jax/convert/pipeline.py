@@ -9,6 +9,7 @@ import dataclasses
 import time
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -21,6 +22,7 @@ from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.profiling.layerwise import (attention_step, calibration_mesh,
                                           embed_step, ffn_residual_step, replicate, shard_batch)
+from cmoe_jax.sharding import place_state, shardings_of
 
 
 class ConversionError(CmoeError):
@@ -122,6 +124,16 @@ def check_router(cfg: ModelConfig, cc: ConvertConfig) -> None:
         raise ConversionError(f"--router-fit-tokens {cc.router_fit_tokens} must be at least 1")
 
 
+def conversion_mesh(cc: ConvertConfig, num_windows: int, devices=None, expert_parallel: int = 1):
+    """The calibration mesh; with `expert_parallel > 1` each converted layer's routed experts
+    are split over an "expert" axis of that many devices for its forward pass."""
+    routed = cc.plan.total - cc.plan.shared
+    if expert_parallel > 1 and routed % expert_parallel:
+        raise ConversionError(f"--expert-parallel {expert_parallel} does not divide the {routed} "
+                              f"routed experts of {cc.plan.name}")
+    return calibration_mesh(num_windows, devices, expert=expert_parallel)
+
+
 def moe_spec(cfg: ModelConfig, cc: ConvertConfig) -> FFNSpec:
     plan = cc.plan
     m = cfg.intermediate_size // plan.total
@@ -202,17 +214,20 @@ def assemble(model: Decoder, cfg_moe: ModelConfig, ffns: list[nnx.Module]) -> De
 
 def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devices=None,
                   progress: bool = True, done: list[LayerRecord] | None = None,
-                  on_layer: Callable[[int, LayerRecord], None] | None = None):
+                  on_layer: Callable[[int, LayerRecord], None] | None = None,
+                  expert_parallel: int = 1):
     """Convert `model` (dense) with calibration windows `calib` [N, T] -> (moe_model, records).
 
     `done` holds records of layers already converted (resume): they are rebuilt from their
     partitions and only re-run forward, so the result equals an uninterrupted run.
+    `expert_parallel`: devices the converted layers' routed experts are split over when
+    they run forward (the batch is split over the remaining ones; 1: every device holds all).
     """
     cfg = model.config
     calib = np.asarray(calib, np.int32)
     validate(cfg, calib, cc)
     done = list(done or [])
-    mesh = calibration_mesh(calib.shape[0], devices)
+    mesh = conversion_mesh(cc, calib.shape[0], devices, expert_parallel)
     graphdef, state = nnx.split(model)
     h = embed_step(graphdef, replicate(state, mesh), shard_batch(calib, mesh))
     rope = replicate(model.rope(calib.shape[1]), mesh)
@@ -237,7 +252,8 @@ def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devic
         if cc.router_scale:
             record.router_scales = fit_router_scales(ffn, x, cc, mesh)
         fg, fs = nnx.split(ffn)
-        h, load = ffn_residual_step(fg, replicate(fs, mesh), h_mid, x)
+        with jax.set_mesh(mesh):  # an "expert" axis makes MoEFFN run expert-parallel
+            h, load = ffn_residual_step(fg, place_state(fs, shardings_of(ffn, mesh)), h_mid, x)
         record.load = np.asarray(load)
         record.seconds["route_and_forward"] = time.perf_counter() - t1
         del h_mid, x

@@ -13,18 +13,25 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from cmoe_jax.sharding import make_mesh
+from cmoe_jax.sharding import ShardingError, batch_axes, make_mesh
 
 
-def calibration_mesh(num_windows: int, devices=None) -> Mesh:
-    """A "data" mesh over the largest number of local devices that divides the batch."""
+def calibration_mesh(num_windows: int, devices=None, expert: int = 1) -> Mesh:
+    """A ("data"[, "expert"]) mesh over the most local devices whose data x expert count
+    divides the batch; `expert > 1` splits the converted layers' routed experts over that
+    many devices (expert parallelism, `cmoe_jax.moe.expert_parallel`)."""
     devices = list(jax.local_devices() if devices is None else devices)
-    n = max(d for d in range(1, len(devices) + 1) if num_windows % d == 0)
-    return make_mesh(n, devices=devices)
+    if expert < 1 or len(devices) % expert:
+        raise ShardingError(f"--expert-parallel {expert} must divide the {len(devices)} local devices")
+    if num_windows % expert:
+        raise ShardingError(f"--calib-samples {num_windows} must be a multiple of "
+                            f"--expert-parallel {expert} (the batch is split over the expert axis too)")
+    n = max(d for d in range(1, len(devices) // expert + 1) if num_windows % (d * expert) == 0)
+    return make_mesh(n, expert=expert, devices=devices)
 
 
 def shard_batch(x, mesh: Mesh):
-    return jax.device_put(x, NamedSharding(mesh, P("data")))
+    return jax.device_put(x, NamedSharding(mesh, P(batch_axes(mesh))))
 
 
 def replicate(tree, mesh: Mesh):

@@ -12,6 +12,7 @@ and the record of the run:
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -53,13 +54,16 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
              bias_speed: float = 1e-3, epochs: int = 1, seed: int = 0, save_every: int = 100,
              max_steps: int | None = None, max_minutes: float | None = None,
              resume: bool = False, overwrite: bool = False, mesh_shape: tuple | None = None,
-             devices=None, remat: bool = False, dtype: str = "float32", progress: bool = True,
-             stop_after_steps: int | None = None) -> dict:
+             expert_parallel: int = 1, devices=None, remat: bool = False,
+             dtype: str = "float32", progress: bool = True, stop_after_steps: int | None = None) -> dict:
     """LoRA fine-tuning of a dense or converted model (CMoE paper, section 4); returns a summary.
 
-    `mesh_shape = (data, model)` (default: all devices on "data"); `batch_size` must be a
-    multiple of the data axis. `stop_after_steps` exists for testing interruption: the job
-    stops as if killed right after that step (its checkpoints stay in `OUT.partial`).
+    `mesh_shape = (data, model)` (default: all devices on "data"); `expert_parallel > 1` adds
+    an "expert" axis of that many devices between them: the MoE layers' routed experts are
+    split over it (tokens exchanged by all-to-all) and the batch over data x expert, so
+    `batch_size` must be a multiple of data x expert. `stop_after_steps` exists for testing
+    interruption: the job stops as if killed right after that step (its checkpoints stay in
+    `OUT.partial`).
     """
     t_start = time.perf_counter()
     out = Path(out)
@@ -92,7 +96,7 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
     from cmoe_jax.train.data import BatchOrder, training_windows
     from cmoe_jax.train.lora import adapted_weights, merge_adapters
     from cmoe_jax.train.report import plot_loss, write_log
-    from cmoe_jax.sharding import make_mesh
+    from cmoe_jax.sharding import batch_axes, make_mesh
     from cmoe_jax.train.step import (OptimConfig, batch_sharding, init_state, make_train_step,
                                      split_frozen)
 
@@ -110,12 +114,20 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
     tokens = load_text_tokens(dataset, tokenizer, split=split, data_path=data_path)
     windows = training_windows(tokens, samples, seqlen, seed, name=f"{dataset} ({data_path or split})")
     order = BatchOrder(samples, batch_size, epochs, seed)
+    routed = {s.num_experts for s in cfg.moe_layers if s is not None}
+    if expert_parallel > 1 and (not routed or any(n % expert_parallel for n in routed)):
+        raise TrainError(f"--expert-parallel {expert_parallel} must divide the number of routed "
+                         f"experts of every MoE layer ({sorted(routed) or 'the model has none'})")
     model_par = 1 if mesh_shape is None else mesh_shape[1]
-    mesh = make_mesh(None if mesh_shape is None else mesh_shape[0], model_par, devices=devices)
-    data_par = dict(mesh.shape)["data"]
+    mesh = make_mesh(None if mesh_shape is None else mesh_shape[0], model_par,
+                     expert=expert_parallel, devices=devices)
+    data_par = math.prod(dict(mesh.shape)[a] for a in batch_axes(mesh))
     if batch_size % data_par:
         raise TrainError(f"--batch-size {batch_size} is not a multiple of the {data_par} devices "
-                         "on the mesh's data axis")
+                         "the batch is split over (data x expert axes of the mesh)")
+    if expert_parallel > 1 and (batch_size * seqlen) % mesh.size:
+        raise TrainError(f"--batch-size x --seqlen = {batch_size * seqlen} tokens must split over "
+                         f"all {mesh.size} devices for the expert all-to-all")
     oc = OptimConfig(lr=lr, router_lr=router_lr, bias_speed=bias_speed)
     settings = {"model": str(model), "dataset": dataset, "split": split, "data_path": data_path,
                 "samples": samples, "seqlen": seqlen, "batch_size": batch_size,
@@ -146,7 +158,8 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
         return jax.device_put(windows[order.indices(step)], bsh)
 
     t_compile = time.perf_counter()
-    compiled = step_fn.lower(state, frozen, batch(min(start, total - 1))).compile()
+    with jax.set_mesh(mesh):  # an "expert" axis makes the MoE layers run expert-parallel
+        compiled = step_fn.lower(state, frozen, batch(min(start, total - 1))).compile()
     compile_seconds = time.perf_counter() - t_compile
 
     def save(step):

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop before a step would end past this wall-clock budget (whole job)")
     p.add_argument("--mesh", default=None, metavar="DATAxMODEL",
                    help="device mesh, e.g. 4x2 (default: all devices on the data axis)")
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="split the MoE layers' routed experts over N devices (all-to-all token "
+                        "exchange); the mesh becomes data x N x model (default 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the frozen weights (adapters are float32)")
     p.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (less memory)")
@@ -79,7 +82,8 @@ def run(args) -> dict:
                     bias_speed=args.bias_speed, epochs=args.epochs, seed=args.seed,
                     save_every=args.save_every, max_steps=args.max_steps,
                     max_minutes=args.max_minutes, resume=args.resume, overwrite=args.overwrite,
-                    mesh_shape=_mesh(args.mesh), remat=args.remat, dtype=args.dtype,
+                    mesh_shape=_mesh(args.mesh), expert_parallel=args.expert_parallel,
+                    remat=args.remat, dtype=args.dtype,
                     progress=not args.no_progress)
 
 

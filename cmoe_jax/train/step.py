@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cmoe_jax.moe.balance import update_router_bias
-from cmoe_jax.sharding import placed_split
+from cmoe_jax.sharding import batch_axes, placed_split
 from cmoe_jax.train.lora import (LoRAConfig, adapter_specs, init_adapters, lora_loss, named,
                                  router_params)
 
@@ -80,7 +80,7 @@ def _param_sharding_of(path, leaf, train_sh, default):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P("data", None))
+    return NamedSharding(mesh, P(batch_axes(mesh), None))
 
 
 def make_train_step(graphdef, lora: LoRAConfig, oc: OptimConfig, tx, shardings, frozen_sh,
