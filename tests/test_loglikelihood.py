@@ -26,6 +26,16 @@ def random_requests(n, seed=0, vocab=96, longest=40):
     return out
 
 
+def choice_requests(questions, seed=0, vocab=96, choices=4, longest=40):
+    """Multiple-choice shaped requests: each question's context with several continuations."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(questions):
+        ctx = rng.integers(0, vocab, rng.integers(1, longest)).tolist()
+        out += [(ctx, rng.integers(0, vocab, rng.integers(1, 9)).tolist()) for _ in range(choices)]
+    return out
+
+
 def torch_scores(model, requests, max_length=10_000):
     """Reference: one unpadded transformers forward per request, as lm-eval's HF backend."""
     out = []
@@ -67,10 +77,11 @@ def assert_same(ours, ref, atol=1e-4):
 def test_loglikelihoods_match_transformers(save_tiny, family, batch_size, scan):
     ref_model, path = save_tiny(family)
     lm = load_model(str(path), progress=False)
-    requests = random_requests(23)
+    requests = random_requests(23) + choice_requests(6, seed=11)  # 6 questions share their context
     ours, stats = score_requests(lm.model, requests, batch_size=batch_size, progress=False, scan_layers=scan)
     assert_same(ours, torch_scores(ref_model, requests))
-    assert stats["requests"] == 23 and stats["padded_tokens"] >= stats["tokens"]
+    assert stats["requests"] == 47 and stats["rows"] == 23 + 6
+    assert stats["padded_tokens"] >= stats["tokens"]
 
 
 def test_greedy_flag_is_true_for_the_argmax_continuation(save_tiny):
@@ -90,6 +101,22 @@ def test_long_requests_are_cut_from_the_left_like_lm_eval(save_tiny):
     requests = random_requests(6, seed=1, longest=60)
     ours, _ = score_requests(lm.model, requests, max_length=24, progress=False)
     assert_same(ours, torch_scores(ref_model, requests, max_length=24))
+
+
+def test_shared_context_rows_equal_one_row_per_request(save_tiny):
+    """Packing the choices of a question into one row (segments that see the context and
+    themselves only, at their own positions) gives the numbers of one row per request; a
+    group longer than the context limit is split over rows, and cut requests stay alone."""
+    ref_model, path = save_tiny("llama")
+    lm = load_model(str(path), progress=False)
+    requests = choice_requests(5, seed=3, choices=6) + random_requests(4, seed=4, longest=60)
+    packed, st_packed = score_requests(lm.model, requests, max_length=40, batch_size=4, progress=False)
+    alone, st_alone = score_requests(lm.model, requests, max_length=40, batch_size=4, progress=False,
+                                     share_context=False)
+    assert_same(packed, alone, atol=1e-4)
+    assert_same(packed, torch_scores(ref_model, requests, max_length=40))
+    assert st_alone["rows"] == len(requests) and 5 + 4 <= st_packed["rows"] < len(requests)
+    assert st_packed["tokens"] < st_alone["tokens"]
 
 
 def test_converted_and_lora_merged_models_score_as_their_own_forward(save_tiny):

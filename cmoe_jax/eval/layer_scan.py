@@ -25,12 +25,12 @@ class ScannedDecoder:
     def __init__(self, shell, layer_graphdef, layer_stack):
         self.shell, self.layer_graphdef, self.layer_stack = shell, layer_graphdef, layer_stack
 
-    def hidden_states(self, tokens: jax.Array) -> jax.Array:
-        rope = self.shell.rope(tokens.shape[-1])
+    def hidden_states(self, tokens: jax.Array, positions=None, segments=None) -> jax.Array:
+        rope = self.shell.rope(tokens.shape[-1], positions)
         h = self.shell.embed_tokens(tokens)
 
-        def step(h, weights):
-            return nnx.merge(self.layer_graphdef, weights)(h, rope)[0], None  # new residual
+        def step(h, weights):  # -> new residual
+            return nnx.merge(self.layer_graphdef, weights)(h, rope, None, segments)[0], None
 
         return jax.lax.scan(step, h, self.layer_stack)[0]
 

@@ -31,19 +31,20 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = make_ffn(cfg, cfg.ffn_spec(layer), dtype=dtype, rngs=rngs)
 
-    def attention_block(self, h: jax.Array, rope, key=None) -> jax.Array:
+    def attention_block(self, h: jax.Array, rope, key=None, segments=None) -> jax.Array:
         """Residual stream after attention (before the FFN)."""
-        return h + self.attn(self.input_norm(h), *rope, key=key)
+        return h + self.attn(self.input_norm(h), *rope, key=key, segments=segments)
 
     def ffn_input(self, h: jax.Array) -> jax.Array:
         """What the FFN sees: the post-attention RMSNorm of the residual stream."""
         return self.post_attn_norm(h)
 
-    def __call__(self, h: jax.Array, rope, key=None):
+    def __call__(self, h: jax.Array, rope, key=None, segments=None):
         """(new residual stream, FFN input, expert loads int32 [E] or None for a dense FFN).
 
-        `key` drives the LoRA adapters' dropout (None: none)."""
-        h = self.attention_block(h, rope, key)
+        `key` drives the LoRA adapters' dropout (None: none); `segments`: prefix-shared
+        packing, see `causal_attention`."""
+        h = self.attention_block(h, rope, key, segments)
         x = self.ffn_input(h)
         if isinstance(self.mlp, SwiGLU):
             return h + self.mlp(x, key), x, None
@@ -68,8 +69,9 @@ class Decoder(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
-    def rope(self, seq_len: int):
-        return rope_tables(self.config, jnp.arange(seq_len))
+    def rope(self, seq_len: int, positions: jax.Array | None = None):
+        """cos/sin tables for positions 0..seq_len-1, or for explicit `positions` [B, T]."""
+        return rope_tables(self.config, jnp.arange(seq_len) if positions is None else positions)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0)
@@ -82,16 +84,18 @@ class Decoder(nnx.Module):
         """[d, vocab]: the LM head, or the transposed embedding when they are tied."""
         return self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
 
-    def run_layers(self, tokens: jax.Array, *, key=None, remat: bool = False, capture: bool = False):
+    def run_layers(self, tokens: jax.Array, *, key=None, remat: bool = False, capture: bool = False,
+                   positions: jax.Array | None = None, segments: jax.Array | None = None):
         """(residual stream after the last layer, every layer's FFN input when `capture`
         else [], expert loads `{layer: int32 [E]}` of the MoE layers): the one forward
         behind evaluation, conversion and training.
 
         `key`: dropout key of the LoRA adapters (layer i uses `fold_in(key, i)`; None: no
         dropout). `remat`: recompute each layer in the backward pass instead of storing its
-        activations (training memory).
+        activations (training memory). `positions`/`segments` [B, T]: explicit RoPE positions
+        and prefix-shared packing (`causal_attention`); None: 0..T-1, one sequence a row.
         """
-        rope = self.rope(tokens.shape[-1])
+        rope = self.rope(tokens.shape[-1], positions)
         h = self.embed_tokens(tokens)
         inputs, loads = [], {}
         for i, layer in enumerate(self.layers):
@@ -99,18 +103,18 @@ class Decoder(nnx.Module):
             if remat:
                 graphdef, state = nnx.split(layer)
                 h, x, load = jax.checkpoint(
-                    lambda st, h, k, g=graphdef: nnx.merge(g, st)(h, rope, k))(state, h, k)
+                    lambda st, h, k, g=graphdef: nnx.merge(g, st)(h, rope, k, segments))(state, h, k)
             else:
-                h, x, load = layer(h, rope, k)
+                h, x, load = layer(h, rope, k, segments)
             if capture:
                 inputs.append(x)
             if load is not None:
                 loads[str(i)] = load
         return h, inputs, loads
 
-    def hidden_states(self, tokens: jax.Array) -> jax.Array:
+    def hidden_states(self, tokens: jax.Array, positions=None, segments=None) -> jax.Array:
         """Residual stream after the last layer (before the final norm)."""
-        return self.run_layers(tokens)[0]
+        return self.run_layers(tokens, positions=positions, segments=segments)[0]
 
     def token_nll(self, tokens: jax.Array, chunk: int = 128) -> jax.Array:
         """Per-token negative log-likelihood of tokens[:, 1:] given the prefix, [B, T-1], fp32.

@@ -75,9 +75,11 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, key=None) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, key=None,
+                 segments: jax.Array | None = None) -> jax.Array:
         """Self-attention of x [B, T, d]; q/k/v/o add their LoRA adapters when they have
-        some (`key`: the adapters' dropout key, None for no dropout)."""
+        some (`key`: the adapters' dropout key, None for no dropout). `segments`: see
+        `causal_attention`."""
         b, t, _ = x.shape
         q = project(self, "q_proj", x, self.q_proj[...], key)
         k = project(self, "k_proj", x, self.k_proj[...], key)
@@ -90,12 +92,18 @@ class Attention(nnx.Module):
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = causal_attention(q, k, v).reshape(b, t, self.num_heads * self.head_dim)
+        out = causal_attention(q, k, v, segments=segments).reshape(b, t, self.num_heads * self.head_dim)
         return project(self, "o_proj", out, self.o_proj[...], key)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 128) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 128,
+                     segments: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention, q [B, T, N, H], k/v [B, T, K, H] -> [B, T, N, H].
+
+    `segments` (int [B, T], optional) packs several sequences that share a prefix into one
+    row: segment 0 is the shared prefix, and a token of segment s > 0 sees the earlier
+    tokens of segment 0 and of its own segment only (so each continuation of a
+    multiple-choice question reads the question once, `cmoe_jax.eval.loglikelihood`).
 
     Queries are processed in blocks that only see the keys up to their own end, which skips
     the masked upper triangle and keeps score tiles cache-sized. Written for XLA:CPU, where
@@ -118,6 +126,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 128)
                             preferred_element_type=jnp.float32)
         visible = np.arange(start, end)[:, None] >= np.arange(end)[None, :]
         scores = scores + np.where(visible, 0.0, -np.inf).astype(np.float32)
+        if segments is not None:
+            sq, sk = segments[:, start:end, None], segments[:, None, :end]
+            same = (sk == 0) | (sk == sq)  # [B, tq, s], broadcast over kv heads and groups
+            scores = jnp.where(same[:, None, None], scores, -jnp.inf)
         p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
         o = jnp.einsum("bkgts,bksh->bkgth", p.astype(v.dtype), vt1[:, :, :end],
                        preferred_element_type=jnp.float32)
