@@ -1,0 +1,4 @@
+"""Export of cmoe_jax models for other tools (`python -m cmoe_jax.export`)."""
+from cmoe_jax.export.api import EXPORT_MANIFEST, ExportError, export
+
+__all__ = ["export", "ExportError", "EXPORT_MANIFEST"]

@@ -1,0 +1,103 @@
+"""A `config.json` for transformers from a cmoe_jax `ModelConfig` (the inverse of `from_hf`).
+
+Dense models and the MoE families transformers knows (Qwen3-MoE, Mixtral: routers and shapes
+unchanged) get their original architecture. Models whose FFNs were carved into a shape
+transformers has no class for (CMoE's router, a shared MLP beside the experts) get the base
+family's config plus `moe_layers` and an `auto_map` to `modeling_cmoe.py`, the remote code
+written beside the weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from cmoe_jax.errors import CmoeError
+from cmoe_jax.models import ModelConfig
+
+REMOTE_CODE = "modeling_cmoe.py"
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "mixtral": "MixtralForCausalLM"}
+_REMOTE = {"llama": "CmoeLlama", "qwen2": "CmoeQwen2", "qwen3": "CmoeQwen3"}
+
+
+class ExportError(CmoeError):
+    """A model the chosen export format cannot represent."""
+
+
+def _rope(cfg: ModelConfig) -> dict:
+    params = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        scaling = dict(cfg.rope_scaling)
+        if scaling.get("rope_type") == "freq_factors":
+            raise ExportError("the model uses llama.cpp's per-frequency RoPE factors (GGUF "
+                              "rope_freqs), which transformers configs cannot express")
+        params.update(scaling)
+    return params
+
+
+def keeps_original_architecture(cfg: ModelConfig) -> bool:
+    """Dense, or the unchanged MoE layers of a Qwen3-MoE / Mixtral checkpoint."""
+    specs = [s for s in cfg.moe_layers if s is not None]
+    if not specs:
+        return True
+    if cfg.model_type == "mixtral":
+        return all(s.router == "linear" and s.shared_width == 0 and s.norm_topk_prob
+                   and s.expert_width == cfg.intermediate_size for s in specs)
+    if cfg.model_type == "qwen3_moe":
+        return len({(s.num_experts, s.top_k, s.expert_width, s.norm_topk_prob) for s in specs}) == 1 \
+            and all(s.router == "linear" and s.shared_width == 0 for s in specs)
+    return False
+
+
+# FFNSpec fields the remote code's MoEMLP understands; any other field must keep its default
+_MOE_FIELDS = ("num_experts", "top_k", "expert_width", "shared_width", "router",
+               "norm_topk_prob", "router_neurons")
+_ROUTERS = ("cmoe", "linear", "sum")
+
+
+def _moe_layer(spec) -> dict | None:
+    if spec is None:
+        return None
+    d = dataclasses.asdict(spec)
+    defaults = {f.name: f.default for f in dataclasses.fields(spec)}
+    other = [k for k in d if k not in _MOE_FIELDS and d[k] != defaults[k]]
+    if other or spec.router not in _ROUTERS:
+        raise ExportError(f"MoE layers with {', '.join(other) or 'router ' + spec.router!s} have "
+                          "no transformers form yet (remote code covers the cmoe, linear and sum "
+                          "routers with an optional shared MLP)")
+    return {k: d[k] for k in _MOE_FIELDS}
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """config.json contents for `cfg` (raises ExportError when no form can hold it)."""
+    out = {"model_type": cfg.model_type, "vocab_size": cfg.vocab_size,
+           "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+           "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+           "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+           "max_position_embeddings": cfg.max_position_embeddings,
+           "tie_word_embeddings": cfg.tie_word_embeddings, "rope_parameters": _rope(cfg),
+           "torch_dtype": "float32", "dtype": "float32"}
+    if cfg.model_type == "llama":
+        out["attention_bias"] = cfg.attention_bias
+    specs = [s for s in cfg.moe_layers if s is not None]
+    if keeps_original_architecture(cfg):
+        if cfg.model_type == "qwen3_moe":
+            s = specs[0]
+            out.update(num_experts=s.num_experts, num_experts_per_tok=s.top_k,
+                       moe_intermediate_size=s.expert_width, norm_topk_prob=s.norm_topk_prob,
+                       decoder_sparse_step=1,
+                       mlp_only_layers=[i for i, x in enumerate(cfg.moe_layers) if x is None])
+        elif cfg.model_type == "mixtral":
+            out.update(num_local_experts=specs[0].num_experts, num_experts_per_tok=specs[0].top_k)
+        out["architectures"] = [_ARCHITECTURES[cfg.model_type]]
+        return out
+    if cfg.model_type not in _REMOTE:
+        raise ExportError(f"a carved {cfg.model_type} model has no transformers form yet "
+                          f"(remote code covers carved {', '.join(_REMOTE)} models)")
+    name = _REMOTE[cfg.model_type]
+    out.update(model_type=f"cmoe_{cfg.model_type}", architectures=[f"{name}ForCausalLM"],
+               moe_layers=[_moe_layer(s) for s in cfg.moe_layers],
+               auto_map={"AutoConfig": f"modeling_cmoe.{name}Config",
+                         "AutoModelForCausalLM": f"modeling_cmoe.{name}ForCausalLM"})
+    return out
