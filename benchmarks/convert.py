@@ -137,7 +137,7 @@ def random_layers(args, load_start: float) -> None:
         h_mid, x, _ = attention_step(lg, replicate(ls, mesh), h, rope)
         jax.block_until_ready(x)
         t2 = time.perf_counter()
-        carving, _, secs = carve_one_layer(layer, x, cfg, cc, mesh)
+        carving, _, secs = carve_one_layer(layer, x, cc)
         ffn = build_moe_ffn(cfg, cc, slices_for(layer, carving), dtype)
         ffn.backend = args.backend
         fit_router_scales(ffn, x, cc, mesh)
