@@ -13,21 +13,25 @@ Hamming distance on these binary columns (what the authors' L1 cdist computes). 
 takes the t-th step's matrix instead (real-valued distances to the member means).
 
 Both solvers run in the same process on the same matrix; their optimal costs must agree.
-Ours is timed as the best of --repeats runs after a warm-up (numba compile, cached on disk);
-the reference (build the n x n repeated-column matrix, scipy linear_sum_assignment) once,
-matrix construction included. --kmeans also times a whole carve_layer (K-means to
-convergence). The last line is the speed ratio `speedup: NN.Nx`.
+After a warm-up (numba compile, cached on disk; one untimed run of each) they alternate
+(reference, ours, ...) --repeats times (`benchmarks/harness.py`): the reference builds the
+n x n repeated-column matrix and runs scipy's linear_sum_assignment (matrix construction
+included). Prints median and min per side, the load average at start and end, and last
+`ratio (...): N.NNx` = reference time / our time of the medians, withheld when the load
+average exceeds the core count. --kmeans also times a whole carve_layer (K-means to
+convergence, once).
 """
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import interleaved_times, load_average, report  # noqa: E402
 
 
 def synthetic_markers(n_neurons: int, tokens: int, k_act: int, rng, sigma: float = 2.0) -> np.ndarray:
@@ -49,13 +53,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--k-act", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats of each solver")
     ap.add_argument("--sigma", type=float, default=2.0, help="log-normal spread of the per-neuron rates")
     ap.add_argument("--step", type=int, default=1,
                     help="K-means step whose cost matrix is solved (1: the initial centroids; "
                          "later steps: real-valued distances to member means)")
     ap.add_argument("--kmeans", action="store_true", help="also time carve_layer (K-means to convergence)")
     args = ap.parse_args()
+    load_start = load_average()
 
     from cmoe_jax.carving import (MoEPlan, assignment_cost, balanced_assignment, balanced_kmeans,
                                   carve_layer, markers_to_points, repeated_column_reference, split_shared,
@@ -82,19 +87,15 @@ def main() -> None:
           f"distances {cost.min():.1f}..{cost.max():.1f} ({len(np.unique(cost))} distinct values)")
 
     balanced_assignment(cost[: 2 * plan.routed])  # warm-up: numba compile / load from cache
-    t_ours = []
-    for _ in range(max(1, args.repeats)):
-        t0 = time.perf_counter()
-        ours = balanced_assignment(cost)
-        t_ours.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    ref = repeated_column_reference(cost)
-    t_ref = time.perf_counter() - t0
+    out = {}
+    times = interleaved_times([lambda: out.__setitem__("ref", repeated_column_reference(cost)),
+                               lambda: out.__setitem__("ours", balanced_assignment(cost))],
+                              max(1, args.repeats))
+    ours, ref = out["ours"], out["ref"]
     c_ours, c_ref = assignment_cost(cost, ours), assignment_cost(cost, ref)
     assert np.bincount(ours, minlength=plan.routed).tolist() == [m] * plan.routed
-    print(f"ours (SSP over {plan.routed} clusters): {min(t_ours):9.4f} s (best of {len(t_ours)}, "
-          f"median {np.median(t_ours):.4f})  cost {c_ours:.6f}")
-    print(f"reference (LSA on {n}x{n} repeated columns): {t_ref:9.3f} s  cost {c_ref:.6f}")
+    print(f"cost: ours (SSP over {plan.routed} clusters) {c_ours:.6f}, reference (LSA on {n}x{n} "
+          f"repeated columns) {c_ref:.6f}")
     if abs(c_ours - c_ref) > 1e-9 * abs(c_ref):  # exact on step 1's integer costs
         raise SystemExit(f"optimal costs differ: {c_ours} vs {c_ref}")
     print(f"same optimal cost: yes ({np.mean(ours != ref):.1%} of neurons differ in label: tied optima)")
@@ -104,7 +105,7 @@ def main() -> None:
         print(f"carve_layer to convergence: {c.iterations} steps, {t['total']:.2f} s "
               f"(assignment {t['assignment']:.2f} s, K-means {t['kmeans']:.2f} s); "
               f"objective {c.kmeans_costs[0]:.0f} -> {c.kmeans_costs[-1]:.0f}")
-    print(f"speedup: {t_ref / min(t_ours):.1f}x")
+    report(["reference (LSA)", "ours (SSP)"], times, load_start, work=None)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,32 @@
 """Wall time of a full CMoE conversion of SmolLM2-135M, split by stage (model loading excluded).
 
-    python benchmarks/convert.py [--config S1A1E8] [--calib-samples 8] [--seqlen 2048]
+    python benchmarks/convert.py [--config S1A1E8] [--calib-samples 8] [--seqlen 2048] [--repeats 3]
     python benchmarks/convert.py --shape llama2-7b --layers 2 [--backend pallas_gpu] [--dtype bf16]
 
-Prints one line per stage and, last, the total conversion time; also the process's peak
-host memory (ru_maxrss), which is what the README quotes. With `--floor`, first times the
-per-layer steps that any conversion must run (the calibration pass's attention, the FFN
-profile, the converted FFN's forward) on one layer in isolation, best of 3, to show where the
-time goes and what 30 layers of them cost.
+One side only (there is no baseline in the same process), so no ratio: converts --repeats
+times in one process and prints each stage's median, the first run's total (compilations
+included: what a user's one conversion costs) and the median and min of all totals (later
+runs reuse the compiled steps), the load average at start and end (`benchmarks/harness.py`;
+a warning when it exceeds the core count), and the process's peak host memory (ru_maxrss),
+which is what the README quotes. With `--floor`, also times the per-layer steps that any
+conversion must run (the calibration pass's attention, the FFN profile, the converted FFN's
+forward) on one layer in isolation, interleaved over --repeats after a warm-up (median and
+min), to show where the time goes and what 30 layers of them cost.
 
 With `--shape llama2-7b --layers N`, no checkpoint is read: each of N decoder layers of that
 shape gets random weights just before it is converted (and is freed after), the calibration
 residual stream starts as random activations, and every layer runs the pipeline's own steps
 (attention pass, FFN profile, carving, router fit, converted FFN forward with `--backend`).
 Prints each layer's stage times and the peak device memory (`memory_stats`, else the host's
-peak RSS), and the projection to all the shape's layers: the paper's "minutes for a 7B
-model" measured with one command on an accelerator host.
+peak RSS), the median and min over the layers after the first (which also compiles), the
+load average at start and end, and the projection to all the shape's layers (from the
+median): the paper's "minutes for a 7B model" measured with one command on an accelerator host.
 """
 from __future__ import annotations
 
 import argparse
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -28,22 +34,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def _best_of(fn, repeats: int = 3) -> float:
-    import jax
-
-    jax.block_until_ready(fn())  # compile
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return min(times)
+from benchmarks.harness import interleaved_times, load_average, print_load  # noqa: E402
 
 
-def layer_floor(model: str, plan, samples: int, seqlen: int) -> None:
+def layer_floor(model: str, plan, samples: int, seqlen: int, repeats: int) -> None:
     """Seconds per layer of the steps every conversion runs, on layer 0 of `model` (random
     token ids: the cost does not depend on them), and that times the number of layers."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
@@ -78,12 +75,13 @@ def layer_floor(model: str, plan, samples: int, seqlen: int) -> None:
         "FFN profile (gate/up, ATopK)": lambda: profile_layer(xt, *w, k_act=cc.k_act),
         "converted FFN forward": lambda: ffn_residual_step(fg, fs, h_mid, x),
     }
-    total = 0.0
-    for name, fn in steps.items():
-        t = _best_of(fn)
-        total += t
-        print(f"{name:>30}: {t:6.3f} s per layer, x{cfg.num_layers} = {t * cfg.num_layers:6.2f} s")
-    print(f"{'floor of these steps':>30}: {total * cfg.num_layers:6.2f} s for {cfg.num_layers} layers")
+    blocking = [lambda fn=fn: jax.block_until_ready(fn()) for fn in steps.values()]
+    times = interleaved_times(blocking, repeats)  # the warm-up compiles each step
+    n = cfg.num_layers
+    for name, ts in zip(steps, times):
+        med = statistics.median(ts)
+        print(f"{name:>30}: {med:6.3f} s per layer (median, min {min(ts):.3f}), x{n} = {med * n:6.2f} s")
+    print(f"{'floor of these steps':>30}: {sum(map(statistics.median, times)) * n:6.2f} s for {n} layers")
 
 
 SHAPES = {  # Hugging Face config values (meta-llama/Llama-2-7b-hf)
@@ -103,7 +101,7 @@ def peak_memory() -> str:
     return f"peak host RSS {rss:.2f} GiB (no device memory stats)"
 
 
-def random_layers(args) -> None:
+def random_layers(args, load_start: float) -> None:
     """Convert `args.layers` random layers of shape `args.shape`, one at a time."""
     import jax
     import jax.numpy as jnp
@@ -139,7 +137,7 @@ def random_layers(args) -> None:
         h_mid, x, _ = attention_step(lg, replicate(ls, mesh), h, rope)
         jax.block_until_ready(x)
         t2 = time.perf_counter()
-        carving, _, secs = carve_one_layer(layer, x, cfg, cc, mesh)
+        carving, _, secs = carve_one_layer(layer, x, cc)
         ffn = build_moe_ffn(cfg, cc, slices_for(layer, carving), dtype)
         ffn.backend = args.backend
         fit_router_scales(ffn, x, cc, mesh)
@@ -153,10 +151,11 @@ def random_layers(args) -> None:
               f"{t3 - t2 - secs['profile'] - secs['cluster']:.2f}; random init {t1 - t0:.2f} "
               f"excluded), {peak_memory()}", flush=True)
     steady = times[1:] or times  # layer 0 also compiles every step
-    per_layer = sum(steady) / len(steady)
-    print(f"{args.layers} layer(s): {sum(times):.2f} s; {cfg.num_layers} layers at "
-          f"{per_layer:.2f} s per layer{' (layers after the first)' if times[1:] else ''}: "
+    per_layer = statistics.median(steady)
+    print(f"{args.layers} layer(s): {sum(times):.2f} s; per layer{' after the first' if times[1:] else ''}: "
+          f"median {per_layer:.2f} s, min {min(steady):.2f} s; {cfg.num_layers} layers at the median: "
           f"{per_layer * cfg.num_layers / 60:.1f} min")
+    print_load(load_start, len(steady), ratio=False)
 
 
 def main() -> None:
@@ -177,31 +176,41 @@ def main() -> None:
     p.add_argument("--data-path", default=None)
     p.add_argument("--floor", action="store_true",
                    help="also time the unavoidable per-layer steps in isolation")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="conversions (and --floor repeats) whose median and min are printed")
     args = p.parse_args()
+    load_start = load_average()
     if args.shape:
-        return random_layers(args)
+        return random_layers(args, load_start)
 
     from cmoe_jax.carving import MoEPlan
     from cmoe_jax.convert import convert
     from cmoe_jax.demo import local_wikitext
 
     data = args.data_path or (str(local_wikitext() / "valid.txt") if local_wikitext() else None)
-    with tempfile.TemporaryDirectory() as tmp:
-        m = convert(args.model, MoEPlan.parse(args.config), out=Path(tmp) / "out", calib="wikitext2",
-                    data_path=data, calib_samples=args.calib_samples, seqlen=args.seqlen,
-                    kmeans_iters=args.kmeans_iters, progress=False)
+    runs = []
+    for _ in range(max(1, args.repeats)):
+        with tempfile.TemporaryDirectory() as tmp:
+            runs.append(convert(args.model, MoEPlan.parse(args.config), out=Path(tmp) / "out",
+                                calib="wikitext2", data_path=data, calib_samples=args.calib_samples,
+                                seqlen=args.seqlen, kmeans_iters=args.kmeans_iters,
+                                progress=False)["seconds"])
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the floor's own load
     if args.floor:
-        layer_floor(args.model, MoEPlan.parse(args.config), args.calib_samples, args.seqlen)
-    s = m["seconds"]
+        layer_floor(args.model, MoEPlan.parse(args.config), args.calib_samples, args.seqlen, args.repeats)
+    med = {stage: statistics.median(r[stage] for r in runs) for stage in runs[0]}
+    print(f"medians of {len(runs)} conversion(s):")
     for stage in ("profile", "cluster", "route_and_forward", "save"):
-        print(f"{stage:>18}: {s[stage]:7.2f} s")
+        print(f"{stage:>18}: {med[stage]:7.2f} s")
         if stage == "profile":
-            print(f"{'of which attention':>18}: {s['attention']:7.2f} s (the calibration forward "
+            print(f"{'of which attention':>18}: {med['attention']:7.2f} s (the calibration forward "
                   "pass's attention, no CMoE work)")
-    print(f"{'model load':>18}: {s['load_model']:7.2f} s (excluded)")
+    print(f"{'model load':>18}: {med['load_model']:7.2f} s (excluded)")
     print(f"peak host memory: {peak_mib:.0f} MiB")
-    print(f"{args.config} conversion of {args.model}: {s['convert']:.2f} s")
+    totals = [r["convert"] for r in runs]
+    print_load(load_start, len(runs), ratio=False)
+    print(f"{args.config} conversion of {args.model}: first {totals[0]:.2f} s (compilations included), "
+          f"median {statistics.median(totals):.2f} s, min {min(totals):.2f} s")
 
 
 if __name__ == "__main__":

@@ -1,20 +1,21 @@
 """Perplexity tokens/s of cmoe_jax against `transformers` (torch) on the same windows.
 
-    python benchmarks/eval_throughput.py [--model smollm2] [--windows 4] [--seqlen 2048] [--repeats 1]
+    python benchmarks/eval_throughput.py [--model smollm2] [--windows 4] [--seqlen 2048] [--repeats 3]
 
 Both sides evaluate the same WikiText-2 test windows (../shared/data/wikitext-2/test.txt
 when present, else --data-path or `datasets`) with the same weights (for a GGUF, the file
 read by `transformers` itself), in float32, batch 1, in one process:
 
-- cmoe_jax: `cmoe_jax.eval.perplexity` (jit-compiled step, chunked float32 log-softmax);
-  its tokens/s covers every window and leaves the one-off compilation out.
+- cmoe_jax: `cmoe_jax.eval.perplexity` (jit-compiled step, chunked float32 log-softmax),
+  compiled in the untimed warm-up pass.
 - transformers: `AutoModelForCausalLM`, SDPA attention, `torch.inference_mode`, torch's
   default thread count; cross-entropy of logits[:-1] against tokens[1:] summed per window.
-  One untimed warm-up window first, then every window is timed.
 
-With --repeats R the two alternate R times and the best tokens/s of each is kept (the
-machine may be shared). Prints both perplexities, their relative difference, and last the
-throughput ratio `ratio: N.NNx` (cmoe_jax / transformers; above 1 means cmoe_jax is faster).
+After one untimed warm-up pass each, the two alternate (transformers, cmoe_jax, ...)
+--repeats times over every window (`benchmarks/harness.py`). Prints both perplexities and
+their relative difference, then median and min per side, the load average at start and end,
+and last `ratio (...): N.NNx` = transformers time / cmoe_jax time of the medians (above 1:
+cmoe_jax is faster), withheld when the load average exceeds the core count.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import math
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from torch_reference import load_torch_causal_lm  # noqa: E402  (benchmarks/ is on sys.path)
+from benchmarks.harness import interleaved_times, load_average, report  # noqa: E402
+from benchmarks.torch_reference import load_torch_causal_lm  # noqa: E402
 
 
 def local_wikitext_test() -> str | None:
@@ -43,7 +44,7 @@ def torch_reference(path: Path):
     return load_torch_causal_lm(path).eval()
 
 
-def torch_perplexity(model, windows: np.ndarray) -> dict:
+def torch_perplexity(model, windows: np.ndarray) -> float:
     import torch
 
     def window_nll(w) -> float:
@@ -52,12 +53,8 @@ def torch_perplexity(model, windows: np.ndarray) -> dict:
         return torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
 
     with torch.inference_mode():
-        window_nll(windows[0])  # warm-up, untimed
-        t0 = time.perf_counter()
         total = sum(window_nll(w) for w in windows)
-        seconds = time.perf_counter() - t0
-    tokens = windows.shape[0] * (windows.shape[1] - 1)
-    return {"ppl": math.exp(total / tokens), "tokens_per_s": tokens / seconds, "seconds": seconds}
+    return math.exp(total / (windows.shape[0] * (windows.shape[1] - 1)))
 
 
 def main(argv=None) -> None:
@@ -65,9 +62,10 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--seqlen", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each side")
     p.add_argument("--data-path", default=None, help="WikiText-2 test file (default: the shared copy)")
     args = p.parse_args(argv)
+    load_start = load_average()
 
     import jax
     import torch
@@ -81,23 +79,19 @@ def main(argv=None) -> None:
     windows = text_windows(load_text_tokens("wikitext2", lm.tokenizer, "test", data), args.seqlen,
                            args.windows, name="wikitext2 (test)")
     ref_model = torch_reference(resolve(args.model))
-    ours, ref = [], []
-    for _ in range(args.repeats):
-        ours.append(perplexity(lm.model, windows, batch_size=1, progress=False))
-        ref.append(torch_perplexity(ref_model, windows))
-    best_ours = max(r["tokens_per_s"] for r in ours)
-    best_ref = max(r["tokens_per_s"] for r in ref)
-    rel = abs(ours[0]["ppl"] - ref[0]["ppl"]) / ref[0]["ppl"]
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; "
+    ppl = {}
+    sides = [lambda: ppl.__setitem__("transformers", torch_perplexity(ref_model, windows)),
+             lambda: ppl.__setitem__("cmoe_jax", perplexity(lm.model, windows, batch_size=1,
+                                                            progress=False))]
+    times = interleaved_times(sides, args.repeats)  # the warm-up pass compiles cmoe_jax's step
+    ours, theirs = ppl["cmoe_jax"]["ppl"], ppl["transformers"]
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; "
           f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"model: {args.model}; data: {data or 'datasets'}; windows: {len(windows)} x {args.seqlen}; "
-          f"repeats: {args.repeats}")
-    print(f"cmoe_jax     ppl {ours[0]['ppl']:.4f}  {best_ours:8.1f} tokens/s "
-          f"(compile {ours[0]['compile_seconds']:.1f} s, not counted)")
-    print(f"transformers ppl {ref[0]['ppl']:.4f}  {best_ref:8.1f} tokens/s")
-    print(f"ppl relative difference: {100 * rel:.4f}%")
-    print(f"ratio: {best_ours / best_ref:.2f}x")
+    print(f"model: {args.model}; data: {data or 'datasets'}; windows: {len(windows)} x {args.seqlen}")
+    print(f"ppl: cmoe_jax {ours:.4f}, transformers {theirs:.4f}, relative difference "
+          f"{100 * abs(ours - theirs) / theirs:.4f}%")
+    report(["transformers", "cmoe_jax"], times, load_start, work=windows.shape[0] * (windows.shape[1] - 1))
 
 
 if __name__ == "__main__":

@@ -37,18 +37,30 @@ def interleaved_times(sides: Sequence[Callable[[], object]], repeats: int, warmu
     return times
 
 
+def print_load(load_start: float, repeats: int, ratio: bool = True) -> bool:
+    """Print the load average at start and end; True (with a warning) when the machine was
+    busy. `ratio`: whether the caller would print a ratio (the warning says it does not)."""
+    load_end, cores = load_average(), os.cpu_count() or 1
+    print(f"load average {load_start:.2f} at start, {load_end:.2f} at end ({cores} cores), "
+          f"{repeats} repeats")
+    if not machine_busy(load_start):
+        return False
+    what = "no ratio printed" if ratio else "these times are inflated"
+    print(f"warning: load average {load_start:.2f} at start is above {cores} cores: the machine "
+          f"is busy, {what}; re-run on a quiet machine")
+    return True
+
+
 def report(names: Sequence[str], times: Sequence[Sequence[float]], load_start: float,
            work: float | None = None, unit: str = "tokens/s") -> float | None:
-    """Print median/min per side and `ratio: first/second` of medians (None when overloaded)."""
+    """Print median/min per side and `ratio: first/second` of medians (None when overloaded).
+
+    With a single side (nothing to compare against) only its median/min and the load
+    averages are printed, and None is returned."""
     for name, ts in zip(names, times):
         rate = f"  {work / statistics.median(ts):10.1f} {unit}" if work else ""
         print(f"{name:28s} median {statistics.median(ts):8.4f} s  min {min(ts):8.4f} s{rate}")
-    load_end, cores = load_average(), os.cpu_count() or 1
-    print(f"load average {load_start:.2f} at start, {load_end:.2f} at end ({cores} cores), "
-          f"{len(times[0])} interleaved repeats")
-    if machine_busy(load_start):
-        print(f"warning: load average {load_start:.2f} at start is above {cores} cores: the machine "
-              "is busy, no ratio printed; re-run on a quiet machine")
+    if print_load(load_start, len(times[0]), ratio=len(times) > 1) or len(times) < 2:
         return None
     ratio = statistics.median(times[0]) / statistics.median(times[1])
     print(f"ratio ({names[0]} time / {names[1]} time, medians): {ratio:.2f}x")

@@ -4,21 +4,26 @@
 
 Both sides score the same (context, continuation) token pairs of the first --items ARC
 questions (our encode_pair, i.e. lm-eval's split) and must agree on every log-likelihood
-(1e-3). A: `score_requests` (compiled once in an untimed warm-up pass, then timed). B: one
-unpadded transformers forward per continuation under torch.no_grad (what a plain loop does),
-reading the same GGUF file. Repeats alternate A, B; the table shows the median and minimum per
-side and the ratio of the medians, with the load average at start and end. The ratio is not
-printed when the load average exceeds the core count (the machine is too busy to compare).
-Needs the `reference` extra (torch, accelerate).
+(1e-3). Ours: `score_requests` (compiled once in the untimed warm-up pass, then timed).
+transformers: one unpadded transformers forward per continuation under torch.no_grad (what a
+plain loop does), reading the same GGUF file. After one untimed pass each, repeats alternate
+(transformers, ours, ...) (`benchmarks/harness.py`): median and min per side, the load
+average at start and end, and last `ratio (...): N.NNx` = transformers time / our time of the
+medians, withheld when the load average at start exceeds the core count (the machine is too
+busy to compare). Needs the `reference` extra (torch, accelerate).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import interleaved_times, load_average, report  # noqa: E402
 
 
 def transformers_loop(model, requests):
@@ -40,7 +45,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32)
     args = p.parse_args(argv)
-    load_start = os.getloadavg()
+    load_start = load_average()
 
     import torch
     import transformers
@@ -58,31 +63,17 @@ def main(argv=None):
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32).eval()
 
-    ours = lambda: [ll for ll, _ in score_requests(lm.model, requests, batch_size=args.batch_size,
-                                                   progress=False)[0]]
-    warm = ours()  # compiles every shape; the timed passes reuse them
-    base = transformers_loop(ref, requests)
-    assert np.abs(np.array(warm) - np.array(base)).max() <= 1e-3, "the two sides disagree"
-    times = {"ours": [], "transformers": []}
-    for _ in range(args.repeats):
-        for name, fn in (("ours", ours), ("transformers", lambda: transformers_loop(ref, requests))):
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    load_end = os.getloadavg()
-    cores = os.cpu_count()
+    out = {}
+    ours = lambda: out.__setitem__("ours", [ll for ll, _ in score_requests(
+        lm.model, requests, batch_size=args.batch_size, progress=False)[0]])
+    theirs = lambda: out.__setitem__("transformers", transformers_loop(ref, requests))
+    times = interleaved_times([theirs, ours], args.repeats)  # the warm-up compiles every shape
+    diff = np.abs(np.array(out["ours"]) - np.array(out["transformers"])).max()
+    assert diff <= 1e-3, f"the two sides disagree by {diff}"
     print(f"ARC-Easy, first {len(docs)} questions ({len(requests)} continuations), SmolLM2-135M fp32, "
-          f"batch {args.batch_size}; load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end, "
-          f"{cores} cores")
-    print(f"{'side':14s} {'median s':>9s} {'min s':>8s} {'questions/s':>12s}")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"{name:14s} {med:9.2f} {min(ts):8.2f} {len(docs) / med:12.2f}")
-    ratio = statistics.median(times["transformers"]) / statistics.median(times["ours"])
-    if max(load_start[0], load_end[0]) > cores:
-        print(f"ratio not reported: load average above the {cores} cores (machine too busy to compare)")
-    else:
-        print(f"speed-up (median transformers / median ours): {ratio:.2f}x")
+          f"batch {args.batch_size}; log-likelihoods agree within {diff:.1e}; "
+          f"{torch.get_num_threads()} torch threads")
+    report(["transformers", "ours"], times, load_start, work=len(docs), unit="questions/s")
 
 
 if __name__ == "__main__":

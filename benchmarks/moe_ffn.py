@@ -13,8 +13,10 @@ cost (2 x d x r(z - x) multiply-adds per token) is counted; `--router-neurons 0`
 linear router (x @ W_r) instead. The offsets: "balanced" gives every
 routed expert T*y/(z-x) rows, "skewed" sends half the tokens' first choice to expert 0.
 Each printed row names configuration, shape, tokens, dtype and routing, gives the median
-times of the dense FFN, the MoE FFN (grouped-matmul backend of the platform, or --backend)
-and the same MoE with `jax.lax.ragged_dot`, and ends with dense-time / MoE-time as `N.NNx`.
+(and min) times of the dense FFN, the MoE FFN (grouped-matmul backend of the platform, or
+--backend) and the same MoE with `jax.lax.ragged_dot`, interleaved over --reps after a
+warm-up (`benchmarks/harness.py`), and ends with dense-time / MoE-time of the medians as
+`N.NNx` (withheld when the load average at start exceeds the core count).
 
     python benchmarks/moe_ffn.py --shape 4096x11008 --tokens 4096 --dtype fp32 --config S1A1E8
     python benchmarks/moe_ffn.py --backend pallas_gpu --shape 4096x11008 --dtype bf16   # on a GPU
@@ -28,7 +30,6 @@ import os
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -37,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import load_average, machine_busy  # noqa: E402
+from benchmarks.harness import interleaved_times, load_average, machine_busy  # noqa: E402
 
 LOAD_AT_START = load_average()
 from cmoe_jax.moe.dispatch import routed_experts
@@ -55,19 +56,6 @@ def parse_config(name: str) -> tuple[int, int, int]:
     if not m:
         raise SystemExit(f"bad configuration {name!r}: expected SxAyEz, e.g. S1A1E8")
     return tuple(int(g) for g in m.groups())
-
-
-def median_times(calls, reps: int) -> list[float]:
-    """Median wall time of each `(fn, args)`; runs alternate so load drift hits all alike."""
-    for fn, args in calls:
-        jax.block_until_ready(fn(*args))  # compile + warm-up
-    times = [[] for _ in calls]
-    for _ in range(reps):
-        for (fn, args), ts in zip(calls, times):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            ts.append(time.perf_counter() - t)
-    return [statistics.median(ts) for ts in times]
 
 
 def routing_offsets(tokens: int, routed: int, top_k: int, skewed: bool) -> np.ndarray:
@@ -136,13 +124,15 @@ def run_case(config, shape, tokens, dtype_name, routing, backend, reps, ragged_l
     ragged_flop = 6 * tokens * a * d * m * routed
     if ragged_limit > 0 and ragged_flop <= ragged_limit * 1e12:
         calls.append((make_moe(a, get_gmm("ragged_dot"), routed), moe_args))
-    t_dense, t_moe, *t_ragged = median_times(calls, reps)
-    t_ragged = f"{t_ragged[0]:8.4f}s" if t_ragged else "       -"
+    times = interleaved_times([lambda fn=fn, xs=xs: jax.block_until_ready(fn(*xs)) for fn, xs in calls], reps)
+    (t_dense, t_moe, *t_ragged), mins = map(statistics.median, times), [min(ts) for ts in times]
+    t_ragged = f"{t_ragged[0]:8.4f}s (min {mins[2]:.4f})" if t_ragged else "       -"
     loads = f"max/mean load {counts.max() / counts.mean():.2f}"
     busy = machine_busy(LOAD_AT_START)
     ratio = f"(load {LOAD_AT_START:.1f} at start: machine busy, no ratio)" if busy else f"{t_dense / t_moe:.2f}x"
     print(f"{config:8s} {shape:>10s} tokens={tokens:<6d} {dtype_name:4s} {routing:8s} r={router_neurons} "
-          f"{loads}  dense {t_dense:8.4f}s  moe {t_moe:8.4f}s  ragged_dot {t_ragged}  "
+          f"{loads}  dense {t_dense:8.4f}s (min {mins[0]:.4f})  moe {t_moe:8.4f}s (min {mins[1]:.4f})  "
+          f"ragged_dot {t_ragged}  "
           f"{ratio}", flush=True)
 
 
@@ -166,7 +156,7 @@ def main(argv=None):
                    help="skip the ragged_dot column above this much work (0: never run it)")
     args = p.parse_args(argv)
     print(f"# platform {jax.default_backend()} ({jax.device_count()} device(s)), "
-          f"MoE backend {resolve_backend(args.backend)}, median of {args.reps} alternating runs, "
+          f"MoE backend {resolve_backend(args.backend)}, median and min of {args.reps} interleaved runs, "
           f"load average {LOAD_AT_START:.2f} at start ({os.cpu_count()} cores)", flush=True)
     for shape, tokens, dtype_name in itertools.product(args.shape, args.tokens, args.dtype):
         for config, routing in itertools.product(args.config, args.routing):

@@ -1,23 +1,35 @@
-"""LoRA train-step tokens/s of cmoe_jax against `transformers` + `peft` on the same batch.
+"""LoRA train-step tokens/s of cmoe_jax against a torch + `peft` reference on the same batch.
 
-    python benchmarks/train_step.py [--model smollm2] [--seqlen 2048] [--batch-size 1] [--steps 3] [--repeats 1]
+    python benchmarks/train_step.py [--model smollm2] [--seqlen 2048] [--batch-size 1] [--steps 3] [--repeats 3]
+    python benchmarks/train_step.py --model converted [--converted-dir ../bases/smollm2-S1A1E8] [--seqlen 512]
 
-Both sides fine-tune the same dense model (for a GGUF, the file read by `transformers`
-itself) with the same LoRA (rank 8, alpha 32, no dropout, on q/k/v/o/gate/up/down
-projections), Adam (betas 0.9/0.95, lr 5.95e-5), float32, on the same batch of WikiText-2
-validation windows (../shared/data/wikitext-2/valid.txt when present, else --data-path),
-in one process:
+Dense (`--model NAME`, default): both sides fine-tune the same dense model (for a GGUF, the
+file read by `transformers` itself); the reference is `transformers` + `peft`. On the dense
+model the two run the same matmuls, so about 1.0x is the limit.
+
+Converted (`--model converted`, or `--model DIR` naming a converted directory): LoRA training
+of a cmoe_jax converted model (`--converted-dir`, default ../bases/smollm2-S1A1E8) against
+the CMoE authors' MoE module (`benchmarks/cmoe_torch_reference.py`: shared MLP, routed
+experts run in a Python loop, representative-neuron router with trainable gate scales u and
+balancing bias b) holding the same weights, read from the same checkpoint, in a
+`transformers` Llama, with peft wrapping every attention, shared and expert projection.
+
+Both sides: LoRA rank 8, alpha 32, no dropout, on q/k/v/o/gate/up/down projections (shared
+and routed experts included), the same initial adapters (cmoe_jax's A copied into peft, B =
+0), Adam (betas 0.9/0.95; lr 5.95e-5 for LoRA, --router-lr for u), bias speed 1e-3,
+float32, the same batch of WikiText-2 validation windows, in one process:
 
 - cmoe_jax: the `cmoe_jax.train` step (one jit-compiled function: forward, backward, Adam,
-  bias update; state donated); compiled and run once untimed, then --steps steps timed.
-- transformers + peft: `get_peft_model`, SDPA attention, `model(input_ids, labels=...)`,
-  `loss.backward()`, `torch.optim.Adam.step()`, torch's default thread count; one untimed
-  warm-up step, then --steps steps timed.
+  bias update; state donated); compiled, then its first step (untimed).
+- reference: `get_peft_model`, SDPA attention, `model(input_ids, labels=...)`,
+  `loss.backward()`, `torch.optim.Adam.step()`, torch's default thread count; first step
+  untimed.
 
-Both first-step losses are printed (same weights, B = 0 adapters: they must agree). With
---repeats R the two alternate R times and the best tokens/s of each is kept (the machine may
-be shared). Prints last the ratio `ratio: N.NNx` (cmoe_jax / transformers+peft; above 1
-means cmoe_jax is faster).
+The first-step losses are printed and must agree within --loss-tol (same weights, B = 0).
+Then the sides alternate (reference, cmoe_jax, ...) --repeats times, each --steps steps
+(`benchmarks/harness.py`): median and min per side, the load average at start and end, and
+last `ratio (...): N.NNx` = reference time / cmoe_jax time of the medians (above 1: cmoe_jax
+is faster), withheld when the load average exceeds the core count.
 """
 from __future__ import annotations
 
@@ -33,9 +45,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from torch_reference import load_torch_causal_lm  # noqa: E402  (benchmarks/ is on sys.path)
+from benchmarks.harness import interleaved_times, load_average, report  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DEFAULT_CONVERTED = ROOT.parent / "bases" / "smollm2-S1A1E8"
 
 
 def local_wikitext_valid() -> str | None:
@@ -43,90 +56,116 @@ def local_wikitext_valid() -> str | None:
     return str(f) if f.exists() else None
 
 
-def jax_trainer(model_name: str, rank: int, alpha: float, lr: float):
-    import jax
+class JaxSide:
+    """The cmoe_jax trainer: `first_step` compiles and runs one step, `run` times steps."""
 
-    from cmoe_jax.loading import load_model
-    from cmoe_jax.train import LoRAConfig, OptimConfig, init_state, make_mesh, make_train_step, split_frozen
+    def __init__(self, model_name: str, args):
+        import jax
 
-    mesh = make_mesh()
-    lm = load_model(model_name, mesh=mesh, progress=False)
-    lora = LoRAConfig(rank=rank, alpha=alpha, targets=tuple(TARGETS))
-    oc = OptimConfig(lr=lr)
-    state, shardings, tx = init_state(lm.model, lora, oc, jax.random.key(0), mesh)
-    graphdef, frozen, frozen_sh = split_frozen(lm.model, mesh)
-    step = make_train_step(graphdef, lora, oc, tx, shardings, frozen_sh, mesh)
-    return lm, {"state": state, "frozen": frozen, "step": step, "compiled": None, "mesh": mesh}
+        from cmoe_jax.loading import load_model
+        from cmoe_jax.train import (LoRAConfig, OptimConfig, init_state, make_mesh, make_train_step,
+                                    split_frozen)
 
+        self.mesh = make_mesh()
+        self.lm = load_model(model_name, mesh=self.mesh, progress=False)
+        lora = LoRAConfig(rank=args.rank, alpha=args.alpha, targets=tuple(TARGETS))
+        oc = OptimConfig(lr=args.lr, router_lr=args.router_lr, bias_speed=args.bias_speed)
+        self.state, shardings, tx = init_state(self.lm.model, lora, oc, jax.random.key(0), self.mesh)
+        # the initial adapters, for the reference (the state is donated by the first step)
+        self.initial_adapters = jax.tree.map(np.asarray, self.state["trainable"]["lora"])
+        graphdef, self.frozen, frozen_sh = split_frozen(self.lm.model, self.mesh)
+        self.step = make_train_step(graphdef, lora, oc, tx, shardings, frozen_sh, self.mesh)
 
-def jax_steps(t, batch, steps: int) -> dict:
-    import jax
+    def first_step(self, batch: np.ndarray) -> float:
+        import jax
 
-    from cmoe_jax.train.step import batch_sharding
+        from cmoe_jax.train.step import batch_sharding
 
-    x = jax.device_put(batch, batch_sharding(t["mesh"]))
-    first = None
-    if t["compiled"] is None:
+        self.x = jax.device_put(batch, batch_sharding(self.mesh))
         t0 = time.perf_counter()
-        t["compiled"] = t["step"].lower(t["state"], t["frozen"], x).compile()
-        t["compile_seconds"] = time.perf_counter() - t0
-        t["state"], loss, _ = t["compiled"](t["state"], t["frozen"], x)  # untimed warm-up
-        first = float(loss)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        t["state"], loss, _ = t["compiled"](t["state"], t["frozen"], x)
-    float(loss)  # wait for the last step
-    seconds = time.perf_counter() - t0
-    return {"tokens_per_s": batch.size * steps / seconds, "seconds": seconds, "first_loss": first}
+        self.compiled = self.step.lower(self.state, self.frozen, self.x).compile()
+        self.compile_seconds = time.perf_counter() - t0
+        return self.run(1)
+
+    def run(self, steps: int) -> float:
+        for _ in range(steps):
+            self.state, loss, _ = self.compiled(self.state, self.frozen, self.x)
+        return float(loss)  # waits for the last step
 
 
-def torch_trainer(path: Path, rank: int, alpha: float, lr: float):
-    import torch
-    from peft import LoraConfig, get_peft_model
+class TorchSide:
+    """peft LoRA on a torch causal LM; the routers' gate scales u train at `router_lr`."""
 
-    model = load_torch_causal_lm(path)
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
-                                             target_modules=TARGETS, bias="none"))
-    model.train()
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95))
-    return {"model": model, "opt": opt, "warm": False}
+    def __init__(self, model, args):
+        import torch
+        from peft import LoraConfig, get_peft_model
 
+        self.model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0,
+                                                      target_modules=TARGETS, bias="none"))
+        self.model.train()
+        scales = [p for n, p in self.model.named_parameters() if n.endswith("extra_scale")]
+        for p in scales:  # peft froze them with the base weights; the CMoE recipe trains them
+            p.requires_grad_(True)
+        lora = [p for n, p in self.model.named_parameters() if p.requires_grad and "lora_" in n]
+        groups = [{"params": lora, "lr": args.lr}] + ([{"params": scales, "lr": args.router_lr}]
+                                                      if scales else [])
+        self.opt = torch.optim.Adam(groups, betas=(0.9, 0.95))
 
-def torch_steps(t, batch, steps: int) -> dict:
-    import torch
+    def first_step(self, batch: np.ndarray) -> float:
+        import torch
 
-    x = torch.from_numpy(batch.astype(np.int64))
+        self.x = torch.from_numpy(batch.astype(np.int64))
+        return self.run(1)
 
-    def one() -> float:
-        loss = t["model"](input_ids=x, labels=x).loss
-        loss.backward()
-        t["opt"].step()
-        t["opt"].zero_grad(set_to_none=True)
+    def run(self, steps: int) -> float:
+        for _ in range(steps):
+            loss = self.model(input_ids=self.x, labels=self.x).loss
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    first = None
-    if not t["warm"]:
-        first = one()  # warm-up, untimed
-        t["warm"] = True
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        one()
-    seconds = time.perf_counter() - t0
-    return {"tokens_per_s": batch.size * steps / seconds, "seconds": seconds, "first_loss": first}
 
-
-def main(argv=None) -> None:
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2", help="a dense model both sides can read")
+    p.add_argument("--model", default="smollm2",
+                   help="a dense model both sides can read, or 'converted' (see --converted-dir)")
+    p.add_argument("--converted-dir", default=str(DEFAULT_CONVERTED),
+                   help="with --model converted: a cmoe_jax converted Llama-architecture model")
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="timed steps per repeat")
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each side")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--lr", type=float, default=5.95e-5)
+    p.add_argument("--router-lr", type=float, default=1e-3, help="Adam lr of the gate scales u")
+    p.add_argument("--bias-speed", type=float, default=1e-3, help="balancing bias step per train step")
+    p.add_argument("--loss-tol", type=float, default=1e-3,
+                   help="largest allowed |difference| of the two first-step losses")
     p.add_argument("--data-path", default=None, help="WikiText-2 validation file (default: the shared copy)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def model_to_train(args) -> tuple[str, bool]:
+    """(model argument, whether it is a converted model); exits with `error:` when missing."""
+    from cmoe_jax.checkpoint import is_converted
+
+    if args.model != "converted":
+        return args.model, is_converted(Path(args.model))
+    path = Path(args.converted_dir)
+    if not is_converted(path):
+        print(f"error: {path} is not a cmoe_jax converted model: make one with `python -m "
+              f"cmoe_jax.convert --model smollm2 --config S1A1E8 --out {path}` or pass --converted-dir",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return str(path), True
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    load_start = load_average()
+    model_name, converted = model_to_train(args)
 
     import jax
     import torch
@@ -135,28 +174,41 @@ def main(argv=None) -> None:
     from cmoe_jax.loading import resolve
 
     data = args.data_path or local_wikitext_valid()
-    lm, ours = jax_trainer(args.model, args.rank, args.alpha, args.lr)
-    tokens = load_text_tokens("wikitext2", lm.tokenizer, "validation", data)
+    ours = JaxSide(model_name, args)
+    tokens = load_text_tokens("wikitext2", ours.lm.tokenizer, "validation", data)
     batch = calibration_windows(tokens, args.batch_size, args.seqlen, seed=0)
-    ref = torch_trainer(resolve(args.model), args.rank, args.alpha, args.lr)
-    runs_ours, runs_ref = [], []
-    for _ in range(args.repeats):
-        runs_ours.append(jax_steps(ours, batch, args.steps))
-        runs_ref.append(torch_steps(ref, batch, args.steps))
-    best_ours = max(r["tokens_per_s"] for r in runs_ours)
-    best_ref = max(r["tokens_per_s"] for r in runs_ref)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; "
-          f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"model: {args.model}; batch: {args.batch_size} x {args.seqlen} tokens of {data or 'datasets'}; "
-          f"LoRA r={args.rank} alpha={args.alpha:g} on {','.join(TARGETS)}; "
-          f"{args.steps} timed steps x {args.repeats} repeats")
-    print(f"first-step loss: cmoe_jax {runs_ours[0]['first_loss']:.5f}, "
-          f"transformers+peft {runs_ref[0]['first_loss']:.5f}")
-    print(f"cmoe_jax          {best_ours:8.1f} tokens/s "
-          f"({ours['compile_seconds']:.1f} s compile, not counted)")
-    print(f"transformers+peft {best_ref:8.1f} tokens/s")
-    print(f"ratio: {best_ours / best_ref:.2f}x")
+    if converted:
+        from benchmarks.cmoe_torch_reference import reference_llama
+
+        ref_name, torch_model = "CMoE authors' MoE+peft", reference_llama(ours.lm.model, args.bias_speed)
+    else:
+        from benchmarks.torch_reference import load_torch_causal_lm
+
+        ref_name, torch_model = "transformers+peft", load_torch_causal_lm(resolve(model_name))
+    ref = TorchSide(torch_model, args)
+    from benchmarks.cmoe_torch_reference import copy_lora_factors
+
+    copy_lora_factors(ref.model, ours.initial_adapters)
+
+    loss_ref, loss_ours = ref.first_step(batch), ours.first_step(batch)
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; jax {jax.__version__} on "
+          f"{jax.devices()[0].platform} x{len(jax.devices())}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"model: {model_name}{' (converted)' if converted else ''}; batch: {args.batch_size} x "
+          f"{args.seqlen} tokens of {data or 'datasets'}; LoRA r={args.rank} alpha={args.alpha:g} on "
+          f"{','.join(TARGETS)}; {args.steps} timed steps x {args.repeats} repeats; cmoe_jax compile "
+          f"{ours.compile_seconds:.1f} s (not counted)")
+    print(f"first-step loss: cmoe_jax {loss_ours:.5f}, {ref_name} {loss_ref:.5f}")
+    if not abs(loss_ours - loss_ref) <= args.loss_tol:
+        raise SystemExit(f"first-step losses differ by {abs(loss_ours - loss_ref):.2e} > {args.loss_tol}: "
+                         "the two sides do not train the same model")
+    last = {}
+    times = interleaved_times(
+        [lambda: last.__setitem__("ref", ref.run(args.steps)),
+         lambda: last.__setitem__("ours", ours.run(args.steps))], args.repeats, warmup=0)
+    print(f"last-step loss: cmoe_jax {last['ours']:.5f}, {ref_name} {last['ref']:.5f} "
+          f"(same adapters and batch: the runs should track each other)")
+    report([ref_name, "cmoe_jax"], times, load_start, work=batch.size * args.steps)
 
 
 if __name__ == "__main__":

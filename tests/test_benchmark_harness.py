@@ -1,0 +1,50 @@
+"""The benchmarks' shared harness: interleaving order, and when a ratio may be printed.
+
+The ratio logic is checked on given times (no clock involved); the load average is
+replaced by a fixed value so the outcome does not depend on what else runs on the machine.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import harness  # noqa: E402
+
+
+def test_sides_alternate_after_warmup():
+    calls = []
+    times = harness.interleaved_times([lambda: calls.append("A"), lambda: calls.append("B")],
+                                      repeats=3, warmup=1)
+    assert calls == ["A", "B"] * 4  # one warm-up round, then three timed rounds
+    assert [len(ts) for ts in times] == [3, 3]
+    assert all(t >= 0 for ts in times for t in ts)
+
+
+@pytest.fixture
+def two_cores(monkeypatch):
+    monkeypatch.setattr(harness.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(harness, "load_average", lambda: 1.0)
+
+
+def test_ratio_of_medians_on_a_quiet_machine(two_cores, capsys):
+    ratio = harness.report(["ref", "ours"], [[4.0, 9.0, 6.0], [2.0, 3.0, 1.0]], load_start=1.5)
+    assert ratio == pytest.approx(6.0 / 2.0)  # medians, not means or minima
+    out = capsys.readouterr().out
+    assert "min   4.0000 s" in out and "min   1.0000 s" in out
+    assert "ratio (ref time / ours time, medians): 3.00x" in out
+
+
+def test_no_ratio_when_the_load_exceeds_the_cores(two_cores, capsys):
+    assert harness.report(["ref", "ours"], [[4.0, 9.0, 6.0], [2.0, 3.0, 1.0]], load_start=2.5) is None
+    out = capsys.readouterr().out
+    assert "warning: load average 2.50" in out and "ratio" not in out.replace("no ratio printed", "")
+
+
+def test_single_side_prints_no_ratio(two_cores, capsys):
+    assert harness.report(["convert"], [[3.0, 1.0, 2.0]], load_start=0.5, work=4.0) is None
+    out = capsys.readouterr().out
+    assert "median   2.0000 s" in out and "2.0 tokens/s" in out and "ratio" not in out
