@@ -111,3 +111,112 @@ def test_flops_fall_by_the_predicted_fraction(moe_source):
     rows_per_token = ids.shape[1]
     assert rows_per_token * 3 * 2 * d * spec.expert_width == after["experts"]
     assert layer.sub_gate[...].shape[2] * 2 * 2 * d * k == after["sub_router"]
+
+
+# ---- the job: CLI, manifest, resume, bad input, 8 devices, eval and LoRA -------------------
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from conftest import save_tiny_tokenizer, tiny_hf_model, write_random_text
+
+    root = tmp_path_factory.mktemp("hier")
+    tiny_hf_model("qwen3_moe").save_pretrained(root / "moe")
+    save_tiny_tokenizer(root / "moe")
+    write_random_text(root / "calib.txt", 4000)
+    return root
+
+
+def _cli(root, out, *extra):
+    return ["--model", str(root / "moe"), "--calib", "wikitext2", "--data-path", str(root / "calib.txt"),
+            "--calib-samples", "2", "--seqlen", "32", "--k-act", "4", "--router-neurons", "2",
+            "--out", str(out), *extra]
+
+
+def test_cli_carves_an_moe_source_and_eval_and_train_load_it(moe_dir, tmp_path):
+    from cmoe_jax.train import finetune
+
+    out = tmp_path / "hier"
+    assert convert_main(_cli(moe_dir, out, "--config", "S1A1E4", "--report")) == 0
+    manifest = json.loads((out / "cmoe_manifest.json").read_text())
+    assert manifest["method"] == "cmoe_hierarchical" and manifest["config"] == "S1A1E4"
+    assert manifest["plan"]["top_level"] == {"experts": 4, "active": 2, "expert_width": 16,
+                                             "router": "linear", "host_shared_width": 0}
+    assert manifest["plan"]["sub_level"]["expert_width"] == 4
+    experts = manifest["layers"][0]["experts"]
+    assert len(experts) == 4 and len(experts[0]["routed"]) == 3 and len(experts[0]["shared"]) == 4
+    assert sum(e["tokens"] for e in experts) == 2 * 2 * 32  # every token reaches k = 2 experts
+    assert (out / "report" / "sub_expert_load.png").exists()
+    lm = load_model(str(out), progress=False)
+    assert isinstance(lm.model.layers[0].mlp, HierMoEFFN)
+    from cmoe_jax.eval.cli import main as eval_main
+    assert eval_main(["--model", str(out), "--dataset", "wikitext2", "--data-path",
+                      str(moe_dir / "calib.txt"), "--seqlen", "32", "--max-windows", "2",
+                      "--json", str(tmp_path / "ppl.json")]) == 0
+    assert np.isfinite(json.loads((tmp_path / "ppl.json").read_text())["ppl"])
+    summary = finetune(str(out), out=tmp_path / "ft", data_path=str(moe_dir / "calib.txt"),
+                       samples=8, seqlen=32, batch_size=2, lora_rank=4, lr=1e-2, router_lr=1e-1,
+                       bias_speed=1e-2, epochs=2, progress=False)
+    ft = load_model(str(tmp_path / "ft"), progress=False).model
+    mlp = ft.layers[0].mlp
+    assert np.abs(np.asarray(mlp.u[...])).max() > 0  # the sub-routers' gate scales trained
+    assert np.abs(np.asarray(mlp.router_bias[...])).max() > 0  # and balanced
+    assert summary is not None
+
+
+@pytest.mark.parametrize("config, message", [("S1A1E5", "divide"), ("S1A4E4", "active"),
+                                             ("S4A1E4", "shared")])
+def test_cli_rejects_sub_plans_that_do_not_fit_the_experts(moe_dir, tmp_path, capsys, config, message):
+    out = tmp_path / "out"
+    assert convert_main(_cli(moe_dir, out, "--config", config)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and "d_e=16" in err, err
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_interrupted_hierarchical_conversion_resumes_identically(moe_dir, tmp_path):
+    from cmoe_jax.convert import convert
+
+    kw = dict(calib="wikitext2", data_path=str(moe_dir / "calib.txt"), calib_samples=2, seqlen=32,
+              k_act=4, router_neurons=2, progress=False)
+    plan = MoEPlan.parse("S1A1E4")
+    convert(str(moe_dir / "moe"), plan, out=tmp_path / "full", **kw)
+    out = tmp_path / "resumed"
+    r = convert(str(moe_dir / "moe"), plan, out=out, stop_after_layers=1, **kw)
+    assert r["out"] is None and not out.exists()
+    convert(str(moe_dir / "moe"), plan, out=out, resume=True, **kw)
+    a = json.loads((tmp_path / "full" / "cmoe_manifest.json").read_text())
+    b = json.loads((out / "cmoe_manifest.json").read_text())
+    assert [l["experts"] for l in a["layers"]] == [l["experts"] for l in b["layers"]]
+    ma, mb = (load_model(str(p), progress=False).model for p in (tmp_path / "full", out))
+    for (p, x), (_, y) in zip(nnx.to_flat_state(nnx.state(ma)), nnx.to_flat_state(nnx.state(mb))):
+        np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()), err_msg=str(p))
+
+
+_MULTI_DEVICE_SCRIPT = """
+import sys; sys.path.insert(0, {root!r})
+import jax, numpy as np
+from cmoe_jax.carving import MoEPlan
+from cmoe_jax.convert import ConvertConfig
+from cmoe_jax.convert.hierarchical import convert_moe_model
+from cmoe_jax.loading import load_model
+model = load_model({path!r}, progress=False).model
+calib = np.random.default_rng(0).integers(0, 96, size=(8, 32)).astype(np.int32)
+cc = ConvertConfig(plan=MoEPlan.parse("S1A1E4"), k_act=4, router_neurons=2)
+hier, recs = convert_moe_model(model, calib, cc, progress=False)
+tokens = np.random.default_rng(1).integers(0, 96, size=(2, 16)).astype(np.int32)
+np.savez({out!r}, logits=np.asarray(hier(tokens)), devices=len(jax.devices()),
+         routed=np.stack([[e.carving.expert_idx for e in r.experts] for r in recs]))
+"""
+
+
+def test_eight_device_conversion_equals_one_device(moe_dir, tmp_path):
+    results = {}
+    for n in (1, 8):
+        out = tmp_path / f"r{n}.npz"
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+        script = _MULTI_DEVICE_SCRIPT.format(root=str(ROOT), path=str(moe_dir / "moe"), out=str(out))
+        subprocess.run([sys.executable, "-c", script], check=True, env=env)
+        results[n] = np.load(out)
+    assert int(results[8]["devices"]) == 8 and int(results[1]["devices"]) == 1
+    np.testing.assert_array_equal(results[1]["routed"], results[8]["routed"])
+    np.testing.assert_allclose(results[1]["logits"], results[8]["logits"], atol=1e-5)

@@ -29,8 +29,10 @@ def is_moe(cfg: ModelConfig) -> bool:
     return any(s is not None for s in cfg.moe_layers)
 
 
-def validate_moe(cfg: ModelConfig, cc: ConvertConfig) -> None:
+def validate_moe(cfg: ModelConfig, cc: ConvertConfig, min_tokens: int = 32) -> None:
     """Fail before any work on a source or sub-plan that cannot be carved hierarchically."""
+    if min_tokens < 1:
+        raise ConversionError(f"--min-expert-tokens {min_tokens} must be at least 1")
     specs = [s for s in cfg.moe_layers if s is not None]
     if not specs:
         raise ConversionError("the model has no MoE layer: hierarchical CMoE needs an MoE source")
@@ -129,7 +131,7 @@ def convert_moe_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *,
     calibration statistics) at the same active width. `done`: records of finished layers
     (resume): their carvings are reused, so the result equals an uninterrupted run."""
     cfg = model.config
-    validate_moe(cfg, cc)
+    validate_moe(cfg, cc, min_tokens)
     if partition not in PARTITIONS:
         raise ConversionError(f"partition {partition!r} must be one of {', '.join(PARTITIONS)}")
     calib = np.asarray(calib, np.int32)
