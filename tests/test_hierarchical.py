@@ -220,3 +220,33 @@ def test_eight_device_conversion_equals_one_device(moe_dir, tmp_path):
     assert int(results[8]["devices"]) == 8 and int(results[1]["devices"]) == 1
     np.testing.assert_array_equal(results[1]["routed"], results[8]["routed"])
     np.testing.assert_allclose(results[1]["logits"], results[8]["logits"], atol=1e-5)
+
+
+def test_converted_cmoe_source_carves_through_the_cli_with_parity(tiny_checkpoint, tmp_path):
+    """A converted cmoe_jax MoE (cmoe top-level router, host shared MLP) as the source: with
+    every sub-expert active the hierarchical model gives the source's logits."""
+    _, path, text = tiny_checkpoint
+    common = ["--calib", "wikitext2", "--data-path", str(text), "--calib-samples", "2",
+              "--seqlen", "32", "--k-act", "4", "--router-neurons", "2"]
+    assert convert_main(["--model", str(path), "--config", "S1A2E4", "--out", str(tmp_path / "moe"),
+                         *common]) == 0
+    assert convert_main(["--model", str(tmp_path / "moe"), "--config", "S0A4E4",
+                         "--out", str(tmp_path / "hier"), *common]) == 0
+    manifest = json.loads((tmp_path / "hier" / "cmoe_manifest.json").read_text())
+    assert manifest["plan"]["top_level"]["router"] == "cmoe"
+    assert manifest["plan"]["top_level"]["host_shared_width"] == 16
+    src = load_model(str(tmp_path / "moe"), progress=False).model
+    hier = load_model(str(tmp_path / "hier"), progress=False).model
+    tokens = jnp.asarray(_calib(2, 24, seed=5))
+    np.testing.assert_allclose(np.asarray(hier(tokens)), np.asarray(src(tokens)), atol=1e-4)
+
+
+def test_random_baseline_is_a_partition_too(moe_source):
+    from cmoe_jax.convert.hierarchical import random_hierarchical
+
+    hf, model = moe_source
+    hier = random_hierarchical(model, ConvertConfig(plan=MoEPlan(1, 3, 4), router_neurons=2))
+    tokens = jnp.asarray(_calib(2, 24, seed=5))
+    np.testing.assert_allclose(np.asarray(hier(tokens)), _hf_logits(hf, tokens), atol=1e-4)
+    sparse = random_hierarchical(model, ConvertConfig(plan=MoEPlan(1, 1, 4), router_neurons=2))
+    assert np.abs(np.asarray(sparse(tokens)) - _hf_logits(hf, tokens)).max() > 1e-3

@@ -100,31 +100,34 @@ def carve_moe_layer(x: np.ndarray, top_ids: np.ndarray, weights: dict, plan: MoE
     float32). `done`: carvings of a previous run (resume): only slicing and fitting re-run.
     Returns `expert_gate/up/down [N*N', ...]`, `sub_gate/sub_up [N, d, N'_r*r]`,
     `u`, `router_bias` zeros `[N, N'_r]`."""
-    num_experts = weights["expert_gate"].shape[0]
-    stacks = {k: [] for k in ("gate", "up", "down", "router_gate", "router_up")}
+    num_experts, d, d_e = weights["expert_gate"].shape
+    n_sub, m = plan.total, plan.expert_width(d_e)
+    cols = plan.routed * cc.router_neurons
+    # filled in place, expert by expert, in the weights' dtype: peak memory stays near one
+    # copy of the layer
+    dt = weights["expert_gate"].dtype
+    out = {"expert_gate": np.empty((num_experts * n_sub, d, m), dt),
+           "expert_up": np.empty((num_experts * n_sub, d, m), dt),
+           "expert_down": np.empty((num_experts * n_sub, m, d), dt),
+           "sub_gate": np.empty((num_experts, d, cols), dt),
+           "sub_up": np.empty((num_experts, d, cols), dt)}
     records = []
     for i in range(num_experts):
         w = [np.asarray(weights["expert_" + p][i], np.float32) for p in ("gate", "up", "down")]
         rows, count, fallback = expert_tokens(x, top_ids, i, min_tokens)
-        if done is not None:
-            carving = done[i].carving
-        else:
-            carving = carve_expert(rows, *w, plan, cc)
+        carving = done[i].carving if done is not None else carve_expert(rows, *w, plan, cc)
         sub = sub_expert_slices(*w, carving, plan)
         scales = None
         if cc.router_scale:
             sub["router_up"], scales = fit_sub_router(rows, sub, plan, cc.router_fit_tokens)
-        for k in stacks:
-            stacks[k].append(sub[k])
+        for p in ("gate", "up", "down"):
+            out["expert_" + p][i * n_sub:(i + 1) * n_sub] = sub[p]
+        out["sub_gate"][i], out["sub_up"][i] = sub["router_gate"], sub["router_up"]
         records.append(ExpertCarving(carving, count, fallback, scales))
         if progress is not None:
             progress(i)
-    n_routed = plan.routed
-    out = {"expert_" + p: np.concatenate(stacks[p]) for p in ("gate", "up", "down")}
-    out["sub_gate"] = np.stack(stacks["router_gate"])
-    out["sub_up"] = np.stack(stacks["router_up"])
-    out["u"] = np.zeros((num_experts, n_routed), np.float32)
-    out["router_bias"] = np.zeros((num_experts, n_routed), np.float32)
+    out["u"] = np.zeros((num_experts, plan.routed), np.float32)
+    out["router_bias"] = np.zeros((num_experts, plan.routed), np.float32)
     return out, records
 
 

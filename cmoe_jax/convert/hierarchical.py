@@ -22,9 +22,6 @@ from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.profiling.layerwise import (attention_step, calibration_mesh, embed_step,
                                           ffn_residual_step, replicate, shard_batch)
 
-PARTITIONS = ("cmoe", "random")
-
-
 def is_moe(cfg: ModelConfig) -> bool:
     return any(s is not None for s in cfg.moe_layers)
 
@@ -121,19 +118,16 @@ def build_hier_ffn(src, spec: FFNSpec, carved: dict, dtype) -> nnx.Module:
 
 
 def convert_moe_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *,
-                      min_tokens: int = 32, partition: str = "cmoe", devices=None,
+                      min_tokens: int = 32, devices=None,
                       progress: bool = True, done: list | None = None,
                       on_layer: Callable[[int, HierLayerRecord], None] | None = None):
     """Carve every expert of the MoE `model` with the per-expert plan `cc.plan`:
     -> (hierarchical model, [HierLayerRecord]).
 
-    `partition="random"`: the labelled baseline (random sub-partition, random sub-router, no
-    calibration statistics) at the same active width. `done`: records of finished layers
+    `done`: records of finished layers
     (resume): their carvings are reused, so the result equals an uninterrupted run."""
     cfg = model.config
     validate_moe(cfg, cc, min_tokens)
-    if partition not in PARTITIONS:
-        raise ConversionError(f"partition {partition!r} must be one of {', '.join(PARTITIONS)}")
     calib = np.asarray(calib, np.int32)
     done = list(done or [])
     mesh = calibration_mesh(calib.shape[0], devices)
@@ -161,11 +155,8 @@ def convert_moe_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *,
             top_ids = np.asarray(_top_ids(*nnx.split(src), jnp.asarray(xf)))
             weights = {k: np.asarray(getattr(src, k)[...], np.float32)
                        for k in ("expert_gate", "expert_up", "expert_down")}
-            if partition == "random":
-                carved, experts = random_moe_layer(weights, cc.plan, cc.router_neurons, cc.seed + i), []
-            else:
-                carved, experts = carve_moe_layer(xf, top_ids, weights, cc.plan, cc, min_tokens=min_tokens,
-                                                  done=done[i].experts if i < len(done) else None)
+            carved, experts = carve_moe_layer(xf, top_ids, weights, cc.plan, cc, min_tokens=min_tokens,
+                                              done=done[i].experts if i < len(done) else None)
             seconds["carve"] = time.perf_counter() - t1
             ffn = build_hier_ffn(src, hier_spec(spec, cc), carved, model.dtype)
         t2 = time.perf_counter()
@@ -180,6 +171,24 @@ def convert_moe_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *,
             on_layer(i, record)
     cfg_hier = cfg.with_moe_layers([hier_spec(cfg.ffn_spec(i), cc) for i in range(cfg.num_layers)])
     return assemble(model, cfg_hier, ffns), records
+
+
+def random_hierarchical(model: Decoder, cc: ConvertConfig) -> Decoder:
+    """The labelled baseline at the same active width: every expert split into random
+    sub-experts with a random sub-router (`random_moe_layer`); no calibration data."""
+    cfg = model.config
+    validate_moe(cfg, cc)
+    ffns = []
+    for i, layer in enumerate(model.layers):
+        spec, src = cfg.ffn_spec(i), layer.mlp
+        if spec is not None:
+            weights = {k: np.asarray(getattr(src, k)[...], np.float32)
+                       for k in ("expert_gate", "expert_up", "expert_down")}
+            carved = random_moe_layer(weights, cc.plan, cc.router_neurons, cc.seed + i)
+            src = build_hier_ffn(src, hier_spec(spec, cc), carved, model.dtype)
+        ffns.append(src)
+    cfg_hier = cfg.with_moe_layers([hier_spec(cfg.ffn_spec(i), cc) for i in range(cfg.num_layers)])
+    return assemble(model, cfg_hier, ffns)
 
 
 def manifest_fields(cfg: ModelConfig, cc: ConvertConfig, records: list, min_tokens: int) -> dict:
