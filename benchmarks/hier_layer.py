@@ -68,11 +68,15 @@ def main() -> None:
     t0 = time.perf_counter()
     top_ids = np.asarray(src.route(x)[0])
     xs = np.asarray(x)
-    weights = {k_: np.asarray(getattr(src, k_)[...]) for k_ in ("expert_gate", "expert_up", "expert_down")}
+    # the layer's own arrays: carve_moe_layer reads them one expert at a time (no full copy)
+    weights = {k_: getattr(src, k_)[...] for k_ in ("expert_gate", "expert_up", "expert_down")}
     t_route = time.perf_counter() - t0
     t0 = time.perf_counter()
     carved, records = carve_moe_layer(xs, top_ids, weights, cc.plan, cc, min_tokens=32)
     t_carve = time.perf_counter() - t0
+    for k_ in weights:  # the source experts are not needed any more: free them before building
+        setattr(src, k_, nnx.Param(jnp.zeros((1,), dtype)))
+    del weights
     t0 = time.perf_counter()
     spec = hier_spec(FFNSpec(n, k, d_e, 0, "linear", True), cc)
     hier = build_hier_ffn(src, spec, carved, dtype)
