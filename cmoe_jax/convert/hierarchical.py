@@ -93,10 +93,11 @@ def _top_ids(graphdef, state, x):
 
 def build_hier_ffn(src, spec: FFNSpec, carved: dict, dtype) -> nnx.Module:
     """A `HierMoEFFN` holding the carved sub-experts and the source's top-level router and
-    host shared MLP, unchanged."""
+    host shared MLP, unchanged. Consumes `carved` (each array is dropped once placed, so
+    building needs about one tensor more than the carved layer)."""
     from cmoe_jax.moe.hierarchical import HierMoEFFN
 
-    values = dict(carved)
+    values = carved
     for name in (*TOP_ROUTER_NAMES, *HOST_NAMES):
         if hasattr(src, name):
             values[TOP_ROUTER_NAMES.get(name, name)] = np.asarray(getattr(src, name)[...], np.float32)
@@ -110,7 +111,7 @@ def build_hier_ffn(src, spec: FFNSpec, carved: dict, dtype) -> nnx.Module:
     flat = nnx.to_flat_state(state)
     for path, var in flat:
         shape = var.get_value().shape
-        value = values[path[-1]]
+        value = values.pop(path[-1])
         if tuple(value.shape) != tuple(shape):
             raise AssertionError(f"{path[-1]}: carved shape {value.shape} != layer shape {shape}")
         var.set_value(jnp.asarray(value, dtype=var.get_value().dtype))
