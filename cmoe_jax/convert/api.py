@@ -14,7 +14,7 @@ from cmoe_jax.convert.pipeline import (ConversionError, ConvertConfig, LayerReco
 from cmoe_jax.errors import CmoeError
 
 
-def _load_done(staging: Path, settings: dict, resume: bool) -> list[LayerRecord]:
+def _load_done(staging: Path, settings: dict, resume: bool, record_cls=LayerRecord) -> list:
     """Layers finished by an interrupted run with the same settings (only with resume)."""
     progress = staging / "progress.json"
     if not staging.exists():
@@ -32,7 +32,7 @@ def _load_done(staging: Path, settings: dict, resume: bool) -> list[LayerRecord]
                         "rerun without --resume to start over")
     done = []
     while (staging / "layers" / f"{len(done):04d}.json").exists():
-        done.append(LayerRecord.from_json(json.loads((staging / "layers" / f"{len(done):04d}.json").read_text())))
+        done.append(record_cls.from_json(json.loads((staging / "layers" / f"{len(done):04d}.json").read_text())))
     return done
 
 
@@ -43,15 +43,20 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
             router_scale: bool = ConvertConfig.router_scale,
             router_fit_tokens: int = ConvertConfig.router_fit_tokens,
             shared_by: str = ConvertConfig.shared_by, router_reps: str = ConvertConfig.router_reps,
-            resume: bool = False, expert_parallel: int = 1,
+            resume: bool = False, expert_parallel: int = 1, min_expert_tokens: int = 32,
             overwrite: bool = False, report: bool = False,
             progress: bool = True, stop_after_layers: int | None = None) -> dict:
     """Convert a dense checkpoint to CMoE and save it at `out`; returns the manifest.
 
     `stop_after_layers` exists for testing interruption: the job stops (as if killed) once
     that many layers are saved in the staging directory. `expert_parallel`: see
-    `convert_model`; it changes where work runs, not the result.
+    `convert_model`; it changes where work runs, not the result (dense sources only).
+
+    An MoE `model` (a converted cmoe_jax MoE, Qwen3-MoE, Mixtral) is carved hierarchically:
+    `plan` is then the per-expert plan S'A'E' (`cmoe_jax.convert.hierarchical`), each expert
+    profiled on the tokens its router sends it, or all tokens below `min_expert_tokens`.
     """
+    from cmoe_jax.convert import hierarchical
     from cmoe_jax.data import calibration_windows, load_text_tokens
     from cmoe_jax.loading import load_config, load_model, load_tokenizer
 
@@ -64,24 +69,37 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
                        seed=seed, router_neurons=router_neurons, router_scale=router_scale,
                        router_fit_tokens=router_fit_tokens, shared_by=shared_by,
                        router_reps=router_reps)
-    try:
-        plan.validate(cfg.intermediate_size, k_act)
-    except ValueError as e:
-        raise ConversionError(str(e)) from e
-    check_router(cfg, cc)
-    conversion_mesh(cc, calib_samples, expert_parallel=expert_parallel)
+    hier = hierarchical.is_moe(cfg)
+    if hier:
+        hierarchical.validate_moe(cfg, cc, min_expert_tokens)
+        if expert_parallel > 1:
+            raise ConversionError("--expert-parallel is not supported for an MoE source "
+                                  "(hierarchical carving) yet: leave it at 1")
+    else:
+        try:
+            plan.validate(cfg.intermediate_size, k_act)
+        except ValueError as e:
+            raise ConversionError(str(e)) from e
+        check_router(cfg, cc)
+        conversion_mesh(cc, calib_samples, expert_parallel=expert_parallel)
     if seqlen > cfg.max_position_embeddings:
         raise CmoeError(f"--seqlen {seqlen} exceeds the model's context "
                         f"({cfg.max_position_embeddings} positions)")
-    tokenizer = load_tokenizer(path)
+    from cmoe_jax.checkpoint import is_converted
+
+    # a converted (MoE) source keeps its tokenizer in tokenizer/
+    tokenizer = load_tokenizer(path / "tokenizer" if is_converted(path) else path)
     if tokenizer is None:
         raise CmoeError(f"{path} has no tokenizer: calibration text cannot be tokenized")
     tokens = load_text_tokens(calib, tokenizer, split=calib_split, data_path=data_path)
     windows = calibration_windows(tokens, calib_samples, seqlen, seed)
     settings = {"model": str(model), **cc.to_dict(), "calib": calib, "calib_split": calib_split,
                 "data_path": data_path, "calib_samples": calib_samples, "seqlen": seqlen}
+    if hier:
+        settings["min_expert_tokens"] = min_expert_tokens
     staging = staging_dir(out)
-    done = _load_done(staging, settings, resume)
+    done = _load_done(staging, settings, resume,
+                      hierarchical.HierLayerRecord if hier else LayerRecord)
     (staging / "layers").mkdir(parents=True, exist_ok=True)
     write_json_atomic(staging / "progress.json", settings)
 
@@ -98,8 +116,13 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
             raise _Stop()
 
     try:
-        moe_model, records = convert_model(lm.model, windows, cc, progress=progress, done=done,
-                                           on_layer=on_layer, expert_parallel=expert_parallel)
+        if hier:
+            moe_model, records = hierarchical.convert_moe_model(
+                lm.model, windows, cc, progress=progress, done=done, on_layer=on_layer,
+                min_tokens=min_expert_tokens)
+        else:
+            moe_model, records = convert_model(lm.model, windows, cc, progress=progress, done=done,
+                                               on_layer=on_layer, expert_parallel=expert_parallel)
     except _Stop:
         return {"out": None, "config": plan.name, "interrupted_after": stop_after_layers}
     t_save = time.perf_counter()
@@ -125,10 +148,17 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
         "layers": [{k: v for k, v in r.to_json().items() if k not in ("mu", "seconds")}
                    for r in records],
     }
+    if hier:
+        stage_seconds["carve"] = sum(r.seconds.get("carve", 0) for r in records)
+        manifest.update(hierarchical.manifest_fields(cfg, cc, records, min_expert_tokens))
     final = staging / "final"
     shutil.rmtree(final, ignore_errors=True)
     save_converted(moe_model, manifest, final, tokenizer=lm.tokenizer)
-    if report:
+    if report and hier:
+        from cmoe_jax.convert.hier_report import write_hier_report
+
+        write_hier_report(records, plan.name, stage_seconds, final / "report")
+    elif report:
         from cmoe_jax.convert.report import write_report
 
         write_report(records, plan.name, stage_seconds, final / "report")

@@ -17,7 +17,9 @@ from cmoe_jax.errors import CmoeError, run_job
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cmoe_jax.convert", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2", help="dense checkpoint: HF dir, Hub id, .gguf, or 'smollm2'")
+    p.add_argument("--model", default="smollm2", help="dense checkpoint: HF dir, Hub id, .gguf, or "
+                   "'smollm2'; an MoE (converted dir, Qwen3-MoE, Mixtral) is carved hierarchically, "
+                   "--config then being the per-expert plan")
     p.add_argument("--config", help="SxAyEz, e.g. S1A1E8 (x shared, y active routed, z total experts)")
     p.add_argument("--shared", type=int, help="x (instead of --config)")
     p.add_argument("--active", type=int, help="y (instead of --config)")
@@ -49,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--router-reps", choices=["centroid", "energy"], default=None,
                    help="router neurons of each expert: the members of highest output energy "
                         "(default) or closest to the cluster centroid (the paper's rule)")
+    p.add_argument("--min-expert-tokens", type=int, default=32,
+                   help="MoE source (hierarchical CMoE): an expert reached by fewer calibration "
+                        "tokens is profiled on all tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="split each converted layer's routed experts over N devices (all-to-all "
@@ -94,7 +99,7 @@ def run(args) -> dict:
                    kmeans_iters=args.kmeans_iters, normalize=not args.no_normalize,
                    seed=args.seed, router_fit_tokens=args.router_fit_tokens,
                    shared_by=args.shared_by, resume=args.resume, **router_options(args),
-                   expert_parallel=args.expert_parallel,
+                   expert_parallel=args.expert_parallel, min_expert_tokens=args.min_expert_tokens,
                    overwrite=args.overwrite,
                    report=args.report)
 

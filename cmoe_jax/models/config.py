@@ -32,6 +32,14 @@ class FFNSpec:
     router: str = "linear"
     norm_topk_prob: bool = False
     router_neurons: int = 1
+    # Hierarchical CMoE (`cmoe_jax.moe.hierarchical`): with sub_experts N' > 0 each of the
+    # num_experts experts is split into N' sub-experts of width expert_width (N'_s =
+    # sub_shared always on with their expert, sub_top_k of the rest chosen by its sub-router
+    # of sub_router_neurons neurons per sub-expert). 0: a plain MoE layer.
+    sub_experts: int = 0
+    sub_shared: int = 0
+    sub_top_k: int = 0
+    sub_router_neurons: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,16 @@ def make_ffn(cfg: ModelConfig, spec: FFNSpec | None, *, dtype, rngs: nnx.Rngs) -
         return SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
     from cmoe_jax.moe import MoEFFN  # imported here: the dense path never needs it
 
+    if spec.sub_experts:  # hierarchical CMoE: experts carved into sub-experts
+        from cmoe_jax.moe.hierarchical import HierMoEFFN
+
+        return HierMoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts, spec.top_k,
+                          sub_experts=spec.sub_experts, sub_shared=spec.sub_shared,
+                          sub_top_k=spec.sub_top_k, sub_router_neurons=spec.sub_router_neurons,
+                          shared_width=spec.shared_width, router=spec.router,
+                          norm_topk_prob=spec.norm_topk_prob, router_neurons=spec.router_neurons,
+                          dtype=dtype, param_dtype=dtype, rngs=rngs)
+
     return MoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts, spec.top_k,
                   shared_width=spec.shared_width, router=spec.router,
                   norm_topk_prob=spec.norm_topk_prob,

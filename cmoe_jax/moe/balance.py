@@ -28,5 +28,6 @@ def update_router_bias(layer_or_bias, counts: jax.Array, gamma: float) -> jax.Ar
         bias = bias[...]
     bias = jax.lax.stop_gradient(jnp.asarray(bias))
     load = jnp.asarray(counts, jnp.float32)
-    step = jnp.sign(jnp.mean(load) - load) * gamma
+    # per row: a hierarchical layer's [N, N'_r] loads balance each sub-router on its own
+    step = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load) * gamma
     return (bias.astype(jnp.float32) + step).astype(bias.dtype)

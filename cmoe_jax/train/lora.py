@@ -163,6 +163,12 @@ def delta(adapter: dict, scale: float) -> jax.Array:
     return scale * jnp.matmul(adapter["a"].astype(jnp.float32), adapter["b"].astype(jnp.float32))
 
 
+def _trains_router(mlp) -> bool:
+    """A layer with CMoE gate scales u and balancing bias b: a CMoE layer, or a hierarchical
+    one (its sub-routers' u, b; its top-level router stays as converted)."""
+    return getattr(mlp, "router", None) == "cmoe" or getattr(mlp, "sub_experts", 0) > 0
+
+
 def router_params(model) -> tuple[dict, dict]:
     """The CMoE router gate scales u and selection biases b by layer: `({"3": u}, {"3": b})`.
 
@@ -171,7 +177,7 @@ def router_params(model) -> tuple[dict, dict]:
     us, bs = {}, {}
     for i, layer in enumerate(model.layers):
         mlp = layer.mlp
-        if getattr(mlp, "router", None) == "cmoe":
+        if _trains_router(mlp):
             us[str(i)] = jnp.array(mlp.u[...], jnp.float32, copy=True)
             bs[str(i)] = jnp.array(mlp.router_bias[...], jnp.float32, copy=True)
     return us, bs
@@ -208,7 +214,7 @@ def lora_hidden(model, adapters: dict, u: dict, bias: dict, tokens: jax.Array, *
     `fold_in(key, i)` (no dropout without a key)."""
     adapted = with_adapters(model, adapters, scale, u, bias, dropout)
     h, _, loads = adapted.run_layers(tokens, key=key, remat=remat)
-    cmoe = {str(i) for i, layer in enumerate(model.layers) if getattr(layer.mlp, "router", None) == "cmoe"}
+    cmoe = {str(i) for i, layer in enumerate(model.layers) if _trains_router(layer.mlp)}
     return h, {k: v for k, v in loads.items() if k in cmoe}
 
 

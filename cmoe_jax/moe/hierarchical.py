@@ -1,0 +1,173 @@
+"""`HierMoEFFN`: an MoE layer whose experts are each carved into shared and routed sub-experts
+(hierarchical CMoE, paper 001 section 4.4, Eq. 10):
+
+    y = shared_host(x) + sum_{i in TopK(x)} w_i(x) [ E_i^s(x) + sum_{j in TopN'_k(s'_i + b_i)} g'_ij E_ij^r(x) ]
+
+The top-level router (a checkpoint's "linear" router, or a converted model's "cmoe" one) is
+the source layer's, unchanged. Expert i's sub-experts are rows `i*N' .. i*N'+N'-1` of one
+stacked `[N*N', d, m']` tensor: its N'_s shared sub-experts first (always on when i is
+selected), then its N'_r routed ones. Its sub-router is the representative-neuron router of
+its routed sub-experts (`sub_gate/sub_up [N, d, N'_r*r]`), with trainable scales
+`u [N, N'_r]` (g' = 1 + s'u, 0 at conversion) and the balancing bias `router_bias [N, N'_r]`.
+
+Both levels flatten into one dispatch: a token's k selected experts become
+k*(N'_s + N'_k) rows with combine weights w_i (shared) and w_i g'_ij (routed), which run
+through `routed_swiglu_experts` like any MoE layer's rows, so every grouped-matmul backend,
+LoRA and the expert-parallel path serve it unchanged. The sub-routers run as one grouped
+matmul on the tokens sorted by top-level expert: each token pays for k sub-routers only.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cmoe_jax.moe.balance import RouterBias
+from cmoe_jax.moe.dispatch import plan
+from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, tokens_sharded
+from cmoe_jax.moe.gmm import get_gmm
+from cmoe_jax.moe.layer import MoEFFN, _init
+from cmoe_jax.moe.routers import cmoe_route, linear_route
+
+
+def sub_route(x, top_ids, top_w, sub_gate, sub_up, u, bias, sub_shared: int, sub_top_k: int, gmm):
+    """Flattened (sub-expert ids int32 [T, k*(N'_s+N'_k)], weights float32 [same]).
+
+    `top_ids/top_w [T, k]`: the top-level choice; `sub_gate/sub_up [N, d, N'_r*r]`,
+    `u/bias [N, N'_r]`. Sub-router scores s_ij = sum over its r neurons of
+    |silu(x G) * (x U)|, s' = softmax over j, chosen by top-N'_k of s' + b_i."""
+    num_tokens, top_k = top_ids.shape
+    n_top, _, cols = sub_gate.shape
+    n_routed = u.shape[1]
+    n_sub = sub_shared + n_routed
+    d = plan(top_ids, n_top)
+    rows = x[d.order // top_k].astype(jnp.float32)
+    h = jax.nn.silu(gmm(rows, sub_gate.astype(jnp.float32), d.group_sizes)) * gmm(
+        rows, sub_up.astype(jnp.float32), d.group_sizes)
+    scores = jnp.abs(h)[d.inverse].reshape(num_tokens, top_k, n_routed, cols // n_routed).sum(-1)
+    probs = jax.nn.softmax(scores, axis=-1)                          # s' [T, k, N'_r]
+    b = jax.lax.stop_gradient(bias.astype(jnp.float32))[top_ids]     # b_i [T, k, N'_r]
+    _, picked = jax.lax.top_k(probs + b, sub_top_k)                  # [T, k, N'_k]
+    s_sel = jnp.take_along_axis(probs, picked, axis=-1)
+    g = 1.0 + s_sel * u.astype(jnp.float32)[top_ids[..., None], picked]
+    base = top_ids[..., None].astype(jnp.int32) * n_sub
+    w = top_w.astype(jnp.float32)[..., None]
+    shared_ids = base + jnp.arange(sub_shared, dtype=jnp.int32)
+    ids = jnp.concatenate([shared_ids, base + sub_shared + picked.astype(jnp.int32)], axis=-1)
+    weights = jnp.concatenate([jnp.broadcast_to(w, shared_ids.shape), w * g], axis=-1)
+    return ids.reshape(num_tokens, -1), weights.reshape(num_tokens, -1)
+
+
+class HierMoEFFN(MoEFFN):
+    """Hierarchical CMoE layer (see the module docstring).
+
+    Args beyond `MoEFFN`'s: `num_experts` N and `top_k` k are the top level's;
+    `expert_width` is the sub-expert width m'; `router` ("linear" or "cmoe") and
+    `router_neurons` describe the top-level router; `sub_experts` N', `sub_shared` N'_s,
+    `sub_top_k` N'_k and `sub_router_neurons` r the sub-level.
+
+    Parameters: `expert_gate/expert_up [N*N', d, m']`, `expert_down [N*N', m', d]`; the host
+    shared MLP as in `MoEFFN`; top-level router `router_kernel [d, N]` (linear) or
+    `top_gate/top_up [d, N*r0]`, `top_u [N]`, `top_bias [N]` (cmoe); sub-routers
+    `sub_gate/sub_up [N, d, N'_r*r]`, `u [N, N'_r]`, `router_bias [N, N'_r]`. `return_load`
+    gives the routed sub-experts' loads `[N, N'_r]`, so `update_router_bias` balances each
+    sub-router against its own mean.
+    """
+
+    LOGICAL_AXES = dict(MoEFFN.LOGICAL_AXES, top_gate=("embed", "router"), top_up=("embed", "router"),
+                        top_u=("router",), top_bias=("router",),
+                        sub_gate=("expert", "embed", "router"), sub_up=("expert", "embed", "router"),
+                        u=("expert", "router"), router_bias=("expert", "router"))
+
+    def __init__(self, d_model: int, expert_width: int, num_experts: int, top_k: int, *,
+                 sub_experts: int, sub_shared: int, sub_top_k: int, sub_router_neurons: int = 1,
+                 shared_width: int = 0, router: str = "linear", norm_topk_prob: bool = False,
+                 router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32,
+                 backend="auto", expert_axis: str | None = DEFAULT_EXPERT_AXIS, rngs: nnx.Rngs):
+        if router not in ("linear", "cmoe"):
+            raise ValueError(f"hierarchical top-level router must be linear or cmoe, got {router!r}")
+        n_routed = sub_experts - sub_shared
+        if not (0 <= sub_shared < sub_experts and 1 <= sub_top_k <= n_routed):
+            raise ValueError(f"sub-plan S{sub_shared}A{sub_top_k}E{sub_experts} is invalid")
+        super().__init__(d_model, expert_width, num_experts * sub_experts, top_k * (sub_shared + sub_top_k),
+                         shared_width=shared_width, router="cmoe",
+                         router_neurons=1, dtype=dtype, param_dtype=param_dtype, backend=backend,
+                         expert_axis=expert_axis, rngs=rngs)
+        # the base built a flat cmoe router over all sub-experts: replace it by the two levels
+        del self.router_gate, self.router_up
+        self.router, self.norm_topk_prob, self.router_neurons = router, norm_topk_prob, router_neurons
+        self.top_experts, self.top_top_k = num_experts, top_k
+        self.sub_experts, self.sub_shared, self.sub_top_k = sub_experts, sub_shared, sub_top_k
+        self.sub_router_neurons = sub_router_neurons
+        d, n = d_model, num_experts
+
+        def param(*shape):
+            return nnx.Param(_init(rngs.params(), shape, param_dtype))
+
+        if router == "linear":
+            self.router_kernel = param(d, n)
+        else:
+            self.top_gate, self.top_up = param(d, n * router_neurons), param(d, n * router_neurons)
+            self.top_u = nnx.Param(jnp.zeros((n,), param_dtype))
+            self.top_bias = RouterBias(jnp.zeros((n,), jnp.float32))
+        cols = n_routed * sub_router_neurons
+        self.sub_gate, self.sub_up = param(n, d, cols), param(n, d, cols)
+        self.u = nnx.Param(jnp.zeros((n, n_routed), param_dtype))
+        self.router_bias = RouterBias(jnp.zeros((n, n_routed), jnp.float32))
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Flattened sub-expert ids and combine weights `[T, k*(N'_s+N'_k)]`."""
+        if self.router == "linear":
+            top = (self.router_kernel[...],)
+        else:
+            top = (self.top_gate[...], self.top_up[...], self.top_u[...], self.top_bias[...])
+        arrays = (top, self.sub_gate[...], self.sub_up[...], self.u[...], self.router_bias[...])
+        if self._expert_parallel():
+            return tokens_sharded(self._route, x, arrays)
+        return self._route(x, arrays)
+
+    def _route(self, x, arrays):
+        top, sub_gate, sub_up, u, bias = arrays
+        top_ids, top_w = self.top_route(x, top)
+        return sub_route(x, top_ids, top_w, sub_gate, sub_up, u, bias, self.sub_shared,
+                         self.sub_top_k, get_gmm(self.backend))
+
+    def top_route(self, x, top=None):
+        """The unchanged top-level choice: expert ids int32 `[T, k]` and weights w `[T, k]`."""
+        if top is None:
+            top = ((self.router_kernel[...],) if self.router == "linear" else
+                   (self.top_gate[...], self.top_up[...], self.top_u[...], self.top_bias[...]))
+        if self.router == "linear":
+            return linear_route(x, *top, self.top_top_k, self.norm_topk_prob)
+        return cmoe_route(x, *top, self.top_top_k)
+
+    def __call__(self, x: jax.Array, *, return_load: bool = False, key=None):
+        out = super().__call__(x, return_load=return_load, key=key)
+        if not return_load:
+            return out
+        y, counts = out
+        return y, counts.reshape(self.top_experts, self.sub_experts)[:, self.sub_shared:]
+
+    def update_bias(self, counts: jax.Array, gamma: float) -> None:
+        """Balance every sub-router against its own mean load (`counts [N, N'_r]`)."""
+        from cmoe_jax.moe.balance import update_router_bias
+
+        self.router_bias[...] = update_router_bias(self.router_bias, counts, gamma)
+
+
+def flops_per_token(d: int, spec) -> dict:
+    """Multiply-add FLOPs (2 per MAC) per token of an MoE FFN spec's matmuls: experts, routers,
+    host shared MLP. For a hierarchical spec the sub-routers of the k selected experts count."""
+    ffn = lambda width: 3 * 2 * d * width
+    out = {"shared": ffn(spec.shared_width) if spec.shared_width else 0}
+    top_cols = spec.num_experts * (spec.router_neurons if spec.router == "cmoe" else 1)
+    out["router"] = (2 if spec.router == "cmoe" else 1) * 2 * d * top_cols
+    if getattr(spec, "sub_experts", 0):
+        active = spec.top_k * (spec.sub_shared + spec.sub_top_k)
+        sub_cols = (spec.sub_experts - spec.sub_shared) * spec.sub_router_neurons
+        out["sub_router"] = spec.top_k * 2 * 2 * d * sub_cols
+    else:
+        active, out["sub_router"] = spec.top_k, 0
+    out["experts"] = active * ffn(spec.expert_width)
+    out["total"] = sum(out.values())
+    return out
