@@ -12,11 +12,13 @@ per variant goes to --out; variants already there are skipped (rerun to continue
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -87,6 +89,9 @@ def main():
         print(json.dumps(row), flush=True)
         with out.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        del model
+        jax.clear_caches()  # each variant compiles its own step; keep memory flat
+        gc.collect()
 
 
 if __name__ == "__main__":

@@ -20,9 +20,13 @@ CALIB = np.random.default_rng(0).integers(0, 96, (2, 32)).astype(np.int32)
 TOKENS = jnp.asarray(np.random.default_rng(1).integers(0, 96, (2, 16)).astype(np.int32))
 
 
-@pytest.fixture(params=["qwen3_moe", "mixtral"])
-def moe(request, save_tiny):
-    _, path = save_tiny(request.param, num_hidden_layers=4)
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe(request, tmp_path_factory):
+    """(model, calibration statistics), built once per family for the module."""
+    from tests.conftest import tiny_hf_model
+
+    path = tmp_path_factory.mktemp(request.param)
+    tiny_hf_model(request.param, num_hidden_layers=4).save_pretrained(path)
     model = load_model(str(path), progress=False).model
     return model, collect_stats(model, CALIB, progress=False)
 

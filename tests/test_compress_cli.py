@@ -106,10 +106,10 @@ def test_lora_trains_on_the_prototype_runtime(mixtral, tmp_path):
     model = load_model(str(tmp_path / "c")).model
     cfg = LoRAConfig(rank=2, alpha=4.0, dropout=0.0, targets=("gate_proj", "up_proj", "down_proj"))
     adapters = init_adapters(model, cfg, jax.random.key(0))
-    assert "expert_gate" in adapters["layers"][1]["mlp"]
+    assert "expert_gate" in adapters["layers"]["1"]["mlp"]
     u, b = router_params(model)
     tokens = jnp.asarray(np.arange(32, dtype=np.int32).reshape(2, 16) % 90)
     loss, grads = jax.value_and_grad(lambda ad: lora_loss(model, ad, u, b, tokens, scale=cfg.scale)[0])(adapters)
     assert np.isfinite(float(loss))
-    gb = grads["layers"][1]["mlp"]["expert_gate"]["b"]
+    gb = grads["layers"]["1"]["mlp"]["expert_gate"]["b"]
     assert float(jnp.abs(gb).sum()) > 0
