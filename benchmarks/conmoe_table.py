@@ -29,7 +29,7 @@ from cmoe_jax.eval.perplexity import perplexity
 from cmoe_jax.loading import load_model
 
 DATA = "/work/shared/data/wikitext-2"
-CORE = [("conmoe", 1, "adaptive"), ("conmoe", 4, "adaptive"), ("frequency", 1, ""), ("reap", 1, ""),
+CORE = [("conmoe", 1, "adaptive"), ("frequency", 1, ""), ("reap", 1, ""), ("conmoe", 4, "adaptive"),
         ("msmoe", 1, ""), ("hcsmoe", 1, "")]
 MORE = [("conmoe", 4, "fixed"), ("conmoe", 4, "usage"), ("conmoe", 4, "reap"),
         ("conmoe", 4, "distance"), ("conmoe", 2, "adaptive"), ("conmoe", 8, "adaptive"),
@@ -62,7 +62,7 @@ def main():
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--stats", required=True)
-    p.add_argument("--ratios", default="0.25,0.5")
+    p.add_argument("--ratios", default="0.5,0.25")
     p.add_argument("--windows", type=int, default=40)
     args = p.parse_args()
     lm = load_model(args.model, dtype=jnp.float32)
