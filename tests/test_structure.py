@@ -18,7 +18,7 @@ LAYERS = [
     {"models", "data"},
     {"checkpoint", "profiling", "carving"},
     {"loading"},
-    {"convert", "train", "eval", "export"},
+    {"convert", "train", "eval", "export", "compress"},
     {"demo", "__init__"},
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}

@@ -23,6 +23,9 @@ class FFNSpec:
     `router` is "linear" for Qwen3-MoE/Mixtral/ExpertWeaver, "cmoe" for the analytical
     router of a carved model. `shared_width` is the width of the fused always-on MLP.
     `router_neurons` is how many representative neurons score each expert (cmoe router).
+    `num_prototypes` > 0 (ConMoE, `cmoe_jax.compress`): the layer stores that many prototype
+    experts and an int32 slot -> prototype map (-1: slot pruned); `prototype_owner` >= 0
+    names the layer whose prototype table this layer shares (a cross-layer scope).
     """
 
     num_experts: int
@@ -40,6 +43,8 @@ class FFNSpec:
     sub_shared: int = 0
     sub_top_k: int = 0
     sub_router_neurons: int = 1
+    num_prototypes: int = 0
+    prototype_owner: int = -1
 
 
 @dataclasses.dataclass(frozen=True)

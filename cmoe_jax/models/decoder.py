@@ -31,7 +31,8 @@ def make_ffn(cfg: ModelConfig, spec: FFNSpec | None, *, dtype, rngs: nnx.Rngs) -
     return MoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts, spec.top_k,
                   shared_width=spec.shared_width, router=spec.router,
                   norm_topk_prob=spec.norm_topk_prob,
-                  router_neurons=spec.router_neurons, dtype=dtype, param_dtype=dtype, rngs=rngs)
+                  router_neurons=spec.router_neurons, dtype=dtype, param_dtype=dtype,
+                  num_prototypes=spec.num_prototypes, rngs=rngs)
 
 
 class DecoderLayer(nnx.Module):
@@ -75,6 +76,10 @@ class Decoder(nnx.Module):
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs)
                                 for i in range(cfg.num_layers)])
+        if any(s is not None and s.prototype_owner >= 0 for s in cfg.moe_layers):
+            from cmoe_jax.moe.prototypes import tie_prototype_tables  # ConMoE scopes
+
+            tie_prototype_tables(self.layers, cfg.moe_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)

@@ -29,6 +29,7 @@ from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.expert_parallel import (DEFAULT_EXPERT_AXIS, expert_axis_size,
                                           routed_swiglu_experts, tokens_sharded)
 from cmoe_jax.moe.gmm import get_gmm, resolve_backend
+from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
 from cmoe_jax.moe.routers import ROUTER_KINDS, RouterKind, cmoe_route, linear_route, sum_route
 
 _init = nnx.initializers.normal(0.02)
@@ -67,12 +68,13 @@ class MoEFFN(nnx.Module):
         "expert_gate": ("expert", "embed", "mlp"), "expert_up": ("expert", "embed", "mlp"),
         "expert_down": ("expert", "mlp", "embed"), "router_kernel": ("embed", "router"),
         "router_gate": ("embed", "router"), "router_up": ("embed", "router"),
-        "u": ("router",), "router_bias": ("router",)}
+        "u": ("router",), "router_bias": ("router",), "slot_map": ("router",)}
 
     def __init__(self, d_model: int, expert_width: int, num_experts: int, top_k: int, *,
                  shared_width: int = 0, router: RouterKind = "cmoe", norm_topk_prob: bool = False,
                  router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
-                 expert_axis: str | None = DEFAULT_EXPERT_AXIS, rngs: nnx.Rngs):
+                 expert_axis: str | None = DEFAULT_EXPERT_AXIS, num_prototypes: int = 0,
+                 rngs: nnx.Rngs):
         if router not in ROUTER_KINDS:
             raise ValueError(f"router must be one of {ROUTER_KINDS}, got {router!r}")
         if not 1 <= top_k <= num_experts:
@@ -89,6 +91,8 @@ class MoEFFN(nnx.Module):
         self.router_neurons = router_neurons
         self.dtype, self.param_dtype, self.backend = dtype, param_dtype, backend
         self.expert_axis = expert_axis
+        # ConMoE (`cmoe_jax.moe.prototypes`): K stored prototypes behind the E router slots
+        self.num_prototypes = num_prototypes
 
         def param(*shape):
             return nnx.Param(_init(rngs.params(), shape, param_dtype))
@@ -96,7 +100,11 @@ class MoEFFN(nnx.Module):
         d, m, e, s = d_model, expert_width, num_experts, shared_width
         if s > 0:
             self.shared_gate, self.shared_up, self.shared_down = param(d, s), param(d, s), param(s, d)
+        if num_prototypes > 0:
+            self.slot_map = SlotMap(jnp.arange(e, dtype=jnp.int32) % num_prototypes)
+            e = num_prototypes
         self.expert_gate, self.expert_up, self.expert_down = param(e, d, m), param(e, d, m), param(e, m, d)
+        e = num_experts
         if router == "linear":
             self.router_kernel = param(d, e)
         elif router == "cmoe":
@@ -116,15 +124,19 @@ class MoEFFN(nnx.Module):
             arrays = (self.router_gate[...], self.router_up[...], self.u[...], self.router_bias[...])
         else:
             arrays = ()
+        if self.num_prototypes > 0:  # pruned slots (map -1) are never selected
+            arrays = arrays + (self.slot_map[...] >= 0,)
         if self._expert_parallel():
             return tokens_sharded(self._route, x, arrays)
         return self._route(x, arrays)
 
     def _route(self, x, arrays):
+        keep = arrays[-1] if self.num_prototypes > 0 else None
+        arrays = arrays[:-1] if self.num_prototypes > 0 else arrays
         if self.router == "linear":
-            return linear_route(x, *arrays, self.top_k, self.norm_topk_prob)
+            return linear_route(x, *arrays, self.top_k, self.norm_topk_prob, keep=keep)
         if self.router == "cmoe":
-            return cmoe_route(x, *arrays, self.top_k)
+            return cmoe_route(x, *arrays, self.top_k, keep=keep)
         return sum_route(x.shape[0], self.num_experts)
 
     def _expert_parallel(self) -> bool:
@@ -145,7 +157,12 @@ class MoEFFN(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, self.d_model).astype(self.dtype)
         ids, gates = self.route(x)
+        if self.num_prototypes > 0:  # load per router slot; dispatch on the prototypes
+            slot_counts = jnp.bincount(ids.reshape(-1), length=self.num_experts).astype(jnp.int32)
+            ids, gates = to_prototypes(ids, gates, self.slot_map[...])
         routed, counts = self.routed(x, ids, gates, key)
+        if self.num_prototypes > 0:
+            counts = slot_counts
         y = (self.shared(x, key).astype(jnp.float32) + routed).astype(self.dtype).reshape(shape)
         return (y, counts) if return_load else y
 

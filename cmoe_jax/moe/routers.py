@@ -25,8 +25,11 @@ RouterKind = Literal["cmoe", "linear", "sum"]
 ROUTER_KINDS = ("cmoe", "linear", "sum")
 
 
-def linear_route(x, kernel, top_k: int, norm_topk_prob: bool = False):
+def linear_route(x, kernel, top_k: int, norm_topk_prob: bool = False, keep=None):
+    """`keep` (bool `[E]`, optional): experts not kept get logit -inf (pruned)."""
     logits = jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32))
+    if keep is not None:
+        logits = jnp.where(keep, logits, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1)
     gates, ids = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
@@ -46,10 +49,17 @@ def cmoe_scores(x, router_gate, router_up, num_experts: int | None = None):
     return s.reshape(*s.shape[:-1], num_experts, -1).sum(-1)
 
 
-def cmoe_route(x, router_gate, router_up, u, bias, top_k: int):
-    probs = jax.nn.softmax(cmoe_scores(x, router_gate, router_up, u.shape[0]), axis=-1)
+def cmoe_route(x, router_gate, router_up, u, bias, top_k: int, keep=None):
+    """`keep` (bool `[E]`, optional): experts not kept get score -inf (pruned)."""
+    scores = cmoe_scores(x, router_gate, router_up, u.shape[0])
+    if keep is not None:
+        scores = jnp.where(keep, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
     # the bias only steers selection and is never trained
-    _, ids = jax.lax.top_k(probs + jax.lax.stop_gradient(bias.astype(jnp.float32)), top_k)
+    key = probs + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    if keep is not None:
+        key = jnp.where(keep, key, -jnp.inf)
+    _, ids = jax.lax.top_k(key, top_k)
     picked = jnp.take_along_axis(probs, ids, axis=-1)
     gates = 1.0 + picked * u.astype(jnp.float32)[ids]
     return ids.astype(jnp.int32), gates

@@ -1,0 +1,157 @@
+"""End-to-end compression job: arguments checked first, then load, calibrate, plan, save.
+
+Like conversion, work happens in `<out>.partial/`: each MoE layer's calibration statistics
+are saved there as it finishes (`--resume` continues from them), the finished model is
+renamed to `<out>` at the end, so an interrupted run never leaves a half-written model.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from cmoe_jax.checkpoint import MANIFEST, publish, save_converted, staging_dir, write_json_atomic
+from cmoe_jax.compress.baselines import METHODS as BASELINES, baseline_plans
+from cmoe_jax.compress.calibration import LayerStats, collect_stats
+from cmoe_jax.compress.plan import conmoe_plans
+from cmoe_jax.compress.scoring import SELECTIONS
+from cmoe_jax.errors import CmoeError
+
+METHODS = ("conmoe",) + BASELINES
+
+
+def check_inputs(cfg, method, ratio, scope, selection, seqlen) -> list[int]:
+    """The MoE layers to compress; raise a CmoeError on anything that cannot run."""
+    if method not in METHODS:
+        raise CmoeError(f"--method {method!r} must be one of {', '.join(METHODS)}")
+    if not 0.0 <= ratio < 1.0:
+        raise CmoeError(f"--ratio {ratio} must be in [0, 1) (the share of routed experts removed)")
+    if method != "conmoe" and (scope != 1 or selection != "adaptive"):
+        raise CmoeError(f"--scope and --selection belong to --method conmoe, not {method}")
+    if scope < 1:
+        raise CmoeError(f"--scope {scope} must be at least 1 (MoE layers sharing a prototype pool)")
+    if selection not in SELECTIONS:
+        raise CmoeError(f"--selection {selection!r} must be one of {', '.join(SELECTIONS)}")
+    specs = [(i, s) for i, s in enumerate(cfg.moe_layers or ()) if s is not None]
+    if not specs:
+        raise CmoeError("the model has no MoE layers: compress an MoE (convert a dense model "
+                        "first with python -m cmoe_jax.convert)")
+    if any(s.num_prototypes for _, s in specs):
+        raise CmoeError("the model is already compressed (it has prototype layers): give the "
+                        "original MoE")
+    if len({(s.num_experts, s.expert_width) for _, s in specs}) > 1:
+        raise CmoeError("the MoE layers differ in expert count or width: cmoe_jax.compress needs "
+                        "identical MoE layers")
+    if seqlen > cfg.max_position_embeddings:
+        raise CmoeError(f"--seqlen {seqlen} exceeds the model's context "
+                        f"({cfg.max_position_embeddings} positions)")
+    return [i for i, _ in specs]
+
+
+def _load_done(staging: Path, settings: dict, resume: bool) -> dict:
+    """Calibration statistics saved by an interrupted run with the same data (resume)."""
+    if staging.exists() and (not resume or not (staging / "progress.json").exists()):
+        shutil.rmtree(staging)
+    if not staging.exists():
+        return {}
+    saved = json.loads((staging / "progress.json").read_text())
+    if saved != settings:
+        diff = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+        raise CmoeError(f"--resume: {staging} was started with different settings ({', '.join(diff)}); "
+                        "rerun without --resume to start over")
+    return {int(p.stem): LayerStats.from_npz(np.load(p)) for p in sorted((staging / "layers").glob("*.npz"))}
+
+
+def make_plans(model, stats, method, ratio, scope, selection):
+    if method == "conmoe":
+        return conmoe_plans(model, stats, ratio, scope, selection)
+    return baseline_plans(method, stats, ratio), {}
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def compress(model: str, *, method: str, ratio: float, out, scope: int = 1,
+             selection: str = "adaptive", calib: str = "wikitext2", calib_split: str = "validation",
+             data_path: str | None = None, calib_samples: int = 8, seqlen: int = 2048, seed: int = 0,
+             resume: bool = False, overwrite: bool = False, report: bool = False,
+             progress: bool = True, stop_after_layers: int | None = None) -> dict:
+    """Compress an MoE model's routed experts and save it at `out`; returns the manifest.
+
+    `stop_after_layers` exists for testing interruption (the job stops once that many
+    layers' statistics are saved)."""
+    from cmoe_jax.compress.build import apply_plans, routed_bytes
+    from cmoe_jax.data import calibration_windows, load_text_tokens
+    from cmoe_jax.loading import load_config, load_model, load_tokenizer
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise CmoeError(f"output directory {out} exists: pass --overwrite to replace it")
+    cfg, path = load_config(model)
+    check_inputs(cfg, method, ratio, scope, selection, seqlen)
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        raise CmoeError(f"{path} has no tokenizer: calibration text cannot be tokenized")
+    windows = calibration_windows(load_text_tokens(calib, tokenizer, split=calib_split,
+                                                   data_path=data_path), calib_samples, seqlen, seed)
+    settings = {"model": str(model), "calib": calib, "calib_split": calib_split,
+                "data_path": data_path, "calib_samples": calib_samples, "seqlen": seqlen, "seed": seed}
+    staging = staging_dir(out)
+    done = _load_done(staging, settings, resume)
+    (staging / "layers").mkdir(parents=True, exist_ok=True)
+    write_json_atomic(staging / "progress.json", settings)
+    lm = load_model(model, dtype=jnp.float32, progress=progress)
+
+    class _Stop(Exception):
+        pass
+
+    def on_layer(i, st):
+        np.savez(staging / "layers" / f"{i:04d}.npz", **st.to_npz())
+        if stop_after_layers is not None and len(list((staging / "layers").glob("*.npz"))) >= stop_after_layers:
+            raise _Stop()
+
+    try:
+        stats = collect_stats(lm.model, windows, done=done, on_layer=on_layer, progress=progress)
+    except _Stop:
+        return {"out": None, "interrupted_after": stop_after_layers}
+    t_cal = time.perf_counter()
+    if ratio == 0.0:  # nothing removed: the model itself
+        plans, figures, compressed = [], {}, lm.model
+    else:
+        plans, figures = make_plans(lm.model, stats, method, ratio, scope, selection)
+        compressed = apply_plans(lm.model, plans)
+    manifest = {
+        "source_model": str(model), "method": "compress", "compression": {
+            "method": method, "ratio": ratio, "scope": scope, "selection": selection,
+            "routed_experts": int(sum(len(s.freq) for s in stats.values())),
+            "prototypes": int(sum(p.num_prototypes for p in plans)) if plans
+            else int(sum(len(s.freq) for s in stats.values())),
+            "routed_bytes_before": routed_bytes(lm.model), "routed_bytes_after": routed_bytes(compressed),
+            **figures},
+        "calibration": {"dataset": calib, "split": calib_split, "data_path": data_path,
+                        "samples": calib_samples, "seqlen": seqlen, "seed": seed},
+        "scopes": [p.to_json() for p in plans],
+        "layer_stats": {str(l): {"freq": s.freq.tolist(), "contrib": s.contrib.tolist()}
+                        for l, s in stats.items()},
+    }
+    final = staging / "final"
+    shutil.rmtree(final, ignore_errors=True)
+    save_converted(compressed, manifest, final, tokenizer=lm.tokenizer)
+    if report:
+        from cmoe_jax.compress.report import write_report
+
+        write_report(plans, stats, manifest["compression"], final / "report")
+    seconds = {"calibrate": t_cal - t0, "total": time.perf_counter() - t0}
+    manifest["compression"]["state_disk_bytes"] = dir_bytes(final / "state")
+    manifest["seconds"] = seconds
+    write_json_atomic(final / MANIFEST, dict(json.loads((final / MANIFEST).read_text()),
+                                             compression=manifest["compression"], seconds=seconds))
+    publish(final, out, overwrite)
+    shutil.rmtree(staging, ignore_errors=True)
+    return dict(manifest, out=str(out))

@@ -1,0 +1,77 @@
+"""Turn scope plans into models: the prototype runtime, or the paper's copied checkpoint.
+
+`apply_plans` gives a Decoder whose compressed layers store only their scope's prototype
+table (`MoEFFN(num_prototypes=K)`, the table tied across the scope's layers) plus slot maps;
+`materialize` gives the original architecture with every slot holding its prototype's
+weights (the paper's evaluation checkpoint; no memory saved), the reference the runtime must
+equal. `routed_bytes` counts the routed-expert bytes a model really holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cmoe_jax.compress.plan import PROJECTIONS, expert_weights
+from cmoe_jax.models import Decoder
+
+
+def prototype_tables(model, plan) -> list[np.ndarray]:
+    """[gate, up, down] tables `[K, ...]` of one scope plan (`mix @ experts`)."""
+    return [np.tensordot(plan.mix, w, axes=1).astype(np.float32)
+            for w in expert_weights(model, plan.layers)]
+
+
+def compressed_config(cfg, plans):
+    specs = list(cfg.moe_layers)
+    for plan in plans:
+        owner = plan.layers[0] if len(plan.layers) > 1 else -1
+        for l in plan.layers:
+            specs[l] = dataclasses.replace(specs[l], num_prototypes=plan.num_prototypes,
+                                           prototype_owner=owner)
+    return cfg.with_moe_layers(specs)
+
+
+def apply_plans(model, plans) -> Decoder:
+    """The compressed Decoder (prototype runtime) of `model` under `plans`."""
+    cfg = compressed_config(model.config, plans)
+    state = nnx.to_pure_dict(nnx.state(model))
+    for plan in plans:
+        tables = prototype_tables(model, plan)
+        for l in plan.layers:
+            mlp = state["layers"][l]["mlp"]
+            for name, table in zip(PROJECTIONS, tables):
+                if l == plan.layers[0]:
+                    mlp[name] = jnp.asarray(table, model.dtype)
+                else:  # tied to the owner's table: not a variable of this layer
+                    mlp.pop(name)
+            mlp["slot_map"] = jnp.asarray(plan.slot_maps[l], jnp.int32)
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=model.dtype, rngs=nnx.Rngs(0)))
+    graphdef, new_state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(new_state, state)
+    return nnx.merge(graphdef, new_state)
+
+
+def materialize(model, plans) -> Decoder:
+    """The copied checkpoint: the original architecture, slot e of layer l holding its
+    prototype's weights (plans without pruned slots only)."""
+    state = nnx.to_pure_dict(nnx.state(model))
+    for plan in plans:
+        tables = prototype_tables(model, plan)
+        for l in plan.layers:
+            slots = plan.slot_maps[l]
+            if (slots < 0).any():
+                raise ValueError("a pruned slot has no weights to copy")
+            for name, table in zip(PROJECTIONS, tables):
+                state["layers"][l]["mlp"][name] = jnp.asarray(table[slots], model.dtype)
+    graphdef, new_state = nnx.split(model)
+    nnx.replace_by_pure_dict(new_state, state)
+    return nnx.merge(graphdef, new_state)
+
+
+def routed_bytes(model) -> int:
+    """Bytes of the distinct routed-expert arrays in `model`'s state (a tied table once)."""
+    flat = nnx.to_flat_state(nnx.state(model))
+    return int(sum(v.get_value().nbytes for p, v in flat if p[-1] in PROJECTIONS))

@@ -1,0 +1,85 @@
+"""What a compression decides, per scope: a prototype table and each layer's slot map.
+
+A `ScopePlan` covers consecutive MoE layers. Its prototype table is `mix @ experts`: row p
+of `mix [K, n]` weighs the scope's n original experts (layer-major), one-hot for ConMoE and
+pruning (a kept pretrained expert), usage-weighted for merging. `slot_maps[layer] [E]` sends
+each router slot to a table row, -1 for a pruned slot. `conmoe_plans` builds them with the
+ConMoE rule (`scoring`); `baselines` the pruning and merging baselines.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cmoe_jax.compress import scoring
+
+PROJECTIONS = ("expert_gate", "expert_up", "expert_down")
+
+
+@dataclasses.dataclass
+class ScopePlan:
+    layers: list[int]
+    mix: np.ndarray                  # [K, n] float64
+    slot_maps: dict[int, np.ndarray]  # layer -> int32 [E]
+    info: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_prototypes(self) -> int:
+        return self.mix.shape[0]
+
+    def to_json(self) -> dict:
+        return {"layers": self.layers, "num_prototypes": self.num_prototypes,
+                "slot_maps": {str(l): m.tolist() for l, m in self.slot_maps.items()},
+                "mix": self.mix.tolist(), **self.info}
+
+
+def expert_weights(model, layers) -> list[np.ndarray]:
+    """[gate, up, down] of the experts of `layers`, stacked layer-major (`[n, ...]` each)."""
+    return [np.concatenate([np.asarray(getattr(model.layers[l].mlp, p)[...], np.float32)
+                            for l in layers]) for p in PROJECTIONS]
+
+
+def copy_plan(layers, prototypes, owner_of_slot, num_experts) -> ScopePlan:
+    """A plan whose table rows are the original experts `prototypes` (scope indices) and
+    whose slot of scope expert i goes to row `owner_of_slot[i]` (-1: pruned)."""
+    mix = np.zeros((len(prototypes), len(layers) * num_experts))
+    mix[np.arange(len(prototypes)), prototypes] = 1.0
+    owner = np.asarray(owner_of_slot, np.int32).reshape(len(layers), num_experts)
+    return ScopePlan(list(layers), mix, {l: owner[j] for j, l in enumerate(layers)})
+
+
+def scopes_of(moe_layers: list[int], size: int) -> list[list[int]]:
+    return [moe_layers[i:i + size] for i in range(0, len(moe_layers), size)]
+
+
+def conmoe_plans(model, stats: dict, ratio: float, scope: int, selection: str = "adaptive"):
+    """ConMoE plans of every scope of `scope` consecutive MoE layers, and distance figures."""
+    moe_layers = sorted(stats)
+    num_experts = model.layers[moe_layers[0]].mlp.num_experts
+    plans, spread, cross = [], [], []
+    for layers in scopes_of(moe_layers, scope):
+        dist = scoring.frobenius_distance(expert_weights(model, layers))
+        layer_of = np.repeat(np.arange(len(layers)), num_experts)
+        contrib = np.concatenate([stats[l].contrib for l in layers])
+        freq = np.concatenate([stats[l].freq for l in layers])
+        sel = scoring.select(contrib, dist, freq, layer_of, ratio, selection)
+        plan = copy_plan(layers, sel["prototypes"], scoring.assign(dist, sel["prototypes"]), num_experts)
+        off = dist[~np.eye(len(dist), dtype=bool)]
+        plan.info = {"prototypes": sel["prototypes"].tolist(), "a": sel["a"].tolist(),
+                     "b": sel["b"].tolist(), "score": sel["score"].tolist(),
+                     "freq": freq.tolist(),
+                     "distance": {"min": float(off.min()), "max": float(off.max()),
+                                  "mean": float(off.mean()), "std": float(off.std())}
+                     if off.size else None}
+        plans.append(plan)
+        spread.append(off)
+        cross.append(scoring.cross_layer_fraction(dist, layer_of) * len(layer_of))
+    allv = np.concatenate(spread) if spread else np.zeros(0)
+    n_total = len(moe_layers) * num_experts
+    figures = {"cross_layer_nn_fraction": float(sum(cross) / n_total),
+               "distance_min": float(allv.min()) if allv.size else None,
+               "distance_max": float(allv.max()) if allv.size else None,
+               "distance_mean": float(allv.mean()) if allv.size else None,
+               "distance_std": float(allv.std()) if allv.size else None}
+    return plans, figures

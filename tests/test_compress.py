@@ -1,0 +1,226 @@
+"""ConMoE compression (`cmoe_jax.compress`) on tiny random Qwen3-MoE and Mixtral models:
+the prototype runtime against the copied checkpoint, statistics, scores, distances,
+mapping and the four baselines against direct numpy computations."""
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from cmoe_jax.compress import (apply_plans, baseline_plans, collect_stats, conmoe_plans,
+                               materialize, routed_bytes)
+from cmoe_jax.compress import baselines, scoring
+from cmoe_jax.loading import load_model
+from cmoe_jax.moe import MoEFFN
+
+CALIB = np.random.default_rng(0).integers(0, 96, (2, 32)).astype(np.int32)
+TOKENS = jnp.asarray(np.random.default_rng(1).integers(0, 96, (2, 16)).astype(np.int32))
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe(request, tmp_path_factory):
+    """(model, calibration statistics), built once per family for the module."""
+    from tests.conftest import tiny_hf_model
+
+    path = tmp_path_factory.mktemp(request.param)
+    tiny_hf_model(request.param, num_hidden_layers=4).save_pretrained(path)
+    model = load_model(str(path), progress=False).model
+    return model, collect_stats(model, CALIB, progress=False)
+
+
+def np_swiglu(x, wg, wu, wd):
+    g = x @ wg
+    return (g / (1 + np.exp(-g)) * (x @ wu)) @ wd
+
+
+@pytest.mark.parametrize("scope,selection", [(1, "adaptive"), (2, "adaptive"), (4, "fixed"), (2, "usage")])
+def test_prototype_runtime_equals_copied_checkpoint(moe, scope, selection):
+    model, stats = moe
+    plans, _ = conmoe_plans(model, stats, 0.5, scope, selection)
+    runtime, copied = apply_plans(model, plans), materialize(model, plans)
+    np.testing.assert_allclose(np.asarray(runtime(TOKENS)), np.asarray(copied(TOKENS)), atol=2e-5)
+    # a scope's table is stored once: K prototypes of the 4 * 4 experts
+    k = sum(p.num_prototypes for p in plans)
+    assert k == (8 if selection != "fixed" else 8)
+    assert routed_bytes(runtime) * 16 == routed_bytes(model) * k
+    if scope > 1:
+        assert runtime.layers[1].mlp.expert_gate is runtime.layers[0].mlp.expert_gate
+
+
+def test_merging_runtime_equals_copied_checkpoint(moe):
+    model, stats = moe
+    for method in ("msmoe", "hcsmoe"):
+        plans = baseline_plans(method, stats, 0.5)
+        np.testing.assert_allclose(np.asarray(apply_plans(model, plans)(TOKENS)),
+                                   np.asarray(materialize(model, plans)(TOKENS)), atol=2e-5)
+
+
+def test_calibration_statistics_against_numpy(moe):
+    """freq, a_e, mean outputs and the router-logit Gram of layer 0, recomputed directly
+    from the captured FFN input (layer 0's input is the original model's in both)."""
+    model, stats = moe
+    _, captured = model(jnp.asarray(CALIB), capture_ffn_inputs=True)
+    x = np.asarray(captured[0], np.float64).reshape(-1, 32)
+    mlp = model.layers[0].mlp
+    logits = x @ np.asarray(mlp.router_kernel[...], np.float64)
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    top = np.argsort(-probs, axis=1)[:, :2]
+    gates = np.take_along_axis(probs, top, 1)
+    if mlp.norm_topk_prob:
+        gates /= gates.sum(1, keepdims=True)
+    ws = [np.asarray(getattr(mlp, n)[...], np.float64) for n in ("expert_gate", "expert_up", "expert_down")]
+    outs = np.stack([np_swiglu(x, ws[0][e], ws[1][e], ws[2][e]) for e in range(4)], 1)  # [T, E, d]
+    freq = np.zeros(4)
+    contrib = np.zeros(4)
+    for t in range(len(x)):
+        for j in range(2):
+            e = top[t, j]
+            freq[e] += 1
+            contrib[e] += gates[t, j] * np.linalg.norm(outs[t, e])
+    st = stats[0]
+    np.testing.assert_array_equal(st.freq, freq)
+    np.testing.assert_allclose(st.contrib, contrib / np.maximum(freq, 1), rtol=1e-4)
+    np.testing.assert_allclose(st.mean_out, outs.mean(0), rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(st.logit_gram, logits.T @ logits, rtol=1e-4)
+
+
+def test_scores_distances_selection_and_mapping_against_numpy(moe):
+    model, stats = moe
+    plans, figures = conmoe_plans(model, stats, 0.25, 2)
+    plan = plans[0]
+    mlps = [model.layers[l].mlp for l in (0, 1)]
+    experts = [[np.asarray(getattr(m, n)[...], np.float64)[e] for n in ("expert_gate", "expert_up", "expert_down")]
+               for m in mlps for e in range(4)]
+    n = len(experts)
+    dist = np.zeros((n, n))
+    for i, j in itertools.product(range(n), range(n)):
+        if i != j:
+            dist[i, j] = np.mean([2 * np.linalg.norm(a - b) / (np.linalg.norm(a) + np.linalg.norm(b) + 2e-8)
+                                  for a, b in zip(experts[i], experts[j])])
+    b = np.array([min(dist[i, j] for j in range(n) if j != i) for i in range(n)])
+    a = np.concatenate([stats[0].contrib, stats[1].contrib])
+    mm = lambda v: (v - v.min()) / (v.max() - v.min() + 1e-8)
+    s = mm(a) * mm(b)
+    np.testing.assert_allclose(plan.info["b"], b, rtol=1e-6)
+    np.testing.assert_allclose(plan.info["score"], s, rtol=1e-6, atol=1e-9)
+    k = 6  # round(0.75 * 8)
+    protos = sorted(np.argsort(-s, kind="stable")[:k].tolist())
+    assert plan.info["prototypes"] == protos
+    for i in range(n):  # nearest prototype (a prototype keeps itself)
+        want = protos.index(i) if i in protos else int(np.argmin([dist[i, p] for p in protos]))
+        assert plan.slot_maps[(0, 1)[i // 4]][i % 4] == want
+    layer_of = np.repeat([0, 1], 4)
+    nn_other = [layer_of[np.argmin(np.where(np.eye(n, dtype=bool)[i], np.inf, dist[i]))] != layer_of[i]
+                for i in range(n)]
+    assert abs(scoring.cross_layer_fraction(dist, layer_of) - np.mean(nn_other)) < 1e-12
+    assert 0.0 <= figures["cross_layer_nn_fraction"] <= 1.0
+
+
+@pytest.mark.parametrize("router", ["cmoe", "linear"])
+def test_pruned_and_shared_slots_against_numpy(router):
+    """A prototype layer with a pruned slot (-1) and two slots sharing a prototype, against
+    the direct formula: masked router, top-k, gates, sum of g * prototype(x)."""
+    layer = MoEFFN(16, 8, 5, 3, shared_width=8, router=router, norm_topk_prob=router == "linear",
+                   router_neurons=2, num_prototypes=3, rngs=nnx.Rngs(3))
+    slot_map = np.array([2, -1, 0, 2, 1], np.int32)
+    layer.slot_map[...] = jnp.asarray(slot_map)
+    if router == "cmoe":
+        layer.u[...] = jnp.linspace(-1, 1, 5)
+        layer.router_bias[...] = jnp.array([0.0, 0.5, 0.0, 0.01, 0.0])
+    x = np.random.default_rng(4).normal(size=(12, 16))
+    w = {n: np.asarray(getattr(layer, n)[...], np.float64) for n in
+         ("expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up", "shared_down")}
+    keep = slot_map >= 0
+    if router == "cmoe":
+        h = np.abs(np_silu_mul(x, np.asarray(layer.router_gate[...]), np.asarray(layer.router_up[...])))
+        scores = np.where(keep, h.reshape(12, 5, 2).sum(-1), -np.inf)
+        probs = np.exp(scores - scores.max(1, keepdims=True))
+        probs /= probs.sum(1, keepdims=True)
+        key = np.where(keep, probs + np.asarray(layer.router_bias[...]), -np.inf)
+        ids = np.argsort(-key, axis=1)[:, :3]
+        gates = 1 + np.take_along_axis(probs, ids, 1) * np.asarray(layer.u[...])[ids]
+    else:
+        logits = np.where(keep, x @ np.asarray(layer.router_kernel[...]), -np.inf)
+        probs = np.exp(logits - logits.max(1, keepdims=True))
+        probs /= probs.sum(1, keepdims=True)
+        ids = np.argsort(-probs, axis=1)[:, :3]
+        gates = np.take_along_axis(probs, ids, 1)
+        gates /= gates.sum(1, keepdims=True)
+    want = np_swiglu(x, w["shared_gate"], w["shared_up"], w["shared_down"])
+    for t in range(12):
+        for j in range(3):
+            p = slot_map[ids[t, j]]
+            if p >= 0:
+                want[t] += gates[t, j] * np_swiglu(x[t], w["expert_gate"][p], w["expert_up"][p], w["expert_down"][p])
+    got, counts = layer(jnp.asarray(x, jnp.float32), return_load=True)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+    assert counts.shape == (5,) and int(counts[1]) == 0
+
+
+def np_silu_mul(x, wg, wu):
+    g = x @ wg
+    return g / (1 + np.exp(-g)) * (x @ wu)
+
+
+def test_pruning_baselines_keep_the_top_experts(moe):
+    model, stats = moe
+    for method, key in (("frequency", "freq"), ("reap", "contrib")):
+        plans = baseline_plans(method, stats, 0.5)
+        for plan in plans:
+            score = getattr(stats[plan.layers[0]], key).astype(float)
+            kept = sorted(np.argsort(-score, kind="stable")[:2].tolist())
+            slots = plan.slot_maps[plan.layers[0]]
+            assert sorted(np.flatnonzero(slots >= 0).tolist()) == kept
+        out = np.asarray(apply_plans(model, plans)(TOKENS))
+        assert np.isfinite(out).all()
+
+
+def test_msmoe_groups_and_merged_weights_against_numpy(moe):
+    model, stats = moe
+    st = stats[1]
+    plan = baseline_plans("msmoe", stats, 0.5)[1]
+    cores = sorted(np.argsort(-st.freq.astype(float), kind="stable")[:2].tolist())
+    g = st.logit_gram
+    cos = g / np.sqrt(np.outer(np.diag(g), np.diag(g)))
+    groups = [cores.index(e) if e in cores else int(np.argmax(cos[e, cores])) for e in range(4)]
+    assert plan.slot_maps[1].tolist() == groups
+    runtime = apply_plans(model, [plan])
+    wg = np.asarray(model.layers[1].mlp.expert_gate[...], np.float64)
+    for c in range(2):
+        members = [e for e in range(4) if groups[e] == c]
+        f = st.freq[members].astype(float)
+        want = np.tensordot(f / f.sum(), wg[members], axes=1)
+        np.testing.assert_allclose(np.asarray(runtime.layers[1].mlp.expert_gate[...])[c], want, rtol=1e-5)
+
+
+def average_linkage(points, k):
+    """Brute-force agglomerative clustering, average linkage, Euclidean: lists of members."""
+    clusters = [[i] for i in range(len(points))]
+    d = lambda a, b: np.mean([np.linalg.norm(points[i] - points[j]) for i in a for j in b])
+    while len(clusters) > k:
+        i, j = min(itertools.combinations(range(len(clusters)), 2),
+                   key=lambda ij: d(clusters[ij[0]], clusters[ij[1]]))
+        clusters[i] = clusters[i] + clusters.pop(j)
+    return sorted(sorted(c) for c in clusters)
+
+
+def test_hcsmoe_clusters_against_brute_force():
+    points = np.random.default_rng(5).normal(size=(8, 6))
+    for k in (2, 3, 5):
+        groups = baselines.hcsmoe_groups(points, k)
+        got = sorted(sorted(np.flatnonzero(groups == g).tolist()) for g in range(groups.max() + 1))
+        assert got == average_linkage(points, k)
+
+
+def test_ratio_zero_keeps_every_expert(moe):
+    model, stats = moe
+    plans, _ = conmoe_plans(model, stats, 0.0, 2)
+    for plan in plans:  # every expert is a prototype and its slot keeps it
+        for j, l in enumerate(plan.layers):
+            assert plan.slot_maps[l].tolist() == list(range(4 * j, 4 * j + 4))
+    np.testing.assert_allclose(np.asarray(apply_plans(model, plans)(TOKENS)), np.asarray(model(TOKENS)),
+                               atol=2e-5)
