@@ -139,12 +139,14 @@ class WovenLayer:
 
 def weave_layer(profiles, task_ids, num_experts: int, *, alpha_min: float = 0.2,
                 alpha_max: float = 0.7, tau: float = 0.6, max_shared: int | None = None,
-                n_shared: int | None = None, assignment: str = "greedy", seed: int = 0) -> WovenLayer:
+                n_shared: int | None = None, assignment: str = "greedy", seed: int = 0,
+                random_split: bool = False) -> WovenLayer:
     """Partition one layer's d_ffn neurons from their profiles [d_ffn, N] (samples of `task_ids`).
 
     N_se follows the CV rule, capped at `max_shared` (the training-free mode needs at least one
     routed expert per token: k - 1); `n_shared` fixes it instead (downcycling's uniform shared
-    count). Shared neurons: highest mean profile (ties: lower id).
+    count). Shared neurons: highest mean profile (ties: lower id). `random_split`: the same
+    sizes, but shared and routed neurons drawn at random (the downcycling ablation).
     """
     profiles = np.asarray(profiles, np.float64)
     d_ffn = profiles.shape[0]
@@ -155,10 +157,15 @@ def weave_layer(profiles, task_ids, num_experts: int, *, alpha_min: float = 0.2,
     r, alpha = shared_ratio(cv, tau, alpha_min, alpha_max)
     n_se = shared_experts(alpha, d_ffn, num_experts) if n_shared is None else n_shared
     n_se = min(n_se, num_experts - 1 if max_shared is None else max_shared)
+    quantiles = tuple(float(q) for q in np.quantile(cv, [0.1, 0.5, 0.9, 0.99]))
+    if random_split:
+        perm = np.random.default_rng(seed).permutation(d_ffn)
+        experts = np.sort(perm[n_se * d_expert:].reshape(num_experts - n_se, d_expert), axis=1)
+        return WovenLayer(np.sort(perm[:n_se * d_expert]).astype(np.int64), experts.astype(np.int64),
+                          r, alpha, n_se, 0, quantiles)
     order = np.argsort(-profiles.mean(axis=1), kind="stable")
     shared = np.sort(order[:n_se * d_expert]).astype(np.int64)
     rest = np.setdiff1d(np.arange(d_ffn), shared)
     labels, it = balanced_kmeans(profiles[rest], num_experts - n_se, assignment=assignment, seed=seed)
     experts = np.stack([rest[labels == j] for j in range(num_experts - n_se)]).astype(np.int64)
-    quantiles = tuple(float(q) for q in np.quantile(cv, [0.1, 0.5, 0.9, 0.99]))
     return WovenLayer(shared, experts, r, alpha, n_se, it, quantiles)

@@ -40,6 +40,7 @@ class WeaveConfig:
     seed: int = 0
     n_shared: int | None = None
     router: str = "topsum"
+    random_split: bool = False  # shared/routed neurons drawn at random (downcycling ablation)
 
     @property
     def active(self) -> int:
@@ -137,7 +138,8 @@ def weave_model(model: Decoder, windows: np.ndarray, task_ids: np.ndarray, cc: W
             t1 = time.perf_counter()
             woven = weave_layer(profiles, task_ids, cc.experts, alpha_min=cc.alpha_min,
                                 alpha_max=cc.alpha_max, tau=cc.tau, max_shared=cc.active - 1,
-                                n_shared=cc.n_shared, assignment=cc.assignment, seed=cc.seed + i)
+                                n_shared=cc.n_shared, assignment=cc.assignment, seed=cc.seed + i,
+                                random_split=cc.random_split)
             record = dict(woven.to_json(), seconds={"profile": t1 - t0,
                                                     "cluster": time.perf_counter() - t1})
         woven = WovenLayer.from_json(record)
