@@ -47,12 +47,12 @@ def test_downcycle_trains_and_resumes_identically(tiny_checkpoint, tmp_path):
 
     _, path, _ = tiny_checkpoint
     text = _articles(tmp_path / "a.txt")
-    assert train_main(_args(path, text, tmp_path / "full")) == 0
+    assert train_main(_args(path, text, tmp_path / "full", "--layers", "1")) == 0
     full = json.loads((tmp_path / "full" / "train_log.json").read_text())["steps"]
     assert len(full) == 4 and all(np.isfinite(s["loss"]) and s["aux"] > 0 for s in full)
     # simulate a run killed after step 2: its staging dir holds the step-2 checkpoint
     shutil.copytree(tmp_path / "full", tmp_path / "res.partial")
     shutil.rmtree(tmp_path / "res.partial" / "checkpoints" / "4")
-    assert train_main(_args(path, text, tmp_path / "res", "--resume")) == 0
+    assert train_main(_args(path, text, tmp_path / "res", "--layers", "1", "--resume")) == 0
     res = json.loads((tmp_path / "res" / "train_log.json").read_text())["steps"]
     np.testing.assert_allclose([s["loss"] for s in res], [s["loss"] for s in full], rtol=1e-5)

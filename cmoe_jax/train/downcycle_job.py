@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-experts", type=int, default=2, help="N_se in every layer")
     p.add_argument("--data-path", required=True, help="raw WikiText-2 file: calibration and training text")
     p.add_argument("--calib-tasks", type=int, default=32)
+    p.add_argument("--layers", type=int, help="keep only the first N decoder layers (a small config for CPU runs)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seqlen", type=int, default=256)
@@ -53,11 +54,12 @@ def initial_model(args):
     from cmoe_jax.loading import load_model
 
     lm = load_model(args.model, dtype=jnp.float32, progress=False)
+    dense = lm.model if args.layers is None else first_layers(lm.model, args.layers)
     cc = WeaveConfig(experts=args.experts, sparsity=1 - args.active / args.experts,
                      n_shared=args.shared_experts, router="linear", seed=args.seed,
                      random_split=args.init == "random-split")
     windows, ids, _ = calibration_tasks(lm.tokenizer, args.data_path, None, args.calib_tasks, 1, args.seqlen)
-    model, _ = weave_model(lm.model, windows, ids, cc, progress=False)
+    model, _ = weave_model(dense, windows, ids, cc, progress=False)
     if args.init == "random":  # same shapes, expert/shared/router weights drawn afresh
         key = jax.random.key(args.seed)
         for i, layer in enumerate(model.layers):
@@ -66,6 +68,25 @@ def initial_model(args):
                 var.set_value(0.02 * jax.random.normal(jax.random.fold_in(key, 1000 * i + j), value.shape,
                                                        value.dtype))
     return model, lm.tokenizer
+
+
+def first_layers(model, n: int):
+    """The decoder cut to its first `n` layers (embeddings, final norm and head kept)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from cmoe_jax.models import Decoder
+
+    if not 1 <= n <= model.config.num_layers:
+        raise CmoeError(f"--layers {n} must be between 1 and {model.config.num_layers}")
+    cfg = dataclasses.replace(model.config, num_layers=n)
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=model.dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    pure = nnx.to_pure_dict(nnx.state(model))
+    pure["layers"] = {i: pure["layers"][i] for i in range(n)}
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
 
 
 def run(args) -> dict:
