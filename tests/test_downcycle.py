@@ -7,7 +7,7 @@ import json
 import jax
 import numpy as np
 
-from cmoe_jax.train.cli import main as train_main
+from cmoe_jax.downcycle import main as train_main
 from cmoe_jax.train.downcycle import load_balance_loss
 from tests.test_expertweaver import _articles
 
@@ -37,7 +37,7 @@ def test_load_balance_loss_value_and_gradient():
 
 
 def _args(path, text, out, *extra):
-    return ["--downcycle", "--model", str(path), "--data-path", str(text), "--experts", "8",
+    return ["--model", str(path), "--data-path", str(text), "--experts", "8",
             "--active", "4", "--shared-experts", "1", "--calib-tasks", "4", "--steps", "4",
             "--batch-size", "2", "--seqlen", "16", "--save-every", "2", "--out", str(out), *extra]
 

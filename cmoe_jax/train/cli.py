@@ -84,13 +84,6 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    import sys
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--downcycle" in argv:  # ExpertWeaver downcycling: its own flags (train/downcycle_job.py)
-        from cmoe_jax.train.downcycle_job import main as downcycle_main
-
-        return downcycle_main([a for a in argv if a != "--downcycle"])
     args = build_parser().parse_args(argv)
     result, code = run_job(run, args)
     if code:

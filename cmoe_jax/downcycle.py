@@ -1,7 +1,7 @@
-"""`python -m cmoe_jax.train --downcycle ...`: weave a dense model into an E-A-S MoE with softmax
+"""`python -m cmoe_jax.downcycle ...`: weave a dense model into an E-A-S MoE with softmax
 routers (ExpertWeaver, a random neuron split, or random expert weights) and train all of it.
 
-    python -m cmoe_jax.train --downcycle --model smollm2 --init expertweaver --experts 64 \\
+    python -m cmoe_jax.downcycle --model smollm2 --init expertweaver --experts 64 \\
         --active 16 --shared-experts 2 --data-path valid.txt --steps 200 --out DIR
 
 Work happens in `DIR.partial/` (Orbax checkpoints every --save-every steps; --resume continues
@@ -20,7 +20,7 @@ INITS = ("expertweaver", "random-split", "random")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cmoe_jax.train --downcycle", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cmoe_jax.downcycle", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--init", choices=INITS, default="expertweaver")
     p.add_argument("--experts", type=int, default=64, help="N_e (shared included)")
@@ -144,3 +144,9 @@ def main(argv=None) -> int:
         return code
     print(json.dumps({k: result[k] for k in ("out", "steps", "first_nll", "final_nll")}, indent=1))
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
