@@ -19,7 +19,7 @@ LAYERS = [
     {"checkpoint", "profiling", "carving"},
     {"loading"},
     {"convert", "train", "eval", "export", "compress"},
-    {"demo", "__init__"},
+    {"demo", "__init__", "downcycle"},
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
 

@@ -14,8 +14,9 @@ from cmoe_jax.convert.pipeline import (ConversionError, ConvertConfig, LayerReco
 from cmoe_jax.errors import CmoeError
 
 
-def _load_done(staging: Path, settings: dict, resume: bool, record_cls=LayerRecord) -> list:
-    """Layers finished by an interrupted run with the same settings (only with resume)."""
+def _load_done(staging: Path, settings: dict, resume: bool, parse=LayerRecord.from_json) -> list:
+    """Layers finished by an interrupted run with the same settings (only with resume), each
+    read by `parse` from its JSON."""
     progress = staging / "progress.json"
     if not staging.exists():
         return []
@@ -32,7 +33,7 @@ def _load_done(staging: Path, settings: dict, resume: bool, record_cls=LayerReco
                         "rerun without --resume to start over")
     done = []
     while (staging / "layers" / f"{len(done):04d}.json").exists():
-        done.append(record_cls.from_json(json.loads((staging / "layers" / f"{len(done):04d}.json").read_text())))
+        done.append(parse(json.loads((staging / "layers" / f"{len(done):04d}.json").read_text())))
     return done
 
 
@@ -99,7 +100,7 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
         settings["min_expert_tokens"] = min_expert_tokens
     staging = staging_dir(out)
     done = _load_done(staging, settings, resume,
-                      hierarchical.HierLayerRecord if hier else LayerRecord)
+                      (hierarchical.HierLayerRecord if hier else LayerRecord).from_json)
     (staging / "layers").mkdir(parents=True, exist_ok=True)
     write_json_atomic(staging / "progress.json", settings)
 

@@ -17,6 +17,9 @@ from cmoe_jax.errors import CmoeError, run_job
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cmoe_jax.convert", description=__doc__.split("\n")[0])
+    p.add_argument("--method", choices=["cmoe", "expertweaver"], default="cmoe",
+                   help="cmoe (default) or expertweaver (paper 002: layer-adaptive shared experts, "
+                        "gate-centroid router; see the README's ExpertWeaver section)")
     p.add_argument("--model", default="smollm2", help="dense checkpoint: HF dir, Hub id, .gguf, or "
                    "'smollm2'; an MoE (converted dir, Qwen3-MoE, Mixtral) is carved hierarchically, "
                    "--config then being the per-expert plan")
@@ -28,7 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--calib-split", default="validation", help="dataset split for calibration")
     p.add_argument("--data-path", help="local text file for the calibration data")
     p.add_argument("--calib-samples", type=int, default=8)
-    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--seqlen", type=int, default=None,
+                   help="calibration window length (default 2048; expertweaver 256)")
     p.add_argument("--k-act", type=int, default=10, help="K_a: markers per token (ATopK)")
     p.add_argument("--kmeans-iters", type=int, default=None,
                    help="balanced K-means iterations (default: to convergence; 1 = authors' code)")
@@ -58,6 +62,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="split each converted layer's routed experts over N devices (all-to-all "
                         "token exchange) when it runs forward; the batch uses the rest (default 1)")
+    ew = p.add_argument_group("expertweaver (with --method expertweaver; --experts is N_e, default 64)")
+    ew.add_argument("--sparsity", type=float, default=0.25, help="share of experts inactive per token")
+    ew.add_argument("--alpha-min", type=float, default=0.2)
+    ew.add_argument("--alpha-max", type=float, default=0.7)
+    ew.add_argument("--tau", type=float, default=0.6, help="CV threshold of a specialised neuron")
+    ew.add_argument("--assignment", choices=["greedy", "exact"], default="greedy",
+                    help="balanced K-means assignment: the paper's greedy one or the exact one")
+    ew.add_argument("--calib-tasks", type=int, default=32, help="WikiText-2 articles used as tasks")
+    ew.add_argument("--samples-per-task", type=int, default=2)
+    ew.add_argument("--arc-path", help="ARC-Easy JSON lines: its questions form one more task")
     p.add_argument("--out", required=True, help="output directory of the converted model")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
@@ -90,12 +104,31 @@ def router_options(args) -> dict:
             "router_scale": not args.no_router_scale}
 
 
+def run_expertweaver(args) -> dict:
+    from cmoe_jax.convert.expertweaver import WeaveConfig
+    from cmoe_jax.convert.expertweaver_job import convert_expertweaver
+
+    if args.config or args.shared is not None or args.active is not None:
+        raise CmoeError("--method expertweaver sizes experts itself: give --experts and --sparsity, "
+                        "not --config/--shared/--active")
+    if args.expert_parallel != 1:
+        raise CmoeError("--expert-parallel is not supported with --method expertweaver yet: leave it at 1")
+    cc = WeaveConfig(experts=args.experts or 64, sparsity=args.sparsity, alpha_min=args.alpha_min,
+                     alpha_max=args.alpha_max, tau=args.tau, assignment=args.assignment, seed=args.seed)
+    return convert_expertweaver(args.model, cc, out=Path(args.out), data_path=args.data_path,
+                                arc_path=args.arc_path, tasks=args.calib_tasks,
+                                samples_per_task=args.samples_per_task, seqlen=args.seqlen or 256,
+                                resume=args.resume, overwrite=args.overwrite, report=args.report)
+
+
 def run(args) -> dict:
     from cmoe_jax.convert.api import convert
 
+    if args.method == "expertweaver":
+        return run_expertweaver(args)
     return convert(args.model, plan_from_args(args), out=Path(args.out), calib=args.calib,
                    calib_split=args.calib_split, data_path=args.data_path,
-                   calib_samples=args.calib_samples, seqlen=args.seqlen, k_act=args.k_act,
+                   calib_samples=args.calib_samples, seqlen=args.seqlen or 2048, k_act=args.k_act,
                    kmeans_iters=args.kmeans_iters, normalize=not args.no_normalize,
                    seed=args.seed, router_fit_tokens=args.router_fit_tokens,
                    shared_by=args.shared_by, resume=args.resume, **router_options(args),

@@ -30,7 +30,8 @@ from cmoe_jax.moe.expert_parallel import (DEFAULT_EXPERT_AXIS, expert_axis_size,
                                           routed_swiglu_experts, tokens_sharded)
 from cmoe_jax.moe.gmm import get_gmm, resolve_backend
 from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
-from cmoe_jax.moe.routers import ROUTER_KINDS, RouterKind, cmoe_route, linear_route, sum_route
+from cmoe_jax.moe.routers import (ROUTER_KINDS, RouterKind, cmoe_route, linear_route, sum_route,
+                                   topsum_route)
 
 _init = nnx.initializers.normal(0.02)
 
@@ -44,7 +45,7 @@ class MoEFFN(nnx.Module):
       num_experts: number E of routed experts.
       top_k: routed experts per token (`== num_experts` for `router="sum"`).
       shared_width: width of the always-on shared SwiGLU MLP (0: none).
-      router: "cmoe", "linear" or "sum" (see `cmoe_jax.moe.routers`).
+      router: "cmoe", "linear", "topsum" or "sum" (see `cmoe_jax.moe.routers`).
       norm_topk_prob: linear router only: renormalise the k gates to sum 1 (Mixtral).
       router_neurons: cmoe router only: neurons r scoring each expert (their |h| summed).
       dtype: compute dtype of the FFN (routing always runs in float32).
@@ -105,7 +106,7 @@ class MoEFFN(nnx.Module):
             e = num_prototypes
         self.expert_gate, self.expert_up, self.expert_down = param(e, d, m), param(e, d, m), param(e, m, d)
         e = num_experts
-        if router == "linear":
+        if router in ("linear", "topsum"):
             self.router_kernel = param(d, e)
         elif router == "cmoe":
             r = router_neurons
@@ -118,7 +119,7 @@ class MoEFFN(nnx.Module):
 
         Expert-parallel, each device routes its own tokens (XLA would otherwise gather the
         router scores of all tokens for the top-k)."""
-        if self.router == "linear":
+        if self.router in ("linear", "topsum"):
             arrays = (self.router_kernel[...],)
         elif self.router == "cmoe":
             arrays = (self.router_gate[...], self.router_up[...], self.u[...], self.router_bias[...])
@@ -137,6 +138,8 @@ class MoEFFN(nnx.Module):
             return linear_route(x, *arrays, self.top_k, self.norm_topk_prob, keep=keep)
         if self.router == "cmoe":
             return cmoe_route(x, *arrays, self.top_k, keep=keep)
+        if self.router == "topsum":
+            return topsum_route(x, *arrays, self.top_k, keep=keep)
         return sum_route(x.shape[0], self.num_experts)
 
     def _expert_parallel(self) -> bool:

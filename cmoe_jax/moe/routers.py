@@ -12,6 +12,8 @@ All routers work in float32 on flattened tokens `x [T, d]` and return
   `top_k(s' + b)` with the non-trainable balancing bias `b`, and weighted by
   `g = 1 + s' * u` with the trainable scales `u` (zero at conversion, so the experts are
   then summed unweighted, as in the training-free model).
+- "topsum" (ExpertWeaver's training-free router): the top-k experts by `x @ W_r`, each of
+  weight 1 (the selected experts' outputs are summed unweighted).
 - "sum": every expert, weight 1 (the dense FFN split into experts; `top_k == E`).
 """
 from __future__ import annotations
@@ -21,8 +23,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-RouterKind = Literal["cmoe", "linear", "sum"]
-ROUTER_KINDS = ("cmoe", "linear", "sum")
+RouterKind = Literal["cmoe", "linear", "sum", "topsum"]
+ROUTER_KINDS = ("cmoe", "linear", "sum", "topsum")
 
 
 def linear_route(x, kernel, top_k: int, norm_topk_prob: bool = False, keep=None):
@@ -68,3 +70,13 @@ def cmoe_route(x, router_gate, router_up, u, bias, top_k: int, keep=None):
 def sum_route(num_tokens: int, num_experts: int):
     ids = jnp.broadcast_to(jnp.arange(num_experts, dtype=jnp.int32), (num_tokens, num_experts))
     return ids, jnp.ones((num_tokens, num_experts), jnp.float32)
+
+
+def topsum_route(x, kernel, top_k: int, keep=None):
+    """The top-k experts by the logits `x @ W_r`, gates 1 (ExpertWeaver, training-free);
+    `keep` as in `linear_route`."""
+    logits = jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32))
+    if keep is not None:
+        logits = jnp.where(keep, logits, -jnp.inf)
+    _, ids = jax.lax.top_k(logits, top_k)
+    return ids.astype(jnp.int32), jnp.ones(ids.shape, jnp.float32)

@@ -1,0 +1,158 @@
+"""ExpertWeaver conversion of an in-memory dense model, layer by layer (see carving/expertweaver).
+
+Like the CMoE pipeline, each layer is profiled on the FFN inputs that the already-converted
+layers before it produce, so only one layer's activations live at a time. Each layer gets its
+own `FFNSpec`: N_se,l shared experts fused into one shared MLP of width N_se,l d_expert,
+N_e - N_se,l routed experts stacked for the grouped matmuls, and top_k = k - N_se,l, so the
+variable shared size costs no Python branching at run time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from cmoe_jax.carving.expertweaver import (ASSIGNMENTS, WovenLayer, active_experts, gate_profiles,
+                                           router_centroids, weave_layer)
+from cmoe_jax.convert.pipeline import ConversionError, assemble
+from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
+from cmoe_jax.models.decoder import make_ffn
+from cmoe_jax.profiling.layerwise import (attention_step, calibration_mesh, embed_step,
+                                          ffn_residual_step, replicate, shard_batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeaveConfig:
+    """ExpertWeaver settings. `n_shared` None: the layer-adaptive rule, training-free router
+    ("topsum"); an int: that many shared experts in every layer (downcycling, "linear")."""
+
+    experts: int = 64
+    sparsity: float = 0.25
+    alpha_min: float = 0.2
+    alpha_max: float = 0.7
+    tau: float = 0.6
+    assignment: str = "greedy"
+    seed: int = 0
+    n_shared: int | None = None
+    router: str = "topsum"
+    random_split: bool = False  # shared/routed neurons drawn at random (downcycling ablation)
+
+    @property
+    def active(self) -> int:
+        return active_experts(self.sparsity, self.experts)
+
+    @property
+    def name(self) -> str:
+        return f"EW-E{self.experts}-k{self.active}"
+
+    def to_dict(self) -> dict:
+        return {"method": "expertweaver", **dataclasses.asdict(self)}
+
+
+def validate(cfg: ModelConfig, cc: WeaveConfig) -> None:
+    """Fail before any work on settings that cannot be converted."""
+    if cfg.moe_layers and any(s is not None for s in cfg.moe_layers):
+        raise ConversionError("the model already has MoE FFN layers: ExpertWeaver needs a dense model")
+    if cc.experts < 2 or cfg.intermediate_size % cc.experts:
+        raise ConversionError(f"--experts {cc.experts} must be at least 2 and divide the FFN width "
+                              f"{cfg.intermediate_size}")
+    if not 0.0 <= cc.sparsity < 1.0:
+        raise ConversionError(f"--sparsity {cc.sparsity} must be in [0, 1)")
+    if not 2 <= cc.active <= cc.experts:
+        raise ConversionError(f"--sparsity {cc.sparsity} leaves k={cc.active} of {cc.experts} experts "
+                              "active: k must be at least 2 (one shared, one routed)")
+    if not 0.0 <= cc.alpha_min <= cc.alpha_max <= 1.0:
+        raise ConversionError(f"need 0 <= --alpha-min ({cc.alpha_min}) <= --alpha-max ({cc.alpha_max}) <= 1")
+    if cc.tau < 0:
+        raise ConversionError(f"--tau {cc.tau} must be non-negative")
+    if cc.assignment not in ASSIGNMENTS:
+        raise ConversionError(f"--assignment {cc.assignment!r} must be one of {', '.join(ASSIGNMENTS)}")
+    if cc.n_shared is not None and not 0 <= cc.n_shared < cc.active:
+        raise ConversionError(f"--shared-experts {cc.n_shared} must be in [0, k={cc.active})")
+
+
+def layer_spec(cfg: ModelConfig, cc: WeaveConfig, n_shared: int) -> FFNSpec:
+    m = cfg.intermediate_size // cc.experts
+    return FFNSpec(num_experts=cc.experts - n_shared, top_k=cc.active - n_shared, expert_width=m,
+                   shared_width=n_shared * m, router=cc.router)
+
+
+def woven_slices(w_gate, w_up, w_down, woven: WovenLayer) -> dict:
+    """MoEFFN parameters (JAX layout) cut from a dense SwiGLU FFN: a permutation of its neurons."""
+    s, e = woven.shared_idx, woven.expert_idx
+    n, m = e.shape
+    d = w_gate.shape[0]
+    flat = e.reshape(-1)
+    return {"shared_gate": w_gate[:, s], "shared_up": w_up[:, s], "shared_down": w_down[s, :],
+            "expert_gate": w_gate[:, flat].reshape(d, n, m).transpose(1, 0, 2),
+            "expert_up": w_up[:, flat].reshape(d, n, m).transpose(1, 0, 2),
+            "expert_down": w_down[flat, :].reshape(n, m, d),
+            "router_kernel": router_centroids(w_gate, e)}
+
+
+def build_ffn(cfg: ModelConfig, spec: FFNSpec, slices: dict, dtype) -> nnx.Module:
+    """A MoEFFN of `spec` holding `slices` (every parameter must be given)."""
+    ffn = nnx.eval_shape(lambda: make_ffn(cfg, spec, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(ffn)
+    flat = nnx.to_flat_state(state)
+    for path, var in flat:
+        value = np.asarray(slices[path[-1]])
+        if value.shape != tuple(var.get_value().shape):
+            raise AssertionError(f"{path[-1]}: woven shape {value.shape} != layer shape {var.get_value().shape}")
+        var.set_value(jnp.asarray(value, dtype=var.get_value().dtype))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def weave_model(model: Decoder, windows: np.ndarray, task_ids: np.ndarray, cc: WeaveConfig, *,
+                devices=None, progress: bool = True, done: list[dict] | None = None,
+                on_layer: Callable[[int, dict], None] | None = None):
+    """Convert `model` with calibration windows [N, T] of tasks `task_ids` [N] ->
+    (moe_model, per-layer records). `done`: records of layers finished before (resume)."""
+    cfg = model.config
+    validate(cfg, cc)
+    windows = np.asarray(windows, np.int32)
+    if len(np.unique(task_ids)) < 2 or len(task_ids) != len(windows):
+        raise ConversionError("ExpertWeaver needs calibration samples from at least 2 tasks")
+    done = list(done or [])
+    mesh = calibration_mesh(windows.shape[0], devices)
+    graphdef, state = nnx.split(model)
+    h = embed_step(graphdef, replicate(state, mesh), shard_batch(windows, mesh))
+    rope = replicate(model.rope(windows.shape[1]), mesh)
+    records, ffns, specs = [], [], []
+    for i in tqdm(range(cfg.num_layers), desc=f"weaving {cc.name}", disable=not progress):
+        mlp = model.layers[i].mlp
+        t0 = time.perf_counter()
+        lg, ls = nnx.split(model.layers[i])
+        h_mid, x, finite = attention_step(lg, replicate(ls, mesh), h, rope)
+        if not finite:
+            raise ConversionError(f"layer {i}: NaN or inf in the FFN input activations")
+        if i < len(done):
+            record = done[i]
+        else:
+            profiles = np.asarray(gate_profiles(x, mlp.gate[...]))
+            t1 = time.perf_counter()
+            woven = weave_layer(profiles, task_ids, cc.experts, alpha_min=cc.alpha_min,
+                                alpha_max=cc.alpha_max, tau=cc.tau, max_shared=cc.active - 1,
+                                n_shared=cc.n_shared, assignment=cc.assignment, seed=cc.seed + i,
+                                random_split=cc.random_split)
+            record = dict(woven.to_json(), seconds={"profile": t1 - t0,
+                                                    "cluster": time.perf_counter() - t1})
+        woven = WovenLayer.from_json(record)
+        spec = layer_spec(cfg, cc, woven.n_shared)
+        weights = [np.asarray(p[...], np.float32) for p in (mlp.gate, mlp.up, mlp.down)]
+        ffn = build_ffn(cfg, spec, woven_slices(*weights, woven), model.dtype)
+        fg, fs = nnx.split(ffn)
+        h, load = ffn_residual_step(fg, replicate(fs, mesh), h_mid, x)
+        record["load"] = np.asarray(load).tolist()
+        del h_mid, x
+        ffns.append(ffn)
+        specs.append(spec)
+        records.append(record)
+        if i >= len(done) and on_layer is not None:
+            on_layer(i, record)
+    return assemble(model, cfg.with_moe_layers(specs), ffns), records

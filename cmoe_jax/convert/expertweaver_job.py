@@ -1,0 +1,134 @@
+"""End-to-end ExpertWeaver job (`python -m cmoe_jax.convert --method expertweaver`): settings
+checked first, then load, calibrate on tasks, weave, save; the same staging, resume, manifest
+and atomic publish as the CMoE job."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from cmoe_jax.checkpoint import MANIFEST, publish, save_converted, staging_dir, write_json_atomic
+from cmoe_jax.convert.api import _load_done
+from cmoe_jax.convert.expertweaver import WeaveConfig, validate, weave_model
+from cmoe_jax.errors import CmoeError
+
+
+def calibration_tasks(tokenizer, data_path: str, arc_path: str | None, tasks: int,
+                      samples_per_task: int, seqlen: int):
+    """(windows [N, seqlen], task ids [N], task names): WikiText-2 articles, then ARC-Easy."""
+    from cmoe_jax.data.calib_tasks import arc_text, task_windows, wikitext_articles
+
+    windows, ids = task_windows(wikitext_articles(data_path), tokenizer, samples_per_task, seqlen, tasks)
+    names = [f"wikitext article {t}" for t in range(int(ids.max()) + 1)]
+    if arc_path:
+        arc_w, _ = task_windows([arc_text(arc_path)], tokenizer, samples_per_task, seqlen, 1)
+        windows = np.concatenate([windows, arc_w])
+        ids = np.concatenate([ids, np.full(len(arc_w), len(names), np.int32)])
+        names.append("arc-easy")
+    if len(names) < 2:
+        raise CmoeError("ExpertWeaver needs at least 2 calibration tasks: raise --calib-tasks or add "
+                        "--arc-path")
+    return windows, ids, names
+
+
+def write_report(records, name: str, directory: Path) -> None:
+    """alpha_l and N_se,l over layers (the paper's Figure 7) as a PNG, plus report.json."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    layers = np.arange(len(records))
+    alpha = [r["alpha"] for r in records]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(layers, alpha, "o-", label="alpha_l (shared ratio)")
+    ax.plot(layers, [r["r"] for r in records], "s--", label="r_l (share with CV > tau)")
+    ax.set_xlabel("layer")
+    ax.set_ylim(0, 1)
+    ax2 = ax.twinx()
+    ax2.bar(layers, [r["n_shared"] for r in records], alpha=0.2, color="tab:green")
+    ax2.set_ylabel("N_se,l (shared experts)")
+    ax.legend(fontsize=7, loc="upper center")
+    ax.set_title(f"ExpertWeaver {name}: layer-adaptive shared size")
+    fig.tight_layout()
+    fig.savefig(directory / "alpha_per_layer.png", dpi=110)
+    plt.close(fig)
+    write_json_atomic(directory / "report.json", {"config": name, "layers": [
+        {k: r.get(k) for k in ("r", "alpha", "n_shared", "kmeans_iterations", "cv_quantiles", "load",
+                                 "seconds")}
+        for r in records]})
+
+
+def convert_expertweaver(model: str, cc: WeaveConfig, *, out, data_path: str | None = None,
+                         arc_path: str | None = None, tasks: int = 32, samples_per_task: int = 2,
+                         seqlen: int = 256, resume: bool = False, overwrite: bool = False,
+                         report: bool = False, progress: bool = True,
+                         stop_after_layers: int | None = None) -> dict:
+    """Weave a dense checkpoint into an ExpertWeaver MoE saved at `out`; returns the manifest."""
+    from cmoe_jax.loading import load_config, load_model, load_tokenizer
+
+    t_start = time.perf_counter()
+    out = Path(out)
+    if not data_path:
+        raise CmoeError("--method expertweaver needs --data-path: the raw WikiText-2 validation file "
+                        "(its articles are the calibration tasks)")
+    if out.exists() and not overwrite:
+        raise CmoeError(f"output directory {out} exists: pass --overwrite to replace it")
+    cfg, path = load_config(model)
+    validate(cfg, cc)
+    if seqlen > cfg.max_position_embeddings:
+        raise CmoeError(f"--seqlen {seqlen} exceeds the model's context ({cfg.max_position_embeddings})")
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        raise CmoeError(f"{path} has no tokenizer: calibration text cannot be tokenized")
+    windows, task_ids, names = calibration_tasks(tokenizer, data_path, arc_path, tasks,
+                                                 samples_per_task, seqlen)
+    settings = {"model": str(model), **cc.to_dict(), "data_path": data_path, "arc_path": arc_path,
+                "tasks": tasks, "samples_per_task": samples_per_task, "seqlen": seqlen}
+    staging = staging_dir(out)
+    done = _load_done(staging, settings, resume, parse=dict)
+    (staging / "layers").mkdir(parents=True, exist_ok=True)
+    write_json_atomic(staging / "progress.json", settings)
+    lm = load_model(model, dtype=jnp.float32, progress=progress)
+    t_conv = time.perf_counter()
+
+    class _Stop(Exception):
+        pass
+
+    def on_layer(i, record):
+        write_json_atomic(staging / "layers" / f"{i:04d}.json", record)
+        if stop_after_layers is not None and i + 1 >= stop_after_layers:
+            raise _Stop()
+
+    try:
+        moe_model, records = weave_model(lm.model, windows, task_ids, cc, progress=progress,
+                                         done=done, on_layer=on_layer)
+    except _Stop:
+        return {"out": None, "config": cc.name, "interrupted_after": stop_after_layers}
+    t_save = time.perf_counter()
+    seconds = {"prepare_and_load": t_conv - t_start, "convert": t_save - t_conv,
+               "profile": sum(r["seconds"]["profile"] for r in records),
+               "cluster": sum(r["seconds"]["cluster"] for r in records)}
+    manifest = {
+        "source_model": str(model), **cc.to_dict(), "config": cc.name, "active_experts": cc.active,
+        "expert_width": cfg.intermediate_size // cc.experts,
+        "calibration": {"wikitext_path": data_path, "arc_path": arc_path, "tasks": names,
+                        "samples_per_task": samples_per_task, "seqlen": seqlen},
+        "layers": [{k: r[k] for k in ("alpha", "r", "n_shared", "shared", "experts",
+                                      "kmeans_iterations", "cv_quantiles", "load")} for r in records],
+    }
+    final = staging / "final"
+    shutil.rmtree(final, ignore_errors=True)
+    save_converted(moe_model, manifest, final, tokenizer=lm.tokenizer)
+    if report:
+        write_report(records, cc.name, final / "report")
+    seconds["save"] = time.perf_counter() - t_save
+    write_json_atomic(final / MANIFEST, dict(json.loads((final / MANIFEST).read_text()), seconds=seconds))
+    publish(final, out, overwrite)
+    shutil.rmtree(staging, ignore_errors=True)
+    return dict(manifest, out=str(out), seconds=seconds)

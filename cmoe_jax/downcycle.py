@@ -1,0 +1,152 @@
+"""`python -m cmoe_jax.downcycle ...`: weave a dense model into an E-A-S MoE with softmax
+routers (ExpertWeaver, a random neuron split, or random expert weights) and train all of it.
+
+    python -m cmoe_jax.downcycle --model smollm2 --init expertweaver --experts 64 \\
+        --active 16 --shared-experts 2 --data-path valid.txt --steps 200 --out DIR
+
+Work happens in `DIR.partial/` (Orbax checkpoints every --save-every steps; --resume continues
+from the latest); at the end DIR holds train_log.json, loss.png and the checkpoints.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from cmoe_jax.errors import CmoeError, run_job
+
+INITS = ("expertweaver", "random-split", "random")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cmoe_jax.downcycle", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--init", choices=INITS, default="expertweaver")
+    p.add_argument("--experts", type=int, default=64, help="N_e (shared included)")
+    p.add_argument("--active", type=int, default=16, help="k experts per token, shared included")
+    p.add_argument("--shared-experts", type=int, default=2, help="N_se in every layer")
+    p.add_argument("--data-path", required=True, help="raw WikiText-2 file: calibration and training text")
+    p.add_argument("--calib-tasks", type=int, default=32)
+    p.add_argument("--layers", type=int, help="keep only the first N decoder layers (a small config for CPU runs)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seqlen", type=int, default=256)
+    p.add_argument("--lr", type=float, default=4e-4)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--aux-coef", type=float, default=0.01, help="lambda of the load-balancing loss")
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--overwrite", action="store_true")
+    return p
+
+
+def initial_model(args):
+    """The dense model woven per --init (every FFN a MoEFFN with a "linear" router)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from cmoe_jax.convert.expertweaver import WeaveConfig, weave_model
+    from cmoe_jax.convert.expertweaver_job import calibration_tasks
+    from cmoe_jax.loading import load_model
+
+    lm = load_model(args.model, dtype=jnp.float32, progress=False)
+    dense = lm.model if args.layers is None else first_layers(lm.model, args.layers)
+    cc = WeaveConfig(experts=args.experts, sparsity=1 - args.active / args.experts,
+                     n_shared=args.shared_experts, router="linear", seed=args.seed,
+                     random_split=args.init == "random-split")
+    windows, ids, _ = calibration_tasks(lm.tokenizer, args.data_path, None, args.calib_tasks, 1, args.seqlen)
+    model, _ = weave_model(dense, windows, ids, cc, progress=False)
+    if args.init == "random":  # same shapes, expert/shared/router weights drawn afresh
+        key = jax.random.key(args.seed)
+        for i, layer in enumerate(model.layers):
+            for j, (_, var) in enumerate(nnx.to_flat_state(nnx.state(layer.mlp, nnx.Param))):
+                value = var.get_value()
+                var.set_value(0.02 * jax.random.normal(jax.random.fold_in(key, 1000 * i + j), value.shape,
+                                                       value.dtype))
+    return model, lm.tokenizer
+
+
+def first_layers(model, n: int):
+    """The decoder cut to its first `n` layers (embeddings, final norm and head kept)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from cmoe_jax.models import Decoder
+
+    if not 1 <= n <= model.config.num_layers:
+        raise CmoeError(f"--layers {n} must be between 1 and {model.config.num_layers}")
+    cfg = dataclasses.replace(model.config, num_layers=n)
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=model.dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    pure = nnx.to_pure_dict(nnx.state(model))
+    pure["layers"] = {i: pure["layers"][i] for i in range(n)}
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def run(args) -> dict:
+    from cmoe_jax.checkpoint import publish, staging_dir
+    from cmoe_jax.data import load_text_tokens
+    from cmoe_jax.train.checkpoint import check_run_config, write_run_config
+    from cmoe_jax.train.data import BatchOrder, training_windows
+    from cmoe_jax.train.downcycle import Downcycler, checkpoint_manager
+    from cmoe_jax.train.report import plot_loss, write_log
+
+    if not 0 <= args.shared_experts < args.active <= args.experts:
+        raise CmoeError(f"need 0 <= --shared-experts ({args.shared_experts}) < --active ({args.active}) "
+                        f"<= --experts ({args.experts})")
+    if args.steps < 1 or args.batch_size < 1:
+        raise CmoeError("--steps and --batch-size must be at least 1")
+    out = Path(args.out)
+    staging = staging_dir(out)
+    settings = {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite", "save_every", "out")}
+    if out.exists() and not args.overwrite:
+        raise CmoeError(f"output directory {out} exists: pass --overwrite to replace it")
+    if staging.exists():
+        if args.resume:
+            check_run_config(staging, settings)
+        else:
+            shutil.rmtree(staging)
+    staging.mkdir(parents=True, exist_ok=True)
+    write_run_config(staging, settings)
+    model, tokenizer = initial_model(args)
+    tokens = load_text_tokens("wikitext2", tokenizer, data_path=args.data_path)
+    samples = args.steps * args.batch_size
+    windows = training_windows(tokens, samples, args.seqlen, args.seed + 1)
+    order = BatchOrder(samples, args.batch_size, 1, args.seed)
+    trainer = Downcycler(model, steps=args.steps, lr=args.lr, warmup=args.warmup, aux_coef=args.aux_coef)
+    manager = checkpoint_manager(staging / "checkpoints")
+    log = trainer.restore(manager) if args.resume else []
+    from tqdm.auto import tqdm
+
+    bar = tqdm(range(len(log), args.steps), desc=f"downcycling ({args.init})")
+    for step in bar:
+        log.append(trainer.train_step(windows[order.indices(step)]))
+        bar.set_postfix(loss=f"{log[-1]['nll']:.3f}")
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            trainer.save(manager, log)
+    manager.close()
+    summary = dict(settings, steps=len(log), first_nll=log[0]["nll"], final_nll=log[-1]["nll"])
+    write_log(staging / "train_log.json", summary, log)
+    plot_loss(staging / "loss.png", [dict(s, loss=s["nll"]) for s in log], title=f"downcycling, {args.init} init")
+    publish(staging, out, args.overwrite)
+    return dict(summary, out=str(out))
+
+
+def main(argv=None) -> int:
+    result, code = run_job(run, build_parser().parse_args(argv))
+    if code:
+        return code
+    print(json.dumps({k: result[k] for k in ("out", "steps", "first_nll", "final_nll")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
