@@ -22,8 +22,8 @@ from cmoe_jax.carving.expertweaver import (ASSIGNMENTS, WovenLayer, active_exper
 from cmoe_jax.convert.pipeline import ConversionError, assemble
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.models.decoder import make_ffn
-from cmoe_jax.profiling.layerwise import (attention_step, calibration_mesh, embed_step,
-                                          ffn_residual_step, replicate, shard_batch)
+from cmoe_jax.profiling.layerwise import (calibration_mesh, ffn_residual_step, layer_ffn_input,
+                                          replicate, start_pass)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,17 +120,12 @@ def weave_model(model: Decoder, windows: np.ndarray, task_ids: np.ndarray, cc: W
         raise ConversionError("ExpertWeaver needs calibration samples from at least 2 tasks")
     done = list(done or [])
     mesh = calibration_mesh(windows.shape[0], devices)
-    graphdef, state = nnx.split(model)
-    h = embed_step(graphdef, replicate(state, mesh), shard_batch(windows, mesh))
-    rope = replicate(model.rope(windows.shape[1]), mesh)
+    h, rope = start_pass(model, windows, mesh)
     records, ffns, specs = [], [], []
     for i in tqdm(range(cfg.num_layers), desc=f"weaving {cc.name}", disable=not progress):
         mlp = model.layers[i].mlp
         t0 = time.perf_counter()
-        lg, ls = nnx.split(model.layers[i])
-        h_mid, x, finite = attention_step(lg, replicate(ls, mesh), h, rope)
-        if not finite:
-            raise ConversionError(f"layer {i}: NaN or inf in the FFN input activations")
+        h_mid, x, _ = layer_ffn_input(model.layers[i], i, h, rope, mesh)
         if i < len(done):
             record = done[i]
         else:

@@ -19,8 +19,8 @@ from cmoe_jax.carving.hierarchical import (HOST_NAMES, TOP_ROUTER_NAMES, ExpertC
                                            carve_moe_layer, random_moe_layer)
 from cmoe_jax.convert.pipeline import ConversionError, ConvertConfig, assemble
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
-from cmoe_jax.profiling.layerwise import (attention_step, calibration_mesh, embed_step,
-                                          ffn_residual_step, replicate, shard_batch)
+from cmoe_jax.profiling.layerwise import (calibration_mesh, ffn_residual_step, layer_ffn_input,
+                                          replicate, start_pass)
 
 def is_moe(cfg: ModelConfig) -> bool:
     return any(s is not None for s in cfg.moe_layers)
@@ -132,20 +132,13 @@ def convert_moe_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *,
     calib = np.asarray(calib, np.int32)
     done = list(done or [])
     mesh = calibration_mesh(calib.shape[0], devices)
-    graphdef, state = nnx.split(model)
-    h = embed_step(graphdef, replicate(state, mesh), shard_batch(calib, mesh))
-    rope = replicate(model.rope(calib.shape[1]), mesh)
+    h, rope = start_pass(model, calib, mesh)
     records, ffns = [], []
     bar = tqdm(range(cfg.num_layers), desc=f"carving experts ({cc.plan.name} each)", disable=not progress)
     for i in bar:
         layer = model.layers[i]
-        t0 = time.perf_counter()
-        lg, ls = nnx.split(layer)
-        h_mid, x, finite = attention_step(lg, replicate(ls, mesh), h, rope)
-        if not finite:
-            raise ConversionError(f"layer {i}: NaN or inf in the FFN input activations; check the "
-                                  "weights and use float32 for conversion")
-        seconds = {"attention": time.perf_counter() - t0}
+        h_mid, x, t_attn = layer_ffn_input(layer, i, h, rope, mesh)
+        seconds = {"attention": t_attn}
         spec = cfg.ffn_spec(i)
         src = layer.mlp
         if spec is None:

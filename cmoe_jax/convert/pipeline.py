@@ -20,8 +20,8 @@ from cmoe_jax.carving.markers import profile_layer
 from cmoe_jax.carving.router import router_fit_sums, scale_router_up
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
-from cmoe_jax.profiling.layerwise import (attention_step, calibration_mesh,
-                                          embed_step, ffn_residual_step, replicate, shard_batch)
+from cmoe_jax.profiling.layerwise import (calibration_mesh, ffn_residual_step, layer_ffn_input,
+                                          replicate, start_pass)
 from cmoe_jax.sharding import place_state, shardings_of
 
 
@@ -228,20 +228,12 @@ def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devic
     validate(cfg, calib, cc)
     done = list(done or [])
     mesh = conversion_mesh(cc, calib.shape[0], devices, expert_parallel)
-    graphdef, state = nnx.split(model)
-    h = embed_step(graphdef, replicate(state, mesh), shard_batch(calib, mesh))
-    rope = replicate(model.rope(calib.shape[1]), mesh)
+    h, rope = start_pass(model, calib, mesh)
     records, ffns = [], []
     bar = tqdm(range(cfg.num_layers), desc=f"converting to {cc.plan.name}", disable=not progress)
     for i in bar:
         layer = model.layers[i]
-        t0 = time.perf_counter()
-        lg, ls = nnx.split(layer)
-        h_mid, x, finite = attention_step(lg, replicate(ls, mesh), h, rope)
-        if not finite:
-            raise ConversionError(f"layer {i}: NaN or inf in the FFN input activations; check the "
-                                  "weights and use float32 for conversion")
-        t_attn = time.perf_counter() - t0
+        h_mid, x, t_attn = layer_ffn_input(layer, i, h, rope, mesh)
         if i < len(done):
             record = done[i]
         else:

@@ -13,7 +13,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from cmoe_jax.errors import CmoeError
 from cmoe_jax.sharding import ShardingError, batch_axes, make_mesh
+
+
+class NonFiniteActivations(CmoeError):
+    """NaN or inf reached a layer's FFN input during a calibration pass."""
 
 
 def calibration_mesh(num_windows: int, devices=None, expert: int = 1) -> Mesh:
@@ -65,3 +70,25 @@ def ffn_residual_step(graphdef, state, h_mid, x):
         y, load = ffn(x), jnp.zeros((0,), jnp.int32)
     return h_mid + y, load
 
+
+
+def start_pass(model, tokens, mesh: Mesh):
+    """(residual stream after the embedding [N, T, d], RoPE tables) on `mesh`: the start of a
+    layer-by-layer pass over the calibration windows `tokens [N, T]`."""
+    graphdef, state = nnx.split(model)
+    h = embed_step(graphdef, replicate(state, mesh), shard_batch(tokens, mesh))
+    return h, replicate(model.rope(tokens.shape[1]), mesh)
+
+
+def layer_ffn_input(layer, index: int, h, rope, mesh: Mesh):
+    """(residual after attention, FFN input, seconds) of decoder layer `index`; non-finite
+    FFN inputs stop the pass with one clear error."""
+    import time
+
+    t0 = time.perf_counter()
+    lg, ls = nnx.split(layer)
+    h_mid, x, finite = attention_step(lg, replicate(ls, mesh), h, rope)
+    if not finite:
+        raise NonFiniteActivations(f"layer {index}: NaN or inf in the FFN input activations; check "
+                                   "the weights and use float32 for conversion")
+    return h_mid, x, time.perf_counter() - t0
