@@ -2,7 +2,10 @@
 
 Layout of a converted (or fine-tuned) model directory:
     cmoe_manifest.json   source model, plan, calibration, per-layer neuron indices, timings
-    state/               Orbax StandardCheckpointer of `nnx.state(model)`
+    state/               Orbax StandardCheckpointer of `nnx.state(model)`; or, written by a
+                         streamed conversion (manifest "state_layout": "per_layer"), one
+                         checkpoint per decoder layer (state/layer_0000, ...) plus
+                         state/rest (embedding, final norm, LM head)
     tokenizer/           the source tokenizer (so `python -m cmoe_jax.eval` needs nothing else)
 Jobs write into `staging_dir(out)` and `publish` it at the end, so an interrupted run never
 leaves a half-written model at the output path. This module sits below both `loading`
@@ -76,10 +79,39 @@ def save_converted(model: Decoder, manifest: dict, directory: Path, tokenizer=No
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save((directory / "state").absolute(), nnx.state(model))
     checkpointer.wait_until_finished()
+    write_manifest(directory, model.config, manifest, tokenizer)
+
+
+def write_manifest(directory: Path, config: ModelConfig, manifest: dict, tokenizer=None) -> None:
+    """The tokenizer and the manifest: the last files of a converted directory, written once
+    its state is complete."""
     if tokenizer is not None:
-        tokenizer.hf.save_pretrained(str(directory / "tokenizer"))
-    manifest = dict(manifest, format=FORMAT, model_config=model.config.to_dict())
-    write_json_atomic(directory / MANIFEST, manifest)
+        tokenizer.hf.save_pretrained(str(Path(directory) / "tokenizer"))
+    manifest = dict(manifest, format=FORMAT, model_config=config.to_dict())
+    write_json_atomic(Path(directory) / MANIFEST, manifest)
+
+
+PER_LAYER = "per_layer"  # manifest["state_layout"] of a directory written layer by layer
+
+
+def layer_part(index: int) -> str:
+    return f"layer_{index:04d}"
+
+
+def save_state_part(directory: Path, part: str, state: nnx.State) -> None:
+    """One piece of a per-layer state (`layer_part(i)` or "rest"), written now, so a
+    streamed conversion holds one layer at a time; an existing piece is replaced (resume)."""
+    path = (Path(directory) / "state" / part).absolute()
+    shutil.rmtree(path, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, state)
+    checkpointer.wait_until_finished()
+
+
+def without_layers(state: nnx.State) -> nnx.State:
+    """The "rest" part of a Decoder state: everything outside its decoder layers."""
+    return nnx.State({k: v for k, v in state.items() if k != "layers"})
 
 
 def read_manifest(directory: Path) -> dict:
@@ -95,13 +127,24 @@ def read_manifest(directory: Path) -> dict:
 def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None) -> Decoder:
     """The model saved in a converted directory, restored directly onto its shardings."""
     directory = Path(directory)
-    cfg = ModelConfig.from_dict(read_manifest(directory)["model_config"])
+    manifest = read_manifest(directory)
+    cfg = ModelConfig.from_dict(manifest["model_config"])
     mesh = mesh if mesh is not None else make_mesh(devices=jax.local_devices())
     abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
     target = place_state(abstract_state, shardings_of(abstract, mesh))
+    checkpointer = ocp.StandardCheckpointer()
     try:
-        state = ocp.StandardCheckpointer().restore((directory / "state").absolute(), target)
+        if manifest.get("state_layout") == PER_LAYER:
+            rest = checkpointer.restore((directory / "state" / "rest").absolute(), without_layers(target))
+            state = target
+            for key in rest:
+                state[key] = rest[key]
+            for i in range(cfg.num_layers):
+                state["layers"][i] = checkpointer.restore(
+                    (directory / "state" / layer_part(i)).absolute(), target["layers"][i])
+        else:
+            state = checkpointer.restore((directory / "state").absolute(), target)
     except Exception as e:
         raise CheckpointError(f"cannot restore {directory / 'state'} ({e}): the checkpoint is "
                               "corrupted or was written by another configuration") from e

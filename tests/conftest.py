@@ -8,6 +8,21 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Drop every compiled executable after each test module. XLA's CPU backend maps each
+    executable's machine code into its own memory regions; a serial run of the whole suite
+    in one process otherwise climbs past the kernel's per-process mapping limit
+    (vm.max_map_count, 65530 by default) and the next compile segfaults."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 def tiny_hf_model(family: str, **overrides):
     """A tiny random `transformers` causal LM of one family (torch, fp32, eval mode)."""
     import torch

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from cmoe_jax.checkpoint import MANIFEST, publish, save_converted, staging_dir, write_json_atomic
+from cmoe_jax.checkpoint import (MANIFEST, PER_LAYER, publish, save_converted, staging_dir,
+                                 write_json_atomic, write_manifest)
 from cmoe_jax.convert.pipeline import (ConversionError, ConvertConfig, LayerRecord, check_router,
                                        conversion_mesh, convert_model)
 from cmoe_jax.errors import CmoeError
@@ -45,7 +46,7 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
             router_fit_tokens: int = ConvertConfig.router_fit_tokens,
             shared_by: str = ConvertConfig.shared_by, router_reps: str = ConvertConfig.router_reps,
             resume: bool = False, expert_parallel: int = 1, min_expert_tokens: int = 32,
-            overwrite: bool = False, report: bool = False,
+            overwrite: bool = False, report: bool = False, stream: bool = False,
             progress: bool = True, stop_after_layers: int | None = None) -> dict:
     """Convert a dense checkpoint to CMoE and save it at `out`; returns the manifest.
 
@@ -56,10 +57,14 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     An MoE `model` (a converted cmoe_jax MoE, Qwen3-MoE, Mixtral) is carved hierarchically:
     `plan` is then the per-expert plan S'A'E' (`cmoe_jax.convert.hierarchical`), each expert
     profiled on the tokens its router sends it, or all tokens below `min_expert_tokens`.
+
+    `stream`: read, convert and write one decoder layer at a time (`cmoe_jax.convert.streamed`:
+    peak host memory about one layer, for models larger than one host); dense sources only.
     """
     from cmoe_jax.convert import hierarchical
     from cmoe_jax.data import calibration_windows, load_text_tokens
-    from cmoe_jax.loading import load_config, load_model, load_tokenizer
+    from cmoe_jax.convert.streamed import convert_streamed
+    from cmoe_jax.loading import load_config, load_model, load_tokenizer, open_source
 
     t_start = time.perf_counter()
     out = Path(out)
@@ -76,6 +81,9 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
         if expert_parallel > 1:
             raise ConversionError("--expert-parallel is not supported for an MoE source "
                                   "(hierarchical carving) yet: leave it at 1")
+        if stream:
+            raise ConversionError("--stream is not supported for an MoE source (hierarchical "
+                                  "carving) yet: drop --stream")
     else:
         try:
             plan.validate(cfg.intermediate_size, k_act)
@@ -104,8 +112,11 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     (staging / "layers").mkdir(parents=True, exist_ok=True)
     write_json_atomic(staging / "progress.json", settings)
 
+    final = staging / "final"
+    shutil.rmtree(final, ignore_errors=True)
     t_load = time.perf_counter()
-    lm = load_model(model, dtype=jnp.float32, progress=progress)
+    if not stream:
+        lm = load_model(model, dtype=jnp.float32, progress=progress)
     t_conv = time.perf_counter()
 
     class _Stop(Exception):
@@ -121,6 +132,11 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
             moe_model, records = hierarchical.convert_moe_model(
                 lm.model, windows, cc, progress=progress, done=done, on_layer=on_layer,
                 min_tokens=min_expert_tokens)
+        elif stream:
+            moe_model = None
+            moe_config, records = convert_streamed(
+                open_source(path), cfg, windows, cc, final, progress=progress, done=done,
+                on_layer=on_layer, expert_parallel=expert_parallel)
         else:
             moe_model, records = convert_model(lm.model, windows, cc, progress=progress, done=done,
                                                on_layer=on_layer, expert_parallel=expert_parallel)
@@ -152,9 +168,10 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     if hier:
         stage_seconds["carve"] = sum(r.seconds.get("carve", 0) for r in records)
         manifest.update(hierarchical.manifest_fields(cfg, cc, records, min_expert_tokens))
-    final = staging / "final"
-    shutil.rmtree(final, ignore_errors=True)
-    save_converted(moe_model, manifest, final, tokenizer=lm.tokenizer)
+    if stream:
+        write_manifest(final, moe_config, dict(manifest, state_layout=PER_LAYER), tokenizer)
+    else:
+        save_converted(moe_model, manifest, final, tokenizer=lm.tokenizer)
     if report and hier:
         from cmoe_jax.convert.hier_report import write_hier_report
 

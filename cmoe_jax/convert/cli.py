@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="split each converted layer's routed experts over N devices (all-to-all "
                         "token exchange) when it runs forward; the batch uses the rest (default 1)")
+    p.add_argument("--stream", action="store_true",
+                   help="read, convert and write one decoder layer at a time (peak host memory "
+                        "about one layer: models larger than the host's memory); dense sources")
     ew = p.add_argument_group("expertweaver (with --method expertweaver; --experts is N_e, default 64)")
     ew.add_argument("--sparsity", type=float, default=0.25, help="share of experts inactive per token")
     ew.add_argument("--alpha-min", type=float, default=0.2)
@@ -113,6 +116,8 @@ def run_expertweaver(args) -> dict:
                         "not --config/--shared/--active")
     if args.expert_parallel != 1:
         raise CmoeError("--expert-parallel is not supported with --method expertweaver yet: leave it at 1")
+    if args.stream:
+        raise CmoeError("--stream is not supported with --method expertweaver yet: drop --stream")
     cc = WeaveConfig(experts=args.experts or 64, sparsity=args.sparsity, alpha_min=args.alpha_min,
                      alpha_max=args.alpha_max, tau=args.tau, assignment=args.assignment, seed=args.seed)
     return convert_expertweaver(args.model, cc, out=Path(args.out), data_path=args.data_path,
@@ -133,8 +138,7 @@ def run(args) -> dict:
                    seed=args.seed, router_fit_tokens=args.router_fit_tokens,
                    shared_by=args.shared_by, resume=args.resume, **router_options(args),
                    expert_parallel=args.expert_parallel, min_expert_tokens=args.min_expert_tokens,
-                   overwrite=args.overwrite,
-                   report=args.report)
+                   overwrite=args.overwrite, report=args.report, stream=args.stream)
 
 
 def main(argv=None) -> int:

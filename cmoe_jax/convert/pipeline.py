@@ -212,6 +212,29 @@ def assemble(model: Decoder, cfg_moe: ModelConfig, ffns: list[nnx.Module]) -> De
     return nnx.merge(graphdef, new_state)
 
 
+def convert_layer(cfg: ModelConfig, layer, index: int, h, rope, cc: ConvertConfig, mesh,
+                  done: LayerRecord | None = None):
+    """Dense decoder layer `index` converted on the calibration stream `h` [N, T, d]:
+    (residual stream after the converted layer, its MoE FFN, its record). With `done` (a
+    resumed layer) the partition is reused; only the router fit and forward are re-run."""
+    h_mid, x, t_attn = layer_ffn_input(layer, index, h, rope, mesh)
+    if done is not None:
+        record = done
+    else:
+        carving, mu, secs = carve_one_layer(layer, x, cc)
+        record = LayerRecord(carving, mu, np.zeros(0), dict(secs, attention=t_attn))
+    t1 = time.perf_counter()
+    ffn = build_moe_ffn(cfg, cc, slices_for(layer, record.carving), layer.mlp.gate[...].dtype)
+    if cc.router_scale:
+        record.router_scales = fit_router_scales(ffn, x, cc, mesh)
+    fg, fs = nnx.split(ffn)
+    with jax.set_mesh(mesh):  # an "expert" axis makes MoEFFN run expert-parallel
+        h, load = ffn_residual_step(fg, place_state(fs, shardings_of(ffn, mesh)), h_mid, x)
+    record.load = np.asarray(load)
+    record.seconds["route_and_forward"] = time.perf_counter() - t1
+    return h, ffn, record
+
+
 def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devices=None,
                   progress: bool = True, done: list[LayerRecord] | None = None,
                   on_layer: Callable[[int, LayerRecord], None] | None = None,
@@ -232,23 +255,8 @@ def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devic
     records, ffns = [], []
     bar = tqdm(range(cfg.num_layers), desc=f"converting to {cc.plan.name}", disable=not progress)
     for i in bar:
-        layer = model.layers[i]
-        h_mid, x, t_attn = layer_ffn_input(layer, i, h, rope, mesh)
-        if i < len(done):
-            record = done[i]
-        else:
-            carving, mu, secs = carve_one_layer(layer, x, cc)
-            record = LayerRecord(carving, mu, np.zeros(0), dict(secs, attention=t_attn))
-        t1 = time.perf_counter()
-        ffn = build_moe_ffn(cfg, cc, slices_for(layer, record.carving), model.dtype)
-        if cc.router_scale:
-            record.router_scales = fit_router_scales(ffn, x, cc, mesh)
-        fg, fs = nnx.split(ffn)
-        with jax.set_mesh(mesh):  # an "expert" axis makes MoEFFN run expert-parallel
-            h, load = ffn_residual_step(fg, place_state(fs, shardings_of(ffn, mesh)), h_mid, x)
-        record.load = np.asarray(load)
-        record.seconds["route_and_forward"] = time.perf_counter() - t1
-        del h_mid, x
+        h, ffn, record = convert_layer(cfg, model.layers[i], i, h, rope, cc, mesh,
+                                       done[i] if i < len(done) else None)
         ffns.append(ffn)
         records.append(record)
         if i >= len(done) and on_layer is not None:

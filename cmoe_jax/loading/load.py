@@ -22,7 +22,7 @@ from cmoe_jax.loading import hf_names
 from cmoe_jax.loading.sources import GGUFSource, TensorSource, open_source
 from cmoe_jax.loading.tokenizer import Tokenizer, load_tokenizer
 from cmoe_jax.loading.zoo import resolve
-from cmoe_jax.models import Decoder, ModelConfig
+from cmoe_jax.models import Decoder, DecoderLayer, ModelConfig
 from cmoe_jax.sharding import make_mesh, place_state, shardings_of
 
 
@@ -60,31 +60,61 @@ def _to_dtype(a: np.ndarray, dtype) -> np.ndarray:
     return np.asarray(a).astype(jnp.dtype(dtype), copy=False)
 
 
-def load_weights(source: TensorSource, cfg: ModelConfig, *, dtype=jnp.float32, mesh=None,
-                 progress: bool = True) -> Decoder:
-    """Fill an abstract Decoder from a tensor source, placing each tensor on its sharding."""
-    mesh = mesh if mesh is not None else make_mesh(devices=jax.local_devices())
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected: tuple,
+                   dtype) -> np.ndarray:
+    """One Decoder parameter (state `path`) from the source, shape-checked and cast."""
+    if path[-1] in hf_names._EXPERT_NAMES and path[2] == "mlp":
+        name = f"model.layers.{path[1]}.mlp.experts.*.{path[3]}"
+        arr = hf_names.fetch_experts(source, path, expected[0])
+    else:
+        name, arr = hf_names.fetch(source, path, cfg.tie_word_embeddings)
+    if tuple(arr.shape) != tuple(expected):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)} but the config "
+                              f"implies {tuple(expected)}: config.json does not match the weights")
+    return _to_dtype(arr, dtype)
+
+
+def _fill(source: TensorSource, cfg: ModelConfig, abstract: nnx.Module, prefix: tuple, *, dtype,
+          mesh, desc: str | None = None):
+    """`abstract` (a Decoder or one of its layers, at state path `prefix`) with every
+    parameter read from the source and placed on its sharding, one tensor at a time."""
     graphdef, state = nnx.split(abstract)
     shardings = shardings_of(abstract, mesh)
-    bar = tqdm(total=len(shardings), desc="loading weights", disable=not progress, leave=False)
+    bar = tqdm(total=len(shardings), desc=desc, disable=desc is None, leave=False)
 
     def read(path, abstract_value):
-        expected = tuple(abstract_value.shape)
-        if path[-1] in hf_names._EXPERT_NAMES and path[2] == "mlp":
-            name = f"model.layers.{path[1]}.mlp.experts.*.{path[3]}"
-            arr = hf_names.fetch_experts(source, path, expected[0])
-        else:
-            name, arr = hf_names.fetch(source, path, cfg.tie_word_embeddings)
-        if tuple(arr.shape) != expected:
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)} but the config "
-                                  f"implies {expected}: config.json does not match the weights")
         bar.update(1)
-        return _to_dtype(arr, dtype)
+        return read_parameter(source, cfg, prefix + tuple(path), abstract_value.shape, dtype)
 
     state = place_state(state, shardings, read)
     bar.close()
     return nnx.merge(graphdef, state)
+
+
+def _default_mesh(mesh):
+    return mesh if mesh is not None else make_mesh(devices=jax.local_devices())
+
+
+def load_weights(source: TensorSource, cfg: ModelConfig, *, dtype=jnp.float32, mesh=None,
+                 progress: bool = True) -> Decoder:
+    """Fill an abstract Decoder from a tensor source, placing each tensor on its sharding."""
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    return _fill(source, cfg, abstract, (), dtype=dtype, mesh=_default_mesh(mesh),
+                 desc="loading weights" if progress else None)
+
+
+def load_outer(source: TensorSource, cfg: ModelConfig, *, dtype=jnp.float32, mesh=None) -> Decoder:
+    """The model without its decoder layers (embedding, final norm, LM head): what a
+    streamed job holds besides the one layer it works on."""
+    return load_weights(source, dataclasses.replace(cfg, num_layers=0, moe_layers=()),
+                        dtype=dtype, mesh=mesh, progress=False)
+
+
+def load_layer(source: TensorSource, cfg: ModelConfig, index: int, *, dtype=jnp.float32,
+               mesh=None) -> DecoderLayer:
+    """Decoder layer `index` alone, read from the source now."""
+    abstract = nnx.eval_shape(lambda: DecoderLayer(cfg, index, dtype=dtype, rngs=nnx.Rngs(0)))
+    return _fill(source, cfg, abstract, ("layers", index), dtype=dtype, mesh=_default_mesh(mesh))
 
 
 def load_converted(directory: Path, *, dtype=jnp.float32, mesh=None) -> LoadedModel:

@@ -1,0 +1,77 @@
+"""CMoE conversion streamed from the checkpoint: one decoder layer in memory at a time.
+
+`convert_model` needs the whole dense model in memory; a 70B model does not fit one host.
+Here each layer's weights are read from the checkpoint (safetensors shards, GGUF) only when
+the calibration stream reaches it, converted by the same `convert_layer`, written to the
+output as its own checkpoint piece and dropped. Peak host memory is about one dense layer
+(plus its carved copy) and one layer's calibration activations, whatever the depth; the
+embedding and LM head are read once, written, and dropped before the first layer.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from cmoe_jax.checkpoint import PER_LAYER, layer_part, save_state_part, without_layers
+from cmoe_jax.convert.pipeline import (ConvertConfig, LayerRecord, conversion_mesh, convert_layer,
+                                       moe_spec, validate)
+from cmoe_jax.loading.load import load_layer, load_outer
+from cmoe_jax.loading.sources import TensorSource
+from cmoe_jax.models import DecoderLayer, ModelConfig
+from cmoe_jax.profiling.layerwise import start_pass
+
+
+def converted_layer_state(cfg_moe: ModelConfig, index: int, dense_layer, ffn) -> nnx.State:
+    """The state of converted layer `index`: the dense layer's attention and norms, the
+    carved MoE FFN in place of its SwiGLU."""
+    abstract = nnx.eval_shape(lambda: DecoderLayer(cfg_moe, index, dtype=jnp.float32,
+                                                   rngs=nnx.Rngs(0)))
+    values = nnx.to_pure_dict(nnx.state(dense_layer))
+    values["mlp"] = nnx.to_pure_dict(nnx.state(ffn))
+    state = nnx.state(abstract)
+    nnx.replace_by_pure_dict(state, values)
+    return state
+
+
+def convert_streamed(source: TensorSource, cfg: ModelConfig, calib: np.ndarray, cc: ConvertConfig,
+                     out: Path, *, devices=None, progress: bool = True,
+                     done: list[LayerRecord] | None = None,
+                     on_layer: Callable[[int, LayerRecord], None] | None = None,
+                     expert_parallel: int = 1) -> tuple[ModelConfig, list[LayerRecord]]:
+    """Convert the dense model in `source` layer by layer, writing its state into `out`
+    (`out/state/rest`, `out/state/layer_NNNN`) -> (converted config, records).
+
+    The result equals `convert_model` on the loaded model (same steps, same order); the
+    caller adds the manifest (with `"state_layout": PER_LAYER`) to make `out` loadable.
+    `done`, `on_layer`, `expert_parallel`: as in `convert_model`.
+    """
+    calib = np.asarray(calib, np.int32)
+    validate(cfg, calib, cc)
+    done = list(done or [])
+    mesh = conversion_mesh(cc, calib.shape[0], devices, expert_parallel)
+    outer = load_outer(source, cfg, dtype=jnp.float32, mesh=mesh)
+    save_state_part(out, "rest", without_layers(nnx.state(outer)))
+    h, rope = start_pass(outer, calib, mesh)
+    del outer
+    cfg_moe = cfg.with_moe_layers([moe_spec(cfg, cc)] * cfg.num_layers)
+    records = []
+    bar = tqdm(range(cfg.num_layers), desc=f"converting to {cc.plan.name} (streamed)",
+               disable=not progress)
+    for i in bar:
+        layer = load_layer(source, cfg, i, dtype=jnp.float32, mesh=mesh)
+        h, ffn, record = convert_layer(cfg, layer, i, h, rope, cc, mesh,
+                                       done[i] if i < len(done) else None)
+        save_state_part(out, layer_part(i), converted_layer_state(cfg_moe, i, layer, ffn))
+        del layer, ffn
+        records.append(record)
+        if i >= len(done) and on_layer is not None:
+            on_layer(i, record)
+    return cfg_moe, records
+
+
+__all__ = ["PER_LAYER", "convert_streamed", "converted_layer_state"]

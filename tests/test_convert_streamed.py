@@ -1,0 +1,139 @@
+"""Streamed (layer-by-layer) CMoE conversion against the in-memory path: the same model, bit
+for bit, with each layer's weights read only when the calibration stream reaches it."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from cmoe_jax.carving import MoEPlan
+from cmoe_jax.checkpoint import PER_LAYER, restore_model
+from cmoe_jax.convert import ConvertConfig, convert, convert_model
+from cmoe_jax.convert.cli import main as convert_main
+from cmoe_jax.convert.streamed import convert_streamed
+from cmoe_jax.loading import load_config, load_model, open_source
+from cmoe_jax.loading.sources import TensorSource
+from tests.conftest import tiny_hf_model
+from tests.test_loading import _write_llama_gguf
+
+KW = dict(calib="wikitext2", calib_samples=2, seqlen=32, k_act=4, progress=False)
+
+
+def _assert_same_state(a, b):
+    fa, fb = nnx.to_flat_state(nnx.state(a)), nnx.to_flat_state(nnx.state(b))
+    assert [p for p, _ in fa] == [p for p, _ in fb]
+    for (p, x), (_, y) in zip(fa, fb):
+        np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()),
+                                      err_msg=str(p))
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied"])
+def test_streamed_conversion_equals_in_memory(save_tiny, tmp_path, family):
+    """Same manifest partitions and bitwise-equal parameters as the in-memory conversion;
+    the output is written per layer (state/layer_NNNN, state/rest) and loads like any other."""
+    from tests.conftest import save_tiny_tokenizer, write_random_text
+
+    _, path = save_tiny(family, intermediate_size=64)
+    save_tiny_tokenizer(path)
+    text = write_random_text(tmp_path / "calib.txt", 2000)
+    plan = MoEPlan.parse("S1A2E8")
+    convert(str(path), plan, out=tmp_path / "memory", data_path=str(text), **KW)
+    convert(str(path), plan, out=tmp_path / "streamed", data_path=str(text), stream=True, **KW)
+    a = json.loads((tmp_path / "memory" / "cmoe_manifest.json").read_text())
+    b = json.loads((tmp_path / "streamed" / "cmoe_manifest.json").read_text())
+    assert b["state_layout"] == PER_LAYER and "state_layout" not in a
+    assert a["layers"] == b["layers"] and a["model_config"] == b["model_config"]
+    parts = sorted(p.name for p in (tmp_path / "streamed" / "state").iterdir())
+    assert parts == ["layer_0000", "layer_0001", "rest"]
+    _assert_same_state(restore_model(tmp_path / "memory"), restore_model(tmp_path / "streamed"))
+
+
+class _Recording(TensorSource):
+    """A source that logs every tensor read, to check the order of reads and writes."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def names(self):
+        return self.inner.names()
+
+    def __contains__(self, name):
+        return name in self.inner
+
+    def get(self, name):
+        self.log.append(("read", name))
+        return self.inner.get(name)
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") else None
+
+
+@pytest.mark.parametrize("fmt, family", [("safetensors", "llama"), ("safetensors", "qwen2"),
+                                         ("gguf", "llama")])
+def test_each_layer_is_read_after_the_previous_one_is_written(tmp_path, fmt, family):
+    """Layer i+1's tensors are read only once layer i is converted and written; every tensor
+    is read once; the result equals `convert_model` on the fully loaded model."""
+    hf = tiny_hf_model(family, intermediate_size=64, num_hidden_layers=3)
+    if fmt == "gguf":
+        path = tmp_path / "tiny.gguf"
+        _write_llama_gguf(hf, path)
+    else:
+        path = tmp_path / "tiny"
+        hf.save_pretrained(path)
+    cfg, _ = load_config(str(path))
+    calib = np.random.default_rng(0).integers(0, 96, size=(2, 32)).astype(np.int32)
+    cc = ConvertConfig(plan=MoEPlan.parse("S1A2E8"), k_act=4)
+    log = []
+    out = tmp_path / "out"
+
+    def on_layer(i, record):
+        assert (out / "state" / f"layer_{i:04d}").exists()
+        log.append(("written", i))
+
+    cfg_moe, records = convert_streamed(_Recording(open_source(path), log), cfg, calib, cc, out,
+                                        progress=False, on_layer=on_layer)
+    reads = [name for kind, name in log if kind == "read"]
+    assert len(reads) == len(set(reads))  # nothing read twice
+    written = -1
+    for kind, what in log:
+        if kind == "written":
+            assert what == written + 1
+            written = what
+        elif _layer_of(what) is not None:
+            assert _layer_of(what) == written + 1, f"{what} read while layer {written} was the last written"
+    assert written == cfg.num_layers - 1
+
+    dense = load_model(str(path), progress=False).model
+    moe, expected = convert_model(dense, calib, cc, progress=False)
+    for r, e in zip(records, expected):
+        np.testing.assert_array_equal(r.carving.expert_idx, e.carving.expert_idx)
+        np.testing.assert_array_equal(r.load, e.load)
+    assert cfg_moe == moe.config
+
+
+def test_interrupted_streamed_conversion_resumes_identically(tiny_checkpoint, tmp_path):
+    _, path, text = tiny_checkpoint
+    plan = MoEPlan.parse("S1A1E8")
+    kw = dict(KW, data_path=str(text), stream=True)
+    convert(str(path), plan, out=tmp_path / "full", **kw)
+    r = convert(str(path), plan, out=tmp_path / "resumed", stop_after_layers=1, **kw)
+    assert r["out"] is None and not (tmp_path / "resumed").exists()
+    convert(str(path), plan, out=tmp_path / "resumed", resume=True, **kw)
+    _assert_same_state(restore_model(tmp_path / "full"), restore_model(tmp_path / "resumed"))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--method", "expertweaver", "--experts", "8"], "--stream is not supported with --method expertweaver"),
+])
+def test_stream_refused_where_unsupported(tiny_checkpoint, tmp_path, capsys, extra, message):
+    _, path, text = tiny_checkpoint
+    out = tmp_path / "out"
+    argv = ["--model", str(path), "--data-path", str(text), "--out", str(out), "--stream", *extra]
+    assert convert_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and err.count("\n") == 1, err
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
