@@ -58,6 +58,7 @@ def convert_streamed(source: TensorSource, cfg: ModelConfig, calib: np.ndarray, 
     save_state_part(out, "rest", without_layers(nnx.state(outer)))
     h, rope = start_pass(outer, calib, mesh)
     del outer
+    source.release()
     cfg_moe = cfg.with_moe_layers([moe_spec(cfg, cc)] * cfg.num_layers)
     records = []
     bar = tqdm(range(cfg.num_layers), desc=f"converting to {cc.plan.name} (streamed)",
@@ -66,8 +67,11 @@ def convert_streamed(source: TensorSource, cfg: ModelConfig, calib: np.ndarray, 
         layer = load_layer(source, cfg, i, dtype=jnp.float32, mesh=mesh)
         h, ffn, record = convert_layer(cfg, layer, i, h, rope, cc, mesh,
                                        done[i] if i < len(done) else None)
-        save_state_part(out, layer_part(i), converted_layer_state(cfg_moe, i, layer, ffn))
-        del layer, ffn
+        state = converted_layer_state(cfg_moe, i, layer, ffn)
+        del layer, ffn  # the dense FFN goes before the save's buffers arrive
+        save_state_part(out, layer_part(i), state)
+        del state
+        source.release()
         records.append(record)
         if i >= len(done) and on_layer is not None:
             on_layer(i, record)

@@ -30,6 +30,11 @@ class TensorSource(abc.ABC):
     def __contains__(self, name: str) -> bool:
         return name in set(self.names())
 
+    def release(self) -> None:
+        """Drop the file pages read so far from this process's memory. A memory-mapped file
+        keeps every page it touched resident in the reader's address space; a streamed job
+        calls this after each layer so its footprint stays one layer, not the whole file."""
+
 
 class _InMemoryIndex(TensorSource):
     """A source whose `_tensors` dict maps every name to a lazily read handle."""
@@ -56,9 +61,19 @@ class SafetensorsSource(TensorSource):
         else:
             files = ["model.safetensors"]
             weight_map = None
+        self._directory, self._files = directory, files
+        self.release()
+        if weight_map is None:
+            weight_map = {n: files[0] for n in self._handles[files[0]].keys()}
+        self._where = weight_map
+
+    def release(self):
+        """(Re)open every shard: closing a `safe_open` handle unmaps its file."""
+        from safetensors import safe_open
+
         self._handles = {}
-        for f in files:
-            path = directory / f
+        for f in self._files:
+            path = self._directory / f
             if not path.exists():
                 raise CheckpointError(f"checkpoint shard {path} is missing: re-download the model")
             try:
@@ -66,9 +81,6 @@ class SafetensorsSource(TensorSource):
             except Exception as e:  # safetensors raises its own error type for bad headers
                 raise CheckpointError(
                     f"{path} is corrupted or truncated ({e}): re-download the model") from e
-        if weight_map is None:
-            weight_map = {n: files[0] for n in self._handles[files[0]].keys()}
-        self._where = weight_map
 
     def names(self):
         return self._where.keys()
@@ -157,6 +169,15 @@ class GGUFSource(_InMemoryIndex):
                 self._tensors[hf] = t
             elif t.name == "rope_freqs.weight":
                 self._rope_freqs = t
+
+    def release(self):
+        """Advise the kernel that the mapped file's pages are not needed now (they are read
+        back from the page cache or disk when touched again)."""
+        import mmap
+
+        mapped = getattr(self.reader.data, "_mmap", None)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
 
     def field(self, key, default=None):
         f = self.reader.fields.get(key)

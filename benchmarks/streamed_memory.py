@@ -1,0 +1,173 @@
+"""Peak host memory of a streamed CMoE conversion against the model's size, on a synthetic
+checkpoint of Llama-2-7B-shaped layers (d = 4096, d_ff = 11008, 32 heads, vocabulary 32000,
+random bf16 weights, one safetensors shard per layer), and equality with the in-memory path.
+
+For each depth in --layers, two conversions run in fresh processes (their peak RSS is their
+own): `--stream` (one layer read, converted, written at a time) and the in-memory path
+(`load_model` + `convert_model` + save). The streamed peak should stay flat as the depth
+grows while the in-memory one grows with the model; the two outputs must be bit-identical.
+
+    python benchmarks/streamed_memory.py [--layers 2 4] [--config S1A1E8] [--work DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPE = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+             num_key_value_heads=32, vocab_size=32000)
+GIB = 2**30
+
+
+def write_checkpoint(directory: Path, layers: int, seed: int = 0) -> int:
+    """A Llama-2-7B-shaped checkpoint with `layers` decoder layers; returns its bytes."""
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+    from tqdm.auto import tqdm
+
+    directory.mkdir(parents=True)
+    d, f, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
+    config = dict(SHAPE, model_type="llama", architectures=["LlamaForCausalLM"],
+                  num_hidden_layers=layers, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
+    (directory / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape, scale):
+        return (rng.standard_normal(shape, np.float32) * scale).astype(ml_dtypes.bfloat16)
+
+    weight_map = {}
+
+    def shard(name, tensors):
+        save_file(tensors, str(directory / name))
+        weight_map.update({k: name for k in tensors})
+
+    shard("outer.safetensors", {"model.embed_tokens.weight": rand(v, d, scale=0.02),
+                                "model.norm.weight": np.ones(d, ml_dtypes.bfloat16),
+                                "lm_head.weight": rand(v, d, scale=0.02)})
+    for i in tqdm(range(layers), desc="writing synthetic layers", leave=False):
+        p = f"model.layers.{i}."
+        shard(f"layer{i:03d}.safetensors", {
+            p + "input_layernorm.weight": np.ones(d, ml_dtypes.bfloat16),
+            p + "post_attention_layernorm.weight": np.ones(d, ml_dtypes.bfloat16),
+            **{p + f"self_attn.{n}.weight": rand(d, d, scale=d ** -0.5)
+               for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+            p + "mlp.gate_proj.weight": rand(f, d, scale=d ** -0.5),
+            p + "mlp.up_proj.weight": rand(f, d, scale=d ** -0.5),
+            p + "mlp.down_proj.weight": rand(d, f, scale=f ** -0.5)})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+
+
+def convert_child(source: str, out: str, stream: bool, config: str, samples: int, seqlen: int) -> dict:
+    """One conversion in this (fresh) process; its peak RSS and seconds."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cmoe_jax.carving import MoEPlan
+    from cmoe_jax.checkpoint import PER_LAYER, save_converted, write_manifest
+    from cmoe_jax.convert import ConvertConfig, convert_model
+    from cmoe_jax.convert.streamed import convert_streamed
+    from cmoe_jax.loading import load_config, load_model, open_source
+
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cfg, _ = load_config(source)
+    calib = np.random.default_rng(0).integers(0, cfg.vocab_size, (samples, seqlen)).astype(np.int32)
+    cc = ConvertConfig(plan=MoEPlan.parse(config))
+    t0 = time.perf_counter()
+    if stream:
+        cfg_moe, _ = convert_streamed(open_source(Path(source)), cfg, calib, cc, Path(out))
+        write_manifest(Path(out), cfg_moe, {"state_layout": PER_LAYER})
+    else:
+        model = load_model(source, dtype=jnp.float32).model
+        moe, _ = convert_model(model, calib, cc)
+        del model
+        save_converted(moe, {}, Path(out))
+    return {"seconds": time.perf_counter() - t0, "peak_rss": resource.getrusage(
+        resource.RUSAGE_SELF).ru_maxrss * 1024, "rss_after_imports": base}
+
+
+def run_child(*args) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"child failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def same_state(a: str, b: str) -> bool:
+    """Every parameter of the two converted models bit-identical (restored one layer at a
+    time from their checkpoints would be leaner; whole models fit this benchmark's depths)."""
+    import numpy as np
+    from flax import nnx
+
+    from cmoe_jax.checkpoint import restore_model
+
+    fa = nnx.to_flat_state(nnx.state(restore_model(Path(a))))
+    fb = nnx.to_flat_state(nnx.state(restore_model(Path(b))))
+    return [p for p, _ in fa] == [p for p, _ in fb] and all(
+        np.array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()))
+        for (_, x), (_, y) in zip(fa, fb))
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        source, out, stream, config, samples, seqlen = sys.argv[2:]
+        print(json.dumps(convert_child(source, out, stream == "True", config, int(samples), int(seqlen))))
+        return
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--config", default="S1A1E8")
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--work", help="scratch directory (default: a temporary one, removed after)")
+    a = p.parse_args()
+    work = Path(a.work or tempfile.mkdtemp(prefix="streamed_memory_"))
+    from benchmarks.harness import load_average
+
+    print(f"load average {load_average():.2f} at start ({os.cpu_count()} cores)")
+    d, f, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
+    layer_f32 = (4 * d * d + 3 * d * f + 2 * d) * 4
+    outer_f32 = (2 * v * d + d) * 4
+    rows = []
+    try:
+        for n in a.layers:
+            src = work / f"llama7b_{n}layers"
+            disk = write_checkpoint(src, n)
+            model_f32 = n * layer_f32 + outer_f32
+            res = {}
+            for stream in (True, False):
+                out = work / f"out_{n}_{'streamed' if stream else 'memory'}"
+                res[stream] = run_child(src, out, stream, a.config, a.samples, a.seqlen)
+            equal = same_state(str(work / f"out_{n}_streamed"), str(work / f"out_{n}_memory"))
+            rows.append((n, disk, model_f32, res, equal))
+            print(f"{n} layers: checkpoint {disk / GIB:.2f} GiB bf16, model {model_f32 / GIB:.2f} GiB "
+                  f"float32 (one layer {layer_f32 / GIB:.2f} GiB); peak RSS streamed "
+                  f"{res[True]['peak_rss'] / GIB:.2f} GiB ({res[True]['seconds']:.0f} s), in memory "
+                  f"{res[False]['peak_rss'] / GIB:.2f} GiB ({res[False]['seconds']:.0f} s); "
+                  f"outputs bit-identical: {equal}", flush=True)
+            shutil.rmtree(src)
+            for stream in ("streamed", "memory"):
+                shutil.rmtree(work / f"out_{n}_{stream}")
+    finally:
+        if not a.work:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"load average {load_average():.2f} at end")
+    if not all(r[4] for r in rows):
+        sys.exit("streamed and in-memory outputs differ")
+
+
+if __name__ == "__main__":
+    main()
