@@ -6,7 +6,7 @@ Builds compressed models of one base from cached calibration statistics (written
 size, the routed-expert bytes of the restored state (a scope's tied table counted once) and
 the device bytes the restore added (all live arrays after minus before).
 
-    python benchmarks/conmoe_memory.py --model /work/bases/smollm2-S3A3E8 --stats s3_stats.npz
+    python benchmarks/conmoe_memory.py --model bases/smollm2-S3A3E8 --stats s3_stats.npz
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 per scope size, the share of experts whose nearest expert (by d) lies in another layer, the
 spread of d, and how many prototypes adaptive selection gives each layer at rho 50%.
 
-    python benchmarks/conmoe_neighbours.py --model /work/bases/smollm2-S3A3E8 --stats s3_stats.npz
+    python benchmarks/conmoe_neighbours.py --model bases/smollm2-S3A3E8 --stats s3_stats.npz
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ saves) and measures its perplexity on the first 40 WikiText-2 test windows of 20
 (the protocol of `python -m cmoe_jax.eval --dataset wikitext2 --max-windows 40`). One JSON line
 per variant goes to --out; variants already there are skipped (rerun to continue).
 
-    python benchmarks/conmoe_table.py --model /work/bases/smollm2-S3A3E8 --out s3.jsonl
+    python benchmarks/conmoe_table.py --model bases/smollm2-S3A3E8 --out s3.jsonl
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (or HF) MoE split into random sub-experts with a random sub-router, at the same per-expert
 plan (so the same active width) as the CMoE carving; WikiText-2 perplexity on the test split.
 
-    python benchmarks/hier_random_baseline.py --model /work/bases/smollm2-S1A1E8 --config S1A1E4 \
+    python benchmarks/hier_random_baseline.py --model bases/smollm2-S1A1E8 --config S1A1E4 \
         --data-path ../shared/data/wikitext-2/test.txt --windows 40 [--seed 0]
 """
 from __future__ import annotations
