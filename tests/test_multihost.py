@@ -138,3 +138,33 @@ def test_bad_environment_is_one_error_line(tiny, tmp_path, env, message, module)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def _eval_json(tiny, args, processes, devices=1, name="r"):
+    out = tiny / f"{name}_{processes}x{devices}.json"
+    launch("cmoe_jax.eval", ["--model", tiny / "model", *args, "--no-progress", "--json", out],
+           processes, devices)
+    return json.loads(out.read_text())
+
+
+def test_perplexity_equals_single_process(tiny):
+    """Windows split over the processes, per-window NLLs gathered in order and summed once."""
+    args = ["--dataset", "wikitext2", "--data-path", tiny / "text.txt", "--seqlen", "32",
+            "--max-windows", "7"]
+    one = _eval_json(tiny, args, 1, name="ppl")
+    for processes in (2, 4):
+        many = _eval_json(tiny, args, processes, name="ppl")
+        assert many["windows"] == one["windows"] == 7 and many["tokens"] == one["tokens"]
+        assert many["nll"] == one["nll"] and many["ppl"] == one["ppl"]
+
+
+def test_multiple_choice_equals_single_process(tiny):
+    """Questions split over the processes, per-question log-likelihoods gathered in order."""
+    args = ["--task", "arc_easy", "--data-path", tiny / "arc.jsonl"]
+    one = _eval_json(tiny, args, 1, name="arc")
+    many = _eval_json(tiny, args, 2, name="arc")
+    assert many["items"] == one["items"] == 10
+    for key in ("acc", "acc_norm", "acc_stderr", "acc_norm_stderr"):
+        assert many[key] == one[key], key
+    np.testing.assert_allclose(np.concatenate(many["loglikelihoods"]),
+                               np.concatenate(one["loglikelihoods"]), rtol=1e-6)
