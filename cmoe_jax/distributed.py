@@ -227,3 +227,15 @@ def replicated_global(tree):
 
     sharding = NamedSharding(Mesh(np.array(jax.devices()), ("processes",)), P())
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
+
+
+def require_single_process(job: str) -> None:
+    """For the jobs that do not split their work: fail before any work when the environment
+    describes a multi-process run (rather than run the whole job once per process)."""
+    check_environment()
+    auto = os.environ.get("CMOE_DISTRIBUTED", "").strip() == "auto"
+    settings = _env_settings(os.environ)
+    if auto or (settings is not None and settings[1] > 1):
+        raise DistributedError(f"{job} does not run over several processes yet: start it as one "
+                               "process (unset JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+                               "JAX_PROCESS_ID and CMOE_DISTRIBUTED)")

@@ -166,5 +166,67 @@ def test_multiple_choice_equals_single_process(tiny):
     assert many["items"] == one["items"] == 10
     for key in ("acc", "acc_norm", "acc_stderr", "acc_norm_stderr"):
         assert many[key] == one[key], key
-    np.testing.assert_allclose(np.concatenate(many["loglikelihoods"]),
-                               np.concatenate(one["loglikelihoods"]), rtol=1e-6)
+    assert many["loglikelihoods"] == one["loglikelihoods"]
+
+
+def test_train_refuses_several_processes(tiny, tmp_path):
+    """Training does not split its batches over processes yet: one error line, nothing written."""
+    env = dict(JAX_COORDINATOR_ADDRESS="127.0.0.1:1", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0")
+    r = subprocess.run([sys.executable, "-m", "cmoe_jax.train", "--model", str(tiny / "model"),
+                        "--data-path", str(tiny / "text.txt"), "--samples", "4", "--seqlen", "32",
+                        "--out", str(tmp_path / "out")], cwd=ROOT, env=_env(1, **env),
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: python -m cmoe_jax.train does not run over several processes yet: start it as one "
+        "process (unset JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID and CMOE_DISTRIBUTED)"]
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("extra, refused", [(["--stream"], "--stream"),
+                                            (["--method", "expertweaver"], "--method expertweaver")])
+def test_conversion_refuses_unsplit_modes_on_every_process(tiny, tmp_path, extra, refused):
+    port = _free_port()
+    args = [a for a in _convert_args(tiny, tmp_path / "out") if a != "S1A2E8" and a != "--config"]
+    if "--stream" in extra:
+        args += ["--config", "S1A2E8"]
+    procs = [subprocess.Popen([sys.executable, "-m", "cmoe_jax.convert", *map(str, args + extra)],
+                              cwd=ROOT, env=_env(1, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                                 JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=TIMEOUT)
+            assert p.returncode == 2, err[-2000:]
+            assert f"error: {refused} not supported in a multi-process run (2 processes)" in err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert not (tmp_path / "out").exists()
+
+
+def _cli_flags(module: str) -> str:
+    import contextlib
+    import importlib
+    import io
+
+    cli = importlib.import_module(f"cmoe_jax.{module}.cli")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("script", ["tpu_pod_slice.sh", "multi_gpu_host.sh"])
+def test_job_scripts_parse_and_use_real_flags(script):
+    import re
+
+    path = ROOT / "convert" / script
+    subprocess.run(["bash", "-n", str(path)], check=True, timeout=30)
+    text = path.read_text().replace("\\\n", " ")
+    commands = re.findall(r"-m cmoe_jax\.(\w+)([^\n]*)", text)
+    assert {m for m, _ in commands} == {"convert", "eval"}
+    for module, rest in commands:
+        help_text = _cli_flags(module)
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest):
+            assert re.search(rf"{flag}\b", help_text), f"{script}: {module} has no {flag}"
