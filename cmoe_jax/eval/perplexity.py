@@ -4,12 +4,14 @@ Each window of T tokens predicts its last T-1 tokens (labels tokens[1:], logits[
 perplexity is exp of the mean token negative log-likelihood over all windows (the GPTQ
 evaluation convention).
 
-Data parallelism: a `Mesh` with a "data" axis (by default over `jax.devices()`); the
+Data parallelism: a `Mesh` with a "data" axis (by default over this process's devices); the
 parameters are replicated (or kept sharded over a "model" axis when the mesh has one), each
 step's batch of windows is sharded over "data" and holds a multiple of that axis' size;
 the last batch is padded with dummy windows whose NLL is dropped. One jit-compiled step
 returns the summed NLL of every window (log-softmax in float32 on device; the logits never
-reach the host) and the host accumulates in float64.
+reach the host); the per-window NLLs are summed on the host in float64, in window order. Over
+several processes (`cmoe_jax.distributed`) each takes its share of the windows and the
+per-window NLLs are gathered before that sum, so the result has the single-process bits.
 """
 from __future__ import annotations
 
