@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -71,6 +70,16 @@ def write_checkpoint(directory: Path, layers: int, seed: int = 0) -> int:
     return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
 
 
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM), in bytes. Not `getrusage`'s ru_maxrss: Linux
+    carries that across exec from the parent's address space, so a child started by a parent
+    that once held a large model would report the parent's peak as its own."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (this benchmark needs Linux)")
+
+
 def convert_child(source: str, out: str, stream: bool, config: str, samples: int, seqlen: int) -> dict:
     """One conversion in this (fresh) process; its peak RSS and seconds."""
     import jax.numpy as jnp
@@ -82,7 +91,7 @@ def convert_child(source: str, out: str, stream: bool, config: str, samples: int
     from cmoe_jax.convert.streamed import convert_streamed
     from cmoe_jax.loading import load_config, load_model, open_source
 
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = peak_rss()
     cfg, _ = load_config(source)
     calib = np.random.default_rng(0).integers(0, cfg.vocab_size, (samples, seqlen)).astype(np.int32)
     cc = ConvertConfig(plan=MoEPlan.parse(config))
@@ -95,8 +104,8 @@ def convert_child(source: str, out: str, stream: bool, config: str, samples: int
         moe, _ = convert_model(model, calib, cc)
         del model
         save_converted(moe, {}, Path(out))
-    return {"seconds": time.perf_counter() - t0, "peak_rss": resource.getrusage(
-        resource.RUSAGE_SELF).ru_maxrss * 1024, "rss_after_imports": base}
+    return {"seconds": time.perf_counter() - t0, "peak_rss": peak_rss(),
+            "rss_after_imports": base}
 
 
 def run_child(*args) -> dict:
