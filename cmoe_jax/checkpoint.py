@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from cmoe_jax import distributed
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.models import Decoder, ModelConfig
 from cmoe_jax.sharding import make_mesh, place_state, shardings_of
@@ -75,11 +76,16 @@ def is_converted(path: Path) -> bool:
 def save_converted(model: Decoder, manifest: dict, directory: Path, tokenizer=None) -> None:
     """Write model state, tokenizer and manifest into `directory` (which must not exist yet)."""
     directory = Path(directory)
-    directory.mkdir(parents=True)
+    if distributed.is_main():
+        directory.mkdir(parents=True)
+    distributed.barrier("save_converted:mkdir")
+    # every process calls Orbax (it needs all of them); each piece is written once
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save((directory / "state").absolute(), nnx.state(model))
+    checkpointer.save((directory / "state").absolute(), distributed.replicated_global(nnx.state(model)))
     checkpointer.wait_until_finished()
-    write_manifest(directory, model.config, manifest, tokenizer)
+    if distributed.is_main():
+        write_manifest(directory, model.config, manifest, tokenizer)
+    distributed.barrier("save_converted:manifest")
 
 
 def write_manifest(directory: Path, config: ModelConfig, manifest: dict, tokenizer=None) -> None:

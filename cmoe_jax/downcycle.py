@@ -90,6 +90,9 @@ def first_layers(model, n: int):
 
 
 def run(args) -> dict:
+    from cmoe_jax import distributed
+
+    distributed.require_single_process("python -m cmoe_jax.downcycle")
     from cmoe_jax.checkpoint import publish, staging_dir
     from cmoe_jax.data import load_text_tokens
     from cmoe_jax.train.checkpoint import check_run_config, write_run_config

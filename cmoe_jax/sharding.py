@@ -44,10 +44,11 @@ class ShardingError(CmoeError):
 def make_mesh(data: int | None = None, model: int = 1, *, expert: int = 1, devices=None) -> Mesh:
     """A ("data", "model") mesh, with an "expert" axis in between when `expert > 1`.
 
-    `data` defaults to every device left over by the other axes (`jax.devices()` unless
+    `data` defaults to every device left over by the other axes (this process's devices,
+    `jax.local_devices()`: meshes never span processes, see `cmoe_jax.distributed`, unless
     `devices` is given); the mesh uses the first data * expert * model devices.
     """
-    devices = list(jax.devices() if devices is None else devices)
+    devices = list(jax.local_devices() if devices is None else devices)
     if data is None:
         data = len(devices) // (model * expert)
     need = data * model * expert

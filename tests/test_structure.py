@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cmoe_jax"
 # sits below both `loading`, which reads it, and `convert` / `train`, which write it.
 LAYERS = [
     {"errors", "lora"},
-    {"sharding", "moe"},
+    {"distributed", "sharding", "moe"},
     {"models", "data"},
     {"checkpoint", "profiling", "carving"},
     {"loading"},

@@ -22,14 +22,19 @@ def _atopk(h: jax.Array, k_act: int) -> jax.Array:
     return jnp.zeros(h.shape, jnp.bool_).at[jnp.arange(h.shape[0])[:, None], top].set(True)
 
 
-@functools.partial(jax.jit, static_argnames=("k_act", "normalize"))
-def profile_layer(x, w_gate, w_up, w_down, *, k_act: int, normalize: bool = True):
+@functools.partial(jax.jit, static_argnames=("k_act", "normalize", "windows"))
+def profile_layer(x, w_gate, w_up, w_down, *, k_act: int, normalize: bool = True,
+                  windows: int | None = None):
     """(markers [N, d_h], mu [d_h], energy [d_h]) of one FFN from a single pair of matmuls.
 
     energy_i = mean over tokens of h_i^2 * ||W_down[i]||^2 on the plain (unnormalised) hidden
     state: the mean squared norm of neuron i's contribution to the FFN output, i.e. what
     leaving it out of the always-on set can cost. The normalised h of the markers is derived
     from the same pre-activations (x W / (|x| |w|)), so the profile costs one FFN pass.
+
+    `windows`: x holds that many equal windows of tokens, and energy is returned as each
+    window's sum [windows, d_h] instead of the mean: sums the caller can add up in a fixed
+    order, whichever process or device computed each window (`cmoe_jax.distributed`).
     """
     x = jnp.asarray(x).astype(jnp.float32)
     w_gate, w_up = jnp.asarray(w_gate).astype(jnp.float32), jnp.asarray(w_up).astype(jnp.float32)
@@ -44,5 +49,7 @@ def profile_layer(x, w_gate, w_up, w_down, *, k_act: int, normalize: bool = True
     markers = _atopk(h, k_act)
     mu = markers.sum(axis=0, dtype=jnp.int32).astype(jnp.float32) / markers.shape[0]
     down_sq = jnp.sum(jnp.square(jnp.asarray(w_down).astype(jnp.float32)), axis=1)
+    if windows is not None:
+        return markers, mu, jnp.square(plain).reshape(windows, -1, plain.shape[-1]).sum(1) * down_sq
     energy = jnp.mean(jnp.square(plain), axis=0) * down_sq
     return markers, mu, energy

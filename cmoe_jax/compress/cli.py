@@ -39,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args) -> dict:
+    from cmoe_jax import distributed
+
+    distributed.require_single_process("python -m cmoe_jax.compress")
     from cmoe_jax.compress.api import compress
 
     return compress(args.model, method=args.method, ratio=args.ratio, out=args.out,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from cmoe_jax import distributed
 from cmoe_jax.checkpoint import (MANIFEST, PER_LAYER, publish, save_converted, staging_dir,
                                  write_json_atomic, write_manifest)
 from cmoe_jax.convert.pipeline import (ConversionError, ConvertConfig, LayerRecord, check_router,
@@ -76,6 +77,8 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
                        router_fit_tokens=router_fit_tokens, shared_by=shared_by,
                        router_reps=router_reps)
     hier = hierarchical.is_moe(cfg)
+    distributed.refuse(**{"--resume": resume, "--stream": stream,
+                          "an MoE source (hierarchical carving)": hier})
     if hier:
         hierarchical.validate_moe(cfg, cc, min_expert_tokens)
         if expert_parallel > 1:
@@ -90,7 +93,9 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
         except ValueError as e:
             raise ConversionError(str(e)) from e
         check_router(cfg, cc)
-        conversion_mesh(cc, calib_samples, expert_parallel=expert_parallel)
+        # each process calibrates on its share of the windows (`cmoe_jax.distributed`)
+        conversion_mesh(cc, len(distributed.split_for_process(range(calib_samples))),
+                        expert_parallel=expert_parallel)
     if seqlen > cfg.max_position_embeddings:
         raise CmoeError(f"--seqlen {seqlen} exceeds the model's context "
                         f"({cfg.max_position_embeddings} positions)")
@@ -101,19 +106,22 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     if tokenizer is None:
         raise CmoeError(f"{path} has no tokenizer: calibration text cannot be tokenized")
     tokens = load_text_tokens(calib, tokenizer, split=calib_split, data_path=data_path)
-    windows = calibration_windows(tokens, calib_samples, seqlen, seed)
+    windows = distributed.split_for_process(calibration_windows(tokens, calib_samples, seqlen, seed))
     settings = {"model": str(model), **cc.to_dict(), "calib": calib, "calib_split": calib_split,
                 "data_path": data_path, "calib_samples": calib_samples, "seqlen": seqlen}
     if hier:
         settings["min_expert_tokens"] = min_expert_tokens
     staging = staging_dir(out)
-    done = _load_done(staging, settings, resume,
-                      (hierarchical.HierLayerRecord if hier else LayerRecord).from_json)
-    (staging / "layers").mkdir(parents=True, exist_ok=True)
-    write_json_atomic(staging / "progress.json", settings)
-
     final = staging / "final"
-    shutil.rmtree(final, ignore_errors=True)
+    main = distributed.is_main()  # the one process that writes files besides Orbax's state
+    done = []
+    if main:
+        done = _load_done(staging, settings, resume,
+                          (hierarchical.HierLayerRecord if hier else LayerRecord).from_json)
+        (staging / "layers").mkdir(parents=True, exist_ok=True)
+        write_json_atomic(staging / "progress.json", settings)
+        shutil.rmtree(final, ignore_errors=True)
+    distributed.barrier("convert:staging")
     t_load = time.perf_counter()
     if not stream:
         lm = load_model(model, dtype=jnp.float32, progress=progress)
@@ -123,7 +131,8 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
         pass
 
     def on_layer(i, record):
-        write_json_atomic(staging / "layers" / f"{i:04d}.json", record.to_json())
+        if main:
+            write_json_atomic(staging / "layers" / f"{i:04d}.json", record.to_json())
         if stop_after_layers is not None and i + 1 >= stop_after_layers:
             raise _Stop()
 
@@ -172,18 +181,20 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
         write_manifest(final, moe_config, dict(manifest, state_layout=PER_LAYER), tokenizer)
     else:
         save_converted(moe_model, manifest, final, tokenizer=lm.tokenizer)
-    if report and hier:
+    if report and hier and main:
         from cmoe_jax.convert.hier_report import write_hier_report
 
         write_hier_report(records, plan.name, stage_seconds, final / "report")
-    elif report:
+    elif report and main:
         from cmoe_jax.convert.report import write_report
 
         write_report(records, plan.name, stage_seconds, final / "report")
     stage_seconds["save"] = time.perf_counter() - t_save
     manifest["seconds"] = stage_seconds
-    write_json_atomic(final / MANIFEST,
-                      dict(json.loads((final / MANIFEST).read_text()), seconds=stage_seconds))
-    publish(final, out, overwrite)
-    shutil.rmtree(staging, ignore_errors=True)
+    if main:
+        write_json_atomic(final / MANIFEST,
+                          dict(json.loads((final / MANIFEST).read_text()), seconds=stage_seconds))
+        publish(final, out, overwrite)
+        shutil.rmtree(staging, ignore_errors=True)
+    distributed.barrier("convert:published")
     return dict(manifest, out=str(out))

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from cmoe_jax.convert.pipeline import ConvertConfig
+from cmoe_jax import distributed
 from cmoe_jax.errors import CmoeError, run_job
 
 
@@ -129,6 +130,8 @@ def run_expertweaver(args) -> dict:
 def run(args) -> dict:
     from cmoe_jax.convert.api import convert
 
+    distributed.initialize()
+    distributed.refuse(**{"--method expertweaver": args.method == "expertweaver"})
     if args.method == "expertweaver":
         return run_expertweaver(args)
     return convert(args.model, plan_from_args(args), out=Path(args.out), calib=args.calib,
@@ -146,5 +149,6 @@ def main(argv=None) -> int:
     result, code = run_job(run, args)
     if code:
         return code
-    print(json.dumps({k: result[k] for k in ("out", "config", "seconds")}, indent=1))
+    if distributed.is_main():
+        print(json.dumps({k: result[k] for k in ("out", "config", "seconds")}, indent=1))
     return 0

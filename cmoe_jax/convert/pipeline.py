@@ -18,10 +18,11 @@ from tqdm.auto import tqdm
 from cmoe_jax.carving import LayerCarving, MoEPlan, carve_layer, slice_ffn
 from cmoe_jax.carving.markers import profile_layer
 from cmoe_jax.carving.router import router_fit_sums, scale_router_up
+from cmoe_jax import distributed
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
-from cmoe_jax.profiling.layerwise import (calibration_mesh, ffn_residual_step, layer_ffn_input,
-                                          replicate, start_pass)
+from cmoe_jax.profiling.layerwise import (NonFiniteActivations, calibration_mesh, ffn_residual_step,
+                                          layer_ffn_input, replicate, start_pass)
 from cmoe_jax.sharding import place_state, shardings_of
 
 
@@ -162,18 +163,35 @@ def build_moe_ffn(cfg: ModelConfig, cc: ConvertConfig, slices: dict, dtype) -> n
 
 
 def carve_one_layer(layer, x, cc: ConvertConfig) -> tuple[LayerCarving, np.ndarray, dict]:
-    """Profile the FFN input x of one dense layer and carve its neurons."""
+    """Profile the FFN input x [N, T, d] of one dense layer and carve its neurons.
+
+    In a multi-process run each process profiles its own windows; markers and per-window
+    energy sums are gathered in window order and reduced as sums, so the statistics are the
+    single-process ones; the partition is carved once, on process 0, and broadcast."""
     t0 = time.perf_counter()
     mlp = layer.mlp
-    markers, mu, energy = profile_layer(x.reshape(-1, x.shape[-1]), mlp.gate[...], mlp.up[...],
-                                        mlp.down[...], k_act=cc.k_act, normalize=cc.normalize)
-    markers, mu, energy = np.asarray(markers), np.asarray(mu), np.asarray(energy)
+    markers, _, energy = profile_layer(x.reshape(-1, x.shape[-1]), mlp.gate[...], mlp.up[...],
+                                       mlp.down[...], k_act=cc.k_act, normalize=cc.normalize,
+                                       windows=x.shape[0])
+    markers = distributed.gather_rows(np.asarray(markers))
+    energy = distributed.gather_rows(np.asarray(energy)).astype(np.float64).sum(0)
+    tokens = markers.shape[0]
+    mu = markers.sum(axis=0, dtype=np.int64).astype(np.float32) / np.float32(tokens)
+    energy = (energy / tokens).astype(np.float32)
     t1 = time.perf_counter()
-    carving = carve_layer(markers, mu, cc.plan, k_act=cc.k_act, kmeans_iters=cc.kmeans_iters,
-                          router_neurons=cc.router_neurons,
-                          shared_score=energy if cc.shared_by == "energy" else None,
-                          representative_score=energy if cc.router_reps == "energy" else None,
-                          seed=cc.seed)
+    carving = None
+    if distributed.is_main():
+        try:
+            carving = carve_layer(markers, mu, cc.plan, k_act=cc.k_act, kmeans_iters=cc.kmeans_iters,
+                                  router_neurons=cc.router_neurons,
+                                  shared_score=energy if cc.shared_by == "energy" else None,
+                                  representative_score=energy if cc.router_reps == "energy" else None,
+                                  seed=cc.seed)
+        except Exception as e:  # every process fails, none waits for the broadcast
+            carving = e
+    carving = distributed.broadcast_from_main(carving)
+    if isinstance(carving, Exception):
+        raise carving
     t2 = time.perf_counter()
     return carving, mu, {"profile": t1 - t0, "cluster": t2 - t1}
 
@@ -184,17 +202,22 @@ def slices_for(layer, carving: LayerCarving) -> dict:
                      np.asarray(mlp.down[...], np.float32), carving)
 
 
+_window_fit_sums = jax.jit(jax.vmap(router_fit_sums, in_axes=(0, None, None, None, None, None)))
+
+
 def fit_router_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
     """Fold least-squares per-expert score scales into `ffn.router_up` (in place); returns them.
 
     Fitted on an evenly strided subset of about `router_fit_tokens` of the layer's calibration
-    inputs x [N, T, d] (kept sharded over the batch), so every device count sees the same
-    tokens."""
+    inputs x [N, T, d] (kept sharded over the batch), so every device and process count sees
+    the same tokens; the sums are taken per window and added in window order (float64)."""
     n, t = x.shape[:2]
-    stride = max(1, -(-n * t // cc.router_fit_tokens))
+    n_all = int(distributed.sum_across_processes(np.int64(n)))
+    stride = max(1, -(-n_all * t // cc.router_fit_tokens))
     weights = [replicate(p[...], mesh) for p in (ffn.router_gate, ffn.router_up, ffn.expert_gate,
                                                 ffn.expert_up, ffn.expert_down)]
-    num, den = router_fit_sums(x[:, ::stride], *weights)
+    num, den = (distributed.gather_rows(np.asarray(s)).astype(np.float64).sum(0)
+                for s in _window_fit_sums(x[:, ::stride], *weights))
     up, scales = scale_router_up(np.asarray(ffn.router_up[...]), num, den, ffn.num_experts)
     ffn.router_up[...] = jnp.asarray(up)
     return scales
@@ -217,7 +240,12 @@ def convert_layer(cfg: ModelConfig, layer, index: int, h, rope, cc: ConvertConfi
     """Dense decoder layer `index` converted on the calibration stream `h` [N, T, d]:
     (residual stream after the converted layer, its MoE FFN, its record). With `done` (a
     resumed layer) the partition is reused; only the router fit and forward are re-run."""
-    h_mid, x, t_attn = layer_ffn_input(layer, index, h, rope, mesh)
+    try:
+        h_mid, x, t_attn = layer_ffn_input(layer, index, h, rope, mesh)
+        failed = None
+    except NonFiniteActivations as e:
+        failed = e
+    distributed.all_ok(failed)  # a failure on any process stops them all
     if done is not None:
         record = done
     else:
@@ -230,7 +258,7 @@ def convert_layer(cfg: ModelConfig, layer, index: int, h, rope, cc: ConvertConfi
     fg, fs = nnx.split(ffn)
     with jax.set_mesh(mesh):  # an "expert" axis makes MoEFFN run expert-parallel
         h, load = ffn_residual_step(fg, place_state(fs, shardings_of(ffn, mesh)), h_mid, x)
-    record.load = np.asarray(load)
+    record.load = distributed.sum_across_processes(np.asarray(load)).astype(np.asarray(load).dtype)
     record.seconds["route_and_forward"] = time.perf_counter() - t1
     return h, ffn, record
 

@@ -67,6 +67,9 @@ def _validate_args(args) -> None:
 
 def run(args) -> dict:
     """Evaluate; raises CmoeError / ValueError / OSError on bad input."""
+    from cmoe_jax import distributed
+
+    distributed.initialize()  # a multi-process job splits the windows / questions
     _validate_args(args)
     if args.task:
         return run_task(args)
@@ -131,6 +134,10 @@ def main(argv=None) -> int:
     result, code = run_job(run, args)
     if code:
         return code
+    from cmoe_jax import distributed
+
+    if not distributed.is_main():
+        return 0
     if args.task:
         print(f"{result['task']}: acc {result['acc']:.4f} ± {result['acc_stderr']:.4f}, acc_norm "
               f"{result['acc_norm']:.4f} ± {result['acc_norm_stderr']:.4f} over {result['items']} questions "

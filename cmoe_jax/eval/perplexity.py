@@ -4,12 +4,14 @@ Each window of T tokens predicts its last T-1 tokens (labels tokens[1:], logits[
 perplexity is exp of the mean token negative log-likelihood over all windows (the GPTQ
 evaluation convention).
 
-Data parallelism: a `Mesh` with a "data" axis (by default over `jax.devices()`); the
+Data parallelism: a `Mesh` with a "data" axis (by default over this process's devices); the
 parameters are replicated (or kept sharded over a "model" axis when the mesh has one), each
 step's batch of windows is sharded over "data" and holds a multiple of that axis' size;
 the last batch is padded with dummy windows whose NLL is dropped. One jit-compiled step
 returns the summed NLL of every window (log-softmax in float32 on device; the logits never
-reach the host) and the host accumulates in float64.
+reach the host); the per-window NLLs are summed on the host in float64, in window order. Over
+several processes (`cmoe_jax.distributed`) each takes its share of the windows and the
+per-window NLLs are gathered before that sum, so the result has the single-process bits.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from cmoe_jax import distributed
 from cmoe_jax.data import DataError
 from cmoe_jax.sharding import make_mesh, placed_split
 
@@ -97,6 +100,8 @@ def perplexity(model, windows, batch_size: int | None = None, mesh: Mesh | None 
     batch_size.
     """
     windows = _check_windows(model, windows)
+    # several processes: each takes its contiguous share; the per-window NLLs are gathered
+    windows = distributed.split_for_process(windows)
     n, t = windows.shape
     mesh = make_mesh() if mesh is None else mesh
     if "data" not in mesh.axis_names:
@@ -121,7 +126,7 @@ def perplexity(model, windows, batch_size: int | None = None, mesh: Mesh | None 
     step = _compiled_step(graphdef, state, (per_step, t), batch_sharding)
     compile_seconds = time.perf_counter() - t0
 
-    total, done = 0.0, 0
+    total, done, per_window = 0.0, 0, []
     bar = tqdm(total=n * (t - 1), unit="tok", unit_scale=True, desc="perplexity", disable=not progress)
     pending = collections.deque()
     t0 = time.perf_counter()
@@ -129,6 +134,7 @@ def perplexity(model, windows, batch_size: int | None = None, mesh: Mesh | None 
     def collect():
         nonlocal total, done
         real, out = pending.popleft()
+        per_window.append(np.asarray(out)[:real])
         total += float(np.asarray(out, dtype=np.float64)[:real].sum())
         done += real
         bar.update(real * (t - 1))
@@ -142,8 +148,11 @@ def perplexity(model, windows, batch_size: int | None = None, mesh: Mesh | None 
         collect()
     seconds = time.perf_counter() - t0
     bar.close()
+    # summed in window order on every process: the same bits whatever the process count
+    per_window = distributed.gather_rows(np.concatenate(per_window))
+    n = len(per_window)
     tokens = n * (t - 1)
-    mean = total / tokens
+    mean = float(per_window.astype(np.float64).sum()) / tokens
     return {"ppl": math.exp(mean), "nll": mean, "windows": n, "tokens": tokens,
             "tokens_per_s": tokens / seconds, "seconds": seconds,
             "compile_seconds": compile_seconds, "devices": n_data, "batch_size": per_step}

@@ -131,6 +131,9 @@ def evaluate_task(model, encode, task: MultipleChoiceTask, docs, batch_size: int
     """Zero-shot accuracy of `model` on checked `docs`; `encode(text) -> ids` (no special tokens)."""
     from cmoe_jax.eval.loglikelihood import score_requests
 
+    from cmoe_jax import distributed
+
+    all_docs, docs = docs, distributed.split_for_process(docs)  # this process's share
     t0 = time.perf_counter()
     requests = task_requests(task, docs, encode)
     tokenize_seconds = time.perf_counter() - t0
@@ -140,6 +143,8 @@ def evaluate_task(model, encode, task: MultipleChoiceTask, docs, batch_size: int
     for doc in docs:
         per_doc.append([ll for ll, _ in results[k:k + len(doc["_choices"])]])
         k += len(doc["_choices"])
+    per_doc = [lls for part in distributed.gather_objects(per_doc) for lls in part]
+    docs = all_docs
     seconds = stats.pop("seconds") + tokenize_seconds
     return {"task": task.name, "items": len(docs), **score_documents(docs, per_doc),
             "items_per_s": len(docs) / seconds, "seconds": seconds,

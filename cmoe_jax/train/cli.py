@@ -73,6 +73,9 @@ def _mesh(text):
 
 
 def run(args) -> dict:
+    from cmoe_jax import distributed
+
+    distributed.require_single_process("python -m cmoe_jax.train")
     from cmoe_jax.train.api import finetune
 
     return finetune(args.model, out=args.out, dataset=args.dataset, data_path=args.data_path,

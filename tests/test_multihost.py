@@ -1,0 +1,232 @@
+"""Multi-process runs on this machine: 2 and 4 CPU processes (gloo collectives, loopback
+coordinator) give the single-process conversion, evaluation and training results; a bad
+multi-process environment fails with one `error:` line before any work."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import save_tiny_tokenizer, tiny_hf_model, write_random_text
+from test_tasks import write_arc_like
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 240  # seconds per launch: a hang fails the test instead of the CI job
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int = 1, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "CMOE_DISTRIBUTED"))}
+    env.update(JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
+    return env
+
+
+def launch(module: str, args: list, processes: int = 1, devices: int = 1) -> list[str]:
+    """Run `python -m module args` as `processes` processes of one job; their stdout."""
+    port = _free_port()
+    procs = []
+    for i in range(processes):
+        extra = {} if processes == 1 else dict(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                               JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i))
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *map(str, args)], cwd=ROOT,
+                                      env=_env(devices, **extra), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=TIMEOUT)
+            assert p.returncode == 0, f"process exited {p.returncode}:\n{err[-3000:]}"
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama with a tokenizer, a text file and an ARC-like task file."""
+    root = tmp_path_factory.mktemp("multihost")
+    tiny_hf_model("llama", intermediate_size=64).save_pretrained(root / "model")
+    save_tiny_tokenizer(root / "model")
+    write_random_text(root / "text.txt", 4000)
+    write_arc_like(root / "arc.jsonl", n=10)
+    return root
+
+
+def _convert_args(tiny, out):
+    return ["--model", tiny / "model", "--calib", "wikitext2", "--data-path", tiny / "text.txt",
+            "--calib-samples", "4", "--seqlen", "32", "--k-act", "4", "--config", "S1A2E8",
+            "--shared-by", "energy", "--out", out]
+
+
+def _state(path):
+    from flax import nnx
+
+    from cmoe_jax.loading import load_model
+
+    model = load_model(str(path), progress=False).model
+    return {str(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+@pytest.fixture(scope="module")
+def converted(tiny):
+    """The single-process conversion, the reference of every multi-process one."""
+    launch("cmoe_jax.convert", _convert_args(tiny, tiny / "one"))
+    return tiny / "one"
+
+
+@pytest.mark.parametrize("processes, devices", [(2, 1), (4, 1), (2, 2)])
+def test_conversion_equals_single_process(tiny, converted, processes, devices):
+    """Windows split over the processes, statistics gathered and summed in window order,
+    clustering on process 0: the same partitions, activation rates, loads and weights, bit for
+    bit, except the router scales: XLA's batched einsums of their fit round differently with
+    the per-process batch size (also on one process), so they agree to 1e-6 relative."""
+    out = tiny / f"p{processes}x{devices}"
+    outs = launch("cmoe_jax.convert", _convert_args(tiny, out), processes, devices)
+    # gloo's own connection lines aside, only process 0 prints
+    assert json.loads(outs[0][outs[0].index("{"):])["out"] == str(out)
+    assert not any("{" in o for o in outs[1:])
+    one = json.loads((converted / "cmoe_manifest.json").read_text())
+    many = json.loads((out / "cmoe_manifest.json").read_text())
+    scales = [layer.pop("router_scales") for r in (one, many) for layer in r["layers"]]
+    assert many["layers"] == one["layers"]  # shared, experts, representatives, mu, load
+    half = len(scales) // 2
+    np.testing.assert_allclose(scales[half:], scales[:half], rtol=1e-6)
+    a, b = _state(converted), _state(out)
+    assert a.keys() == b.keys()
+    for k in a:  # carved slices bit for bit; router_up carries the fitted scales
+        if "router_up" in k:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7, err_msg=k)
+        else:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert not Path(str(out) + ".partial").exists()
+
+
+@pytest.mark.parametrize("env, message", [
+    (dict(JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0"), "JAX_COORDINATOR_ADDRESS not set"),
+    (dict(JAX_COORDINATOR_ADDRESS="127.0.0.1:1", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="2"),
+     "JAX_PROCESS_ID=2 must lie in 0..1"),
+    (dict(JAX_COORDINATOR_ADDRESS="127.0.0.1:1", JAX_NUM_PROCESSES="two", JAX_PROCESS_ID="0"),
+     "JAX_NUM_PROCESSES='two' is not an integer"),
+    (dict(JAX_COORDINATOR_ADDRESS="localhost", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0"),
+     "is not host:port"),
+])
+@pytest.mark.parametrize("module", ["cmoe_jax.convert", "cmoe_jax.eval", "cmoe_jax.train"])
+def test_bad_environment_is_one_error_line(tiny, tmp_path, env, message, module):
+    args = {"cmoe_jax.convert": _convert_args(tiny, tmp_path / "out"),
+            "cmoe_jax.eval": ["--model", tiny / "model", "--data-path", tiny / "text.txt",
+                              "--seqlen", "32", "--json", tmp_path / "r.json"],
+            "cmoe_jax.train": ["--model", tiny / "model", "--data-path", tiny / "text.txt",
+                               "--samples", "4", "--seqlen", "32", "--out", tmp_path / "out"]}[module]
+    r = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=_env(1, **env),
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def _eval_json(tiny, args, processes, devices=1, name="r"):
+    out = tiny / f"{name}_{processes}x{devices}.json"
+    launch("cmoe_jax.eval", ["--model", tiny / "model", *args, "--no-progress", "--json", out],
+           processes, devices)
+    return json.loads(out.read_text())
+
+
+def test_perplexity_equals_single_process(tiny):
+    """Windows split over the processes, per-window NLLs gathered in order and summed once."""
+    args = ["--dataset", "wikitext2", "--data-path", tiny / "text.txt", "--seqlen", "32",
+            "--max-windows", "7"]
+    one = _eval_json(tiny, args, 1, name="ppl")
+    for processes in (2, 4):
+        many = _eval_json(tiny, args, processes, name="ppl")
+        assert many["windows"] == one["windows"] == 7 and many["tokens"] == one["tokens"]
+        assert many["nll"] == one["nll"] and many["ppl"] == one["ppl"]
+
+
+def test_multiple_choice_equals_single_process(tiny):
+    """Questions split over the processes, per-question log-likelihoods gathered in order."""
+    args = ["--task", "arc_easy", "--data-path", tiny / "arc.jsonl"]
+    one = _eval_json(tiny, args, 1, name="arc")
+    many = _eval_json(tiny, args, 2, name="arc")
+    assert many["items"] == one["items"] == 10
+    for key in ("acc", "acc_norm", "acc_stderr", "acc_norm_stderr"):
+        assert many[key] == one[key], key
+    assert many["loglikelihoods"] == one["loglikelihoods"]
+
+
+def test_train_refuses_several_processes(tiny, tmp_path):
+    """Training does not split its batches over processes yet: one error line, nothing written."""
+    env = dict(JAX_COORDINATOR_ADDRESS="127.0.0.1:1", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0")
+    r = subprocess.run([sys.executable, "-m", "cmoe_jax.train", "--model", str(tiny / "model"),
+                        "--data-path", str(tiny / "text.txt"), "--samples", "4", "--seqlen", "32",
+                        "--out", str(tmp_path / "out")], cwd=ROOT, env=_env(1, **env),
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: python -m cmoe_jax.train does not run over several processes yet: start it as one "
+        "process (unset JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID and CMOE_DISTRIBUTED)"]
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("extra, refused", [(["--stream"], "--stream"),
+                                            (["--method", "expertweaver"], "--method expertweaver")])
+def test_conversion_refuses_unsplit_modes_on_every_process(tiny, tmp_path, extra, refused):
+    port = _free_port()
+    args = [a for a in _convert_args(tiny, tmp_path / "out") if a != "S1A2E8" and a != "--config"]
+    if "--stream" in extra:
+        args += ["--config", "S1A2E8"]
+    procs = [subprocess.Popen([sys.executable, "-m", "cmoe_jax.convert", *map(str, args + extra)],
+                              cwd=ROOT, env=_env(1, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                                 JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=TIMEOUT)
+            assert p.returncode == 2, err[-2000:]
+            assert f"error: {refused} not supported in a multi-process run (2 processes)" in err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert not (tmp_path / "out").exists()
+
+
+def _cli_flags(module: str) -> str:
+    import contextlib
+    import importlib
+    import io
+
+    cli = importlib.import_module(f"cmoe_jax.{module}.cli")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("script", ["tpu_pod_slice.sh", "multi_gpu_host.sh"])
+def test_job_scripts_parse_and_use_real_flags(script):
+    import re
+
+    path = ROOT / "convert" / script
+    subprocess.run(["bash", "-n", str(path)], check=True, timeout=30)
+    text = path.read_text().replace("\\\n", " ")
+    commands = re.findall(r"-m cmoe_jax\.(\w+)([^\n]*)", text)
+    assert {m for m, _ in commands} == {"convert", "eval"}
+    for module, rest in commands:
+        help_text = _cli_flags(module)
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest):
+            assert re.search(rf"{flag}\b", help_text), f"{script}: {module} has no {flag}"
