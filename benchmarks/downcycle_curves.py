@@ -1,5 +1,5 @@
-"""One PNG of the next-token loss of several downcycling runs (`python -m cmoe_jax.train
---downcycle`), e.g. ExpertWeaver vs random neuron split vs random initialisation.
+"""One PNG of the next-token loss of several downcycling runs (`python -m
+cmoe_jax.downcycle`), e.g. ExpertWeaver vs random neuron split vs random initialisation.
 
     python benchmarks/downcycle_curves.py RUN_DIR... --out curves.png [--smooth 10]
 """
