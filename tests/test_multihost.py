@@ -222,6 +222,18 @@ def test_training_equals_single_process_and_resumes(converted, tmp_path):
     assert not Path(str(out) + ".partial").exists() and (out / "loss.png").is_file()
 
 
+def test_export_refuses_several_processes(converted, tmp_path):
+    """Export is one process's job: one error line before any work, nothing written."""
+    env = dict(JAX_COORDINATOR_ADDRESS="127.0.0.1:1", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0")
+    r = subprocess.run([sys.executable, "-m", "cmoe_jax.export", "--model", str(converted),
+                        "--format", "hf", "--out", str(tmp_path / "out")], cwd=ROOT,
+                       env=_env(1, **env), capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: python -m cmoe_jax.export does not run over several processes yet: start it as one "
+        "process (unset JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID and CMOE_DISTRIBUTED)"]
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("extra, refused", [(["--stream"], "--stream"),
                                             (["--method", "expertweaver"], "--method expertweaver")])
 def test_conversion_refuses_unsplit_modes_on_every_process(tiny, tmp_path, extra, refused):
