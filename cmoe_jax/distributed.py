@@ -1,8 +1,9 @@
 """Multi-process (multi-host) runs: start-up from the environment and host-side exchanges.
 
-Each process works on its own devices (every mesh in the package is process-local) and on
-its contiguous share of the windows or items; processes meet only to exchange host numpy
-results. Gathers keep process order, which is the global window order, and every reduction
+Conversion and evaluation: each process works on its own devices (their meshes are
+process-local) and on its contiguous share of the windows or items; processes meet only to
+exchange host numpy results. Training instead runs one jitted step on a mesh over all
+processes' devices (`cmoe_jax.train.api`); `to_host` brings its results back. Gathers keep process order, which is the global window order, and every reduction
 is done after the gather, in float64 and in that order, so each process ends up with the
 same bits the single-process run computes from the same per-window values.
 
