@@ -1,8 +1,9 @@
 """Multi-process (multi-host) runs: start-up from the environment and host-side exchanges.
 
-Each process works on its own devices (every mesh in the package is process-local) and on
-its contiguous share of the windows or items; processes meet only to exchange host numpy
-results. Gathers keep process order, which is the global window order, and every reduction
+Conversion and evaluation: each process works on its own devices (their meshes are
+process-local) and on its contiguous share of the windows or items; processes meet only to
+exchange host numpy results. Training instead runs one jitted step on a mesh over all
+processes' devices (`cmoe_jax.train.api`); `to_host` brings its results back. Gathers keep process order, which is the global window order, and every reduction
 is done after the gather, in float64 and in that order, so each process ends up with the
 same bits the single-process run computes from the same per-window values.
 
@@ -226,7 +227,28 @@ def replicated_global(tree):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     sharding = NamedSharding(Mesh(np.array(jax.devices()), ("processes",)), P())
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
+
+    def place(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x  # already global (a multi-process training run): Orbax saves it as it is
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+    return jax.tree.map(place, tree)
+
+
+def to_host(tree):
+    """Every leaf as a whole host numpy array on every process; the pieces of a global array
+    sharded over other processes' devices are gathered (all processes must call this)."""
+    import jax
+
+    def fetch(x):
+        if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(fetch, tree)
 
 
 def require_single_process(job: str) -> None:

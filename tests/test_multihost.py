@@ -169,15 +169,67 @@ def test_multiple_choice_equals_single_process(tiny):
     assert many["loglikelihoods"] == one["loglikelihoods"]
 
 
-def test_train_refuses_several_processes(tiny, tmp_path):
-    """Training does not split its batches over processes yet: one error line, nothing written."""
+def _train_args(converted, out, *extra):
+    return ["--model", converted, "--data-path", converted.parent / "text.txt", "--samples", "8",
+            "--seqlen", "32", "--batch-size", "4", "--lora-rank", "4", "--lr", "1e-2",
+            "--router-lr", "1e-2", "--bias-speed", "1e-2", "--epochs", "2", "--save-every", "2",
+            "--no-progress", "--out", out, *extra]
+
+
+def _train_log(out):
+    return json.loads((out / "train_log.json").read_text())
+
+
+def _adapters(out):
+    """{"['lora']['layers']...": array} of the saved adapters, router scales u and biases b."""
+    import jax
+
+    from cmoe_jax.train import load_adapters
+
+    tree, _ = load_adapters(out / "adapters")
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_training_equals_single_process_and_resumes(converted, tmp_path):
+    """LoRA training of the converted (MoE) model, data-parallel over 2 processes x 1 device,
+    stopped after 2 of 4 steps and resumed (`--resume`) over 2 processes, against one process
+    with 2 devices: the same per-step losses, adapters, router scales, biases and merged
+    weights bit for bit (the same 2-way split of every batch; against one device they agree to
+    float32 reduction order, see tests/test_train.py)."""
+    one = tmp_path / "one"
+    launch("cmoe_jax.train", _train_args(converted, one), 1, 2)
+    out = tmp_path / "many"
+    first = launch("cmoe_jax.train", _train_args(converted, out, "--max-steps", "2"), 2)
+    assert json.loads(first[0][first[0].index("{"):])["steps"] == 2
+    assert not any("{" in o for o in first[1:])  # only process 0 prints
+    ref = _train_log(one)
+    assert [s["loss"] for s in _train_log(out)["steps"]] == [s["loss"] for s in ref["steps"][:2]]
+    launch("cmoe_jax.train", _train_args(converted, out, "--resume"), 2)
+    log = _train_log(out)
+    assert log["resumed_from"] == 2 and len(log["steps"]) == len(ref["steps"]) == 4
+    assert log["mesh"] == ref["mesh"] == {"data": 2, "model": 1}
+    assert [s["loss"] for s in log["steps"]] == [s["loss"] for s in ref["steps"]]
+    assert ref["steps"][-1]["loss"] < ref["steps"][0]["loss"]  # it learns
+    a, b = _adapters(one), _adapters(out)
+    assert a.keys() == b.keys() and any(np.any(v) for k, v in a.items() if k.startswith("['u']"))
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    sa, sb = _state(one), _state(out)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4"]
+    assert not Path(str(out) + ".partial").exists() and (out / "loss.png").is_file()
+
+
+def test_export_refuses_several_processes(converted, tmp_path):
+    """Export is one process's job: one error line before any work, nothing written."""
     env = dict(JAX_COORDINATOR_ADDRESS="127.0.0.1:1", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0")
-    r = subprocess.run([sys.executable, "-m", "cmoe_jax.train", "--model", str(tiny / "model"),
-                        "--data-path", str(tiny / "text.txt"), "--samples", "4", "--seqlen", "32",
-                        "--out", str(tmp_path / "out")], cwd=ROOT, env=_env(1, **env),
-                       capture_output=True, text=True, timeout=TIMEOUT)
+    r = subprocess.run([sys.executable, "-m", "cmoe_jax.export", "--model", str(converted),
+                        "--format", "hf", "--out", str(tmp_path / "out")], cwd=ROOT,
+                       env=_env(1, **env), capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "error: python -m cmoe_jax.train does not run over several processes yet: start it as one "
+        "error: python -m cmoe_jax.export does not run over several processes yet: start it as one "
         "process (unset JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID and CMOE_DISTRIBUTED)"]
     assert not list(tmp_path.iterdir())
 

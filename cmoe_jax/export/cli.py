@@ -37,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args) -> dict:
+    from cmoe_jax import distributed
+
+    distributed.require_single_process("python -m cmoe_jax.export")
     from cmoe_jax.export.api import export
 
     return export(args.model, out=Path(args.out), fmt=args.format, calib=args.calib,

@@ -8,6 +8,12 @@ and the record of the run:
     adapters/                                LoRA A/B, u, b alone (Orbax) + adapter_config.json
     checkpoints/<step>/                      Orbax train state of the last steps (for --resume)
     run_config.json, train_log.json, loss.png
+
+Over several processes (`cmoe_jax.distributed`) the run is data-parallel on one mesh over all
+processes' devices: each process feeds the rows of every global batch that its devices hold,
+the batch order is the single-process one, so is the trajectory (to float32 reduction
+order). Process 0 alone prepares the directories and writes the JSON files, plot and
+manifest; all processes write the Orbax checkpoints, adapters and merged state.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cmoe_jax import distributed
 from cmoe_jax.checkpoint import MANIFEST, publish, save_converted, staging_dir
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.train.lora import DEFAULT_TARGETS, LoRAConfig, TrainError, parse_targets
@@ -58,7 +65,8 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
              dtype: str = "float32", progress: bool = True, stop_after_steps: int | None = None) -> dict:
     """LoRA fine-tuning of a dense or converted model (CMoE paper, section 4); returns a summary.
 
-    `mesh_shape = (data, model)` (default: all devices on "data"); `expert_parallel > 1` adds
+    `mesh_shape = (data, model)` (default: all devices of all processes on "data");
+    `expert_parallel > 1` adds
     an "expert" axis of that many devices between them: the MoE layers' routed experts are
     split over it (tokens exchanged by all-to-all) and the batch over data x expert, so
     `batch_size` must be a multiple of data x expert. `stop_after_steps` exists for testing
@@ -119,8 +127,8 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
         raise TrainError(f"--expert-parallel {expert_parallel} must divide the number of routed "
                          f"experts of every MoE layer ({sorted(routed) or 'the model has none'})")
     model_par = 1 if mesh_shape is None else mesh_shape[1]
-    mesh = make_mesh(None if mesh_shape is None else mesh_shape[0], model_par,
-                     expert=expert_parallel, devices=devices)
+    mesh = make_mesh(None if mesh_shape is None else mesh_shape[0], model_par, expert=expert_parallel,
+                     devices=jax.devices() if devices is None else devices)  # all processes
     data_par = math.prod(dict(mesh.shape)[a] for a in batch_axes(mesh))
     if batch_size % data_par:
         raise TrainError(f"--batch-size {batch_size} is not a multiple of the {data_par} devices "
@@ -135,9 +143,17 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
                 "targets": list(targets), "lr": lr, "router_lr": router_lr,
                 "bias_speed": bias_speed, "epochs": epochs, "seed": seed, "dtype": dtype}
     staging = staging_dir(out)
-    replace_out = _prepare_dirs(out, staging, settings, resume, overwrite)
-    staging.mkdir(parents=True, exist_ok=True)
-    write_run_config(staging, settings)
+    main, error, replace_out = distributed.is_main(), None, False
+    if main:  # the only process that touches the directories (the others wait for it)
+        try:
+            replace_out = _prepare_dirs(out, staging, settings, resume, overwrite)
+            staging.mkdir(parents=True, exist_ok=True)
+            write_run_config(staging, settings)
+        except CmoeError as e:
+            error = e
+    distributed.all_ok(error)
+    replace_out = distributed.broadcast_from_main(replace_out)
+    progress = progress and main
 
     # ---- load and set up ------------------------------------------------------------------
     lm = load_model(model, dtype=getattr(jnp, dtype), mesh=mesh, progress=progress)
@@ -154,8 +170,9 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
     total = order.total_steps if max_steps is None else min(order.total_steps, max_steps)
     bsh = batch_sharding(mesh)
 
-    def batch(step):
-        return jax.device_put(windows[order.indices(step)], bsh)
+    def batch(step):  # each process builds only the rows its devices hold
+        rows = windows[order.indices(step)]
+        return jax.make_array_from_callback(rows.shape, bsh, lambda index: rows[index])
 
     t_compile = time.perf_counter()
     with jax.set_mesh(mesh):  # an "expert" axis makes the MoE layers run expert-parallel
@@ -170,9 +187,11 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
     last_dt, stopped_by_time = 0.0, False
     bar = tqdm(total=total, initial=start, desc="fine-tuning", disable=not progress)
     for step in range(start, total):
-        if max_minutes is not None and time.perf_counter() - t_start + last_dt > max_minutes * 60:
-            stopped_by_time = True
-            break
+        if max_minutes is not None:  # process 0's clock decides for all
+            over = time.perf_counter() - t_start + last_dt > max_minutes * 60
+            if distributed.broadcast_from_main(over):
+                stopped_by_time = True
+                break
         t0 = time.perf_counter()
         state, loss, loads = compiled(state, frozen, batch(step))
         loss = float(loss)
@@ -196,8 +215,8 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
     ckpts.close()
 
     # ---- merge and publish -----------------------------------------------------------------
-    adapters = jax.device_get(state["trainable"]["lora"])
-    us, bs = jax.device_get(state["trainable"]["u"]), jax.device_get(state["bias"])
+    adapters, us, bs = distributed.to_host((state["trainable"]["lora"], state["trainable"]["u"],
+                                            state["bias"]))
     merged = merge_adapters(lm.model, adapters, lora.scale, us, bs)
     train_seconds = sum(s["seconds"] for s in log)
     measured = log[start:] if len(log) > start else log
@@ -217,18 +236,22 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
     manifest = _source_manifest(path, model)
     manifest["finetune"] = {k: summary[k] for k in (*settings, "steps", "final_loss")}
     final = staging / "final"
-    shutil.rmtree(final, ignore_errors=True)
-    save_converted(merged, manifest, final, tokenizer=lm.tokenizer)
+    if main:
+        shutil.rmtree(final, ignore_errors=True)
+    distributed.barrier("train:final")
+    save_converted(merged, manifest, final, tokenizer=lm.tokenizer)  # Orbax from all processes
     save_adapters(final / "adapters", adapters, us, bs,
                   {"source_model": str(model), "rank": lora_rank, "alpha": float(lora_alpha),
                    "scale": lora.scale, "dropout": float(dropout), "targets": list(targets),
                    "steps": done})
-    shutil.move(str(staging / "checkpoints"), str(final / "checkpoints"))
-    shutil.copy(staging / "run_config.json", final / "run_config.json")
-    write_log(final / "train_log.json", summary, log)
-    plot_loss(final / "loss.png", log, title=f"LoRA r={lora_rank} on {Path(str(model)).name}")
-    publish(final, out, overwrite=replace_out or overwrite)
-    shutil.rmtree(staging, ignore_errors=True)
+    if main:
+        shutil.move(str(staging / "checkpoints"), str(final / "checkpoints"))
+        shutil.copy(staging / "run_config.json", final / "run_config.json")
+        write_log(final / "train_log.json", summary, log)
+        plot_loss(final / "loss.png", log, title=f"LoRA r={lora_rank} on {Path(str(model)).name}")
+        publish(final, out, overwrite=replace_out or overwrite)
+        shutil.rmtree(staging, ignore_errors=True)
+    distributed.barrier("train:published")
     return dict(summary, out=str(out))
 
 

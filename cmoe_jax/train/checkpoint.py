@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from cmoe_jax import distributed
 from cmoe_jax.checkpoint import write_json_atomic
 from cmoe_jax.train.lora import TrainError
 
@@ -83,11 +84,16 @@ def write_run_config(directory: Path, settings: dict) -> None:
 def save_adapters(directory: Path, adapters: dict, u: dict, bias: dict, config: dict) -> None:
     """The adapters alone: `directory/state` (Orbax) and `directory/adapter_config.json`."""
     directory = Path(directory)
-    directory.mkdir(parents=True)
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save((directory / "state").absolute(), {"lora": adapters, "u": u, "bias": bias})
+    if distributed.is_main():
+        directory.mkdir(parents=True)
+    distributed.barrier("save_adapters:mkdir")
+    ckpt = ocp.StandardCheckpointer()  # every process calls Orbax; each piece is written once
+    ckpt.save((directory / "state").absolute(),
+              distributed.replicated_global({"lora": adapters, "u": u, "bias": bias}))
     ckpt.wait_until_finished()
-    write_json_atomic(directory / ADAPTER_CONFIG, config)
+    if distributed.is_main():
+        write_json_atomic(directory / ADAPTER_CONFIG, config)
+    distributed.barrier("save_adapters:config")
 
 
 def load_adapters(directory: Path) -> tuple[dict, dict]:
@@ -96,5 +102,9 @@ def load_adapters(directory: Path) -> tuple[dict, dict]:
 
     directory = Path(directory)
     config = json.loads((directory / ADAPTER_CONFIG).read_text())
-    tree = ocp.StandardCheckpointer().restore((directory / "state").absolute())
-    return jax.tree.map(jnp.asarray, tree), config
+    path, ckpt = (directory / "state").absolute(), ocp.StandardCheckpointer()
+    # onto this process's first device, whatever devices (processes) the run saved from
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                          ckpt.metadata(path).item_metadata.tree)
+    return jax.tree.map(jnp.asarray, ckpt.restore(path, target)), config

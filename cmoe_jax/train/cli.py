@@ -75,7 +75,7 @@ def _mesh(text):
 def run(args) -> dict:
     from cmoe_jax import distributed
 
-    distributed.require_single_process("python -m cmoe_jax.train")
+    distributed.initialize()  # a multi-process job trains data-parallel over all processes
     from cmoe_jax.train.api import finetune
 
     return finetune(args.model, out=args.out, dataset=args.dataset, data_path=args.data_path,
@@ -95,6 +95,10 @@ def main(argv=None) -> int:
     result, code = run_job(run, args)
     if code:
         return code
+    from cmoe_jax import distributed
+
+    if not distributed.is_main():
+        return 0
     print(json.dumps({k: result[k] for k in ("out", "steps", "first_loss", "final_loss",
                                              "tokens_per_s", "train_seconds", "compile_seconds",
                                              "stopped_by_time")}, indent=1))
