@@ -4,8 +4,9 @@ Conversion and evaluation: each process works on its own devices (their meshes a
 process-local) and on its contiguous share of the windows or items; processes meet only to
 exchange host numpy results. Training instead runs one jitted step on a mesh over all
 processes' devices (`cmoe_jax.train.api`); `to_host` brings its results back. Gathers keep
-process order, which is the global window order, and every reduction is done after the gather, in float64 and in that order, so each process ends up with the
-same bits the single-process run computes from the same per-window values.
+process order, which is the global window order, and every reduction is done after the
+gather, in float64 and in that order, so each process ends up with the same bits the
+single-process run computes from the same per-window values.
 
 Start-up reads JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and
 JAX_PROCESS_ID; `CMOE_DISTRIBUTED=auto` lets JAX detect them itself (TPU pods, SLURM). With
