@@ -28,7 +28,7 @@ from cmoe_jax.data import calibration_windows, eval_windows, load_text_tokens
 from cmoe_jax.eval.perplexity import perplexity
 from cmoe_jax.loading import load_model
 
-DATA = "/work/shared/data/wikitext-2"
+WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"  # beside the checkout
 CORE = [("conmoe", 1, "adaptive"), ("frequency", 1, ""), ("reap", 1, ""), ("conmoe", 4, "adaptive"),
         ("msmoe", 1, ""), ("hcsmoe", 1, "")]
 MORE = [("conmoe", 4, "fixed"), ("conmoe", 4, "usage"), ("conmoe", 4, "reap"),
@@ -43,14 +43,14 @@ def variants(ratios):
                 yield method, ratio, scope, selection
 
 
-def stats_for(model, tokenizer, cache: Path):
+def stats_for(model, tokenizer, cache: Path, data_dir: str):
     if cache.exists():
         with np.load(cache) as z:
             layers = sorted({int(k.split("/")[0]) for k in z.files})
             return {l: LayerStats.from_npz({f: z[f"{l}/{f}"] for f in
                                             ("freq", "contrib", "mean_out", "logit_gram", "tokens")})
                     for l in layers}
-    windows = calibration_windows(load_text_tokens("wikitext2", tokenizer, data_path=f"{DATA}/valid.txt"),
+    windows = calibration_windows(load_text_tokens("wikitext2", tokenizer, data_path=f"{data_dir}/valid.txt"),
                                   8, 2048, 0)
     stats = collect_stats(model, windows)
     np.savez(cache, **{f"{l}/{k}": v for l, s in stats.items() for k, v in s.to_npz().items()})
@@ -64,10 +64,12 @@ def main():
     p.add_argument("--stats", required=True)
     p.add_argument("--ratios", default="0.5,0.25")
     p.add_argument("--windows", type=int, default=40)
+    p.add_argument("--data-dir", default=str(WIKITEXT),
+                   help="folder with WikiText-2 valid.txt and test.txt (default: %(default)s)")
     args = p.parse_args()
     lm = load_model(args.model, dtype=jnp.float32)
-    stats = stats_for(lm.model, lm.tokenizer, Path(args.stats))
-    test = eval_windows(load_text_tokens("wikitext2", lm.tokenizer, data_path=f"{DATA}/test.txt"),
+    stats = stats_for(lm.model, lm.tokenizer, Path(args.stats), args.data_dir)
+    test = eval_windows(load_text_tokens("wikitext2", lm.tokenizer, data_path=f"{args.data_dir}/test.txt"),
                         "wikitext2", 2048, args.windows, name="wikitext2 test")
     out = Path(args.out)
     done = {tuple(json.loads(l)["key"]) for l in out.read_text().splitlines()} if out.exists() else set()

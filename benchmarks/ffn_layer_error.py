@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"  # beside the checkout
 
 
 def main() -> None:
@@ -24,6 +25,8 @@ def main() -> None:
     p.add_argument("--abstopk", type=float, nargs="*", default=[], help="also AbsTopk-GLU at these sparsities")
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--json")
+    p.add_argument("--data-dir", default=str(WIKITEXT),
+                   help="folder with WikiText-2 valid.txt and test.txt (default: %(default)s)")
     args = p.parse_args()
     import jax
 
@@ -34,7 +37,7 @@ def main() -> None:
     lm = load_model("smollm2", progress=False)
     dense = lm.model
     toks = eval_windows(load_text_tokens("wikitext2", lm.tokenizer,
-                                         data_path="/work/shared/data/wikitext-2/test.txt"),
+                                         data_path=f"{args.data_dir}/test.txt"),
                         "wikitext2", 2048, args.windows)
     _, xs = jax.jit(lambda t: dense(t, capture_ffn_inputs=True))(toks)
     ys = [np.asarray(layer.mlp(x)) for layer, x in zip(dense.layers, xs)]

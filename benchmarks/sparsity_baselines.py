@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-WIKI = "/work/shared/data/wikitext-2"
+WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"  # beside the checkout
 
 
 def wanda_layerwise(model, calib, sparsity: float) -> None:
@@ -66,6 +66,8 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", default=["abstopk", "magnitude", "wanda"])
     p.add_argument("--windows", type=int, default=40)
     p.add_argument("--json")
+    p.add_argument("--data-dir", default=str(WIKITEXT),
+                   help="folder with WikiText-2 valid.txt and test.txt (default: %(default)s)")
     args = p.parse_args()
 
     from cmoe_jax.data import calibration_windows, eval_windows, load_text_tokens
@@ -73,9 +75,9 @@ def main() -> None:
     from cmoe_jax.loading import load_model
 
     tok = load_model("smollm2", progress=False).tokenizer
-    test = eval_windows(load_text_tokens("wikitext2", tok, data_path=f"{WIKI}/test.txt"), "wikitext2",
+    test = eval_windows(load_text_tokens("wikitext2", tok, data_path=f"{args.data_dir}/test.txt"), "wikitext2",
                         2048, args.windows)
-    calib = calibration_windows(load_text_tokens("wikitext2", tok, data_path=f"{WIKI}/valid.txt"),
+    calib = calibration_windows(load_text_tokens("wikitext2", tok, data_path=f"{args.data_dir}/valid.txt"),
                                 8, 2048, 0)
     rows = []
     for sparsity in args.sparsity:
