@@ -1,13 +1,19 @@
-"""The README's ConMoE table: WikiText-2 perplexity of every variant of one MoE base.
+"""The README's ConMoE table: WikiText-2 perplexity and ARC-Easy accuracy of every variant.
 
 Loads the base once, collects the calibration statistics once (the CLI's defaults: 8 x 2048
 WikiText-2 validation tokens, seed 0; cached in --stats), then builds each variant in memory
-(`conmoe_plans` / `baseline_plans` + `apply_plans`, exactly what `python -m cmoe_jax.compress`
-saves) and measures its perplexity on the first 40 WikiText-2 test windows of 2048 tokens
-(the protocol of `python -m cmoe_jax.eval --dataset wikitext2 --max-windows 40`). One JSON line
-per variant goes to --out; variants already there are skipped (rerun to continue).
+(`conmoe_plans` / `baseline_plans`, exactly the plans `python -m cmoe_jax.compress` saves) and
+measures its perplexity on the first --windows WikiText-2 test windows of 2048 tokens (the
+protocol of `python -m cmoe_jax.eval --dataset wikitext2 --max-windows N`) and, with
+--arc-path, its ARC-Easy accuracy on the first --arc-limit questions (`python -m cmoe_jax.eval
+--task arc_easy --limit N`). Variants without pruned slots are evaluated as the copied
+checkpoint (`materialize`: the base's shapes, so one compilation serves them all; equal to the
+prototype runtime to fp32 tolerance, tests/test_compress.py), pruning variants on the
+prototype runtime (`apply_plans`). One JSON line per variant goes to --out; a rerun skips the
+metrics a variant already has and adds the missing ones (e.g. ARC to a perplexity table).
 
-    python benchmarks/conmoe_table.py --model bases/smollm2-S3A3E8 --out s3.jsonl
+    python benchmarks/conmoe_table.py --model bases/smollm2-S3A3E8 --out s3.jsonl --stats s3.npz \
+        --windows 8 --arc-path ../shared/data/arc-easy/test.jsonl --arc-limit 500
 """
 from __future__ import annotations
 
@@ -18,14 +24,14 @@ import os
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cmoe_jax.compress import apply_plans, baseline_plans, collect_stats, conmoe_plans, routed_bytes
+from cmoe_jax.compress import apply_plans, baseline_plans, collect_stats, conmoe_plans, materialize, routed_bytes
 from cmoe_jax.compress.calibration import LayerStats
 from cmoe_jax.data import calibration_windows, eval_windows, load_text_tokens
 from cmoe_jax.eval.perplexity import perplexity
+from cmoe_jax.eval.tasks import evaluate_task, get_task, load_documents
 from cmoe_jax.loading import load_model
 
 WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"  # beside the checkout
@@ -57,43 +63,78 @@ def stats_for(model, tokenizer, cache: Path, data_dir: str):
     return stats
 
 
+def build_variant(model, stats, method, ratio, scope, selection):
+    """(model to evaluate, figures, prototypes kept, routed bytes of the prototype runtime)."""
+    if method == "base":
+        return model, {}, sum(len(s.freq) for s in stats.values()), routed_bytes(model)
+    plans, figures = (conmoe_plans(model, stats, ratio, scope, selection) if method == "conmoe"
+                      else (baseline_plans(method, stats, ratio), {}))
+    runtime = apply_plans(model, plans)
+    kept, nbytes = sum(p.num_prototypes for p in plans), routed_bytes(runtime)
+    if any((p.slot_maps[l] < 0).any() for p in plans for l in p.layers):
+        return runtime, figures, kept, nbytes  # pruned slots: only the runtime masks them
+    del runtime
+    return materialize(model, plans), figures, kept, nbytes
+
+
+def load_rows(out: Path) -> dict:
+    rows = {}
+    if out.exists():
+        for line in out.read_text().splitlines():
+            row = json.loads(line)
+            rows.setdefault(tuple(row["key"]), {}).update(row)
+    return rows
+
+
+def write_rows(out: Path, rows: dict) -> None:
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows.values()))
+    os.replace(tmp, out)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--stats", required=True)
     p.add_argument("--ratios", default="0.5,0.25")
-    p.add_argument("--windows", type=int, default=40)
+    p.add_argument("--windows", type=int, default=40, help="WikiText-2 test windows (0: no perplexity)")
+    p.add_argument("--arc-path", help="ARC-Easy test JSON lines: add each variant's accuracy")
+    p.add_argument("--arc-limit", type=int, help="score only the first N ARC-Easy questions")
     p.add_argument("--data-dir", default=str(WIKITEXT),
                    help="folder with WikiText-2 valid.txt and test.txt (default: %(default)s)")
     args = p.parse_args()
+    task = get_task("arc_easy")
+    docs = load_documents(task, args.arc_path, args.arc_limit) if args.arc_path else None
     lm = load_model(args.model, dtype=jnp.float32)
     stats = stats_for(lm.model, lm.tokenizer, Path(args.stats), args.data_dir)
-    test = eval_windows(load_text_tokens("wikitext2", lm.tokenizer, data_path=f"{args.data_dir}/test.txt"),
-                        "wikitext2", 2048, args.windows, name="wikitext2 test")
+    test = (eval_windows(load_text_tokens("wikitext2", lm.tokenizer, data_path=f"{args.data_dir}/test.txt"),
+                         "wikitext2", 2048, args.windows, name="wikitext2 test") if args.windows else None)
     out = Path(args.out)
-    done = {tuple(json.loads(l)["key"]) for l in out.read_text().splitlines()} if out.exists() else set()
+    rows = load_rows(out)
     todo = [("base", 0.0, 1, "")] + list(variants([float(r) for r in args.ratios.split(",")]))
     for method, ratio, scope, selection in todo:
         key = [method, ratio, scope, selection]
-        if tuple(key) in done:
+        row = rows.get(tuple(key), {"key": key})
+        want_ppl = test is not None and row.get("windows") != args.windows
+        want_arc = docs is not None and "arc" not in row
+        if not (want_ppl or want_arc):
             continue
         t0 = time.perf_counter()
-        if method == "base":
-            model, figures, k = lm.model, {}, sum(len(s.freq) for s in stats.values())
-        else:
-            plans, figures = (conmoe_plans(lm.model, stats, ratio, scope, selection) if method == "conmoe"
-                              else (baseline_plans(method, stats, ratio), {}))
-            model, k = apply_plans(lm.model, plans), sum(p.num_prototypes for p in plans)
-        ppl = perplexity(model, test, progress=False)["ppl"]
-        row = {"key": key, "ppl": ppl, "prototypes": k, "routed_bytes": routed_bytes(model),
-               **figures, "seconds": time.perf_counter() - t0, "load": os.getloadavg()[0]}
+        model, figures, kept, nbytes = build_variant(lm.model, stats, method, ratio, scope, selection)
+        row.update({"prototypes": kept, "routed_bytes": nbytes, **figures})
+        if want_ppl:
+            row.update(ppl=perplexity(model, test, progress=False)["ppl"], windows=args.windows)
+        if want_arc:
+            result = evaluate_task(model, lm.tokenizer.encode, task, docs, progress=False)
+            row["arc"] = {k: result[k] for k in ("items", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}
+            row["arc_seconds"] = result["seconds"]
+        row.update(seconds=time.perf_counter() - t0, load=os.getloadavg()[0])
         print(json.dumps(row), flush=True)
-        with out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        del model
-        jax.clear_caches()  # each variant compiles its own step; keep memory flat
-        gc.collect()
+        rows[tuple(key)] = row
+        write_rows(out, rows)
+        del model  # compilations stay cached: copied checkpoints share the base's shapes and the
+        gc.collect()  # pruning runtimes of one ratio share theirs, so there are three in all
 
 
 if __name__ == "__main__":
