@@ -68,7 +68,7 @@ def build_variant(model, stats, method, ratio, scope, selection):
     if method == "base":
         return model, {}, sum(len(s.freq) for s in stats.values()), routed_bytes(model)
     plans, figures = (conmoe_plans(model, stats, ratio, scope, selection) if method == "conmoe"
-                      else (baseline_plans(method, stats, ratio), {}))
+                      else (baseline_plans(method, stats, ratio, model), {}))
     runtime = apply_plans(model, plans)
     kept, nbytes = sum(p.num_prototypes for p in plans), routed_bytes(runtime)
     if any((p.slot_maps[l] < 0).any() for p in plans for l in p.layers):

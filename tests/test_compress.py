@@ -53,7 +53,7 @@ def test_prototype_runtime_equals_copied_checkpoint(moe, scope, selection):
 def test_merging_runtime_equals_copied_checkpoint(moe):
     model, stats = moe
     for method in ("msmoe", "hcsmoe"):
-        plans = baseline_plans(method, stats, 0.5)
+        plans = baseline_plans(method, stats, 0.5, model)
         np.testing.assert_allclose(np.asarray(apply_plans(model, plans)(TOKENS)),
                                    np.asarray(materialize(model, plans)(TOKENS)), atol=2e-5)
 
@@ -180,21 +180,69 @@ def test_pruning_baselines_keep_the_top_experts(moe):
 
 
 def test_msmoe_groups_and_merged_weights_against_numpy(moe):
+    """Groups by router-logit cosine to the most used experts; each merged expert is the
+    usage-weighted average of its members, every member's neurons in its recorded order."""
     model, stats = moe
     st = stats[1]
-    plan = baseline_plans("msmoe", stats, 0.5)[1]
+    plan = baseline_plans("msmoe", stats, 0.5, model)[1]
     cores = sorted(np.argsort(-st.freq.astype(float), kind="stable")[:2].tolist())
     g = st.logit_gram
     cos = g / np.sqrt(np.outer(np.diag(g), np.diag(g)))
     groups = [cores.index(e) if e in cores else int(np.argmax(cos[e, cores])) for e in range(4)]
     assert plan.slot_maps[1].tolist() == groups
+    assert sorted(plan.perms) == [e for e in range(4) if e not in cores]  # dominant ones stay put
     runtime = apply_plans(model, [plan])
-    wg = np.asarray(model.layers[1].mlp.expert_gate[...], np.float64)
+    mlp = model.layers[1].mlp
+    wg, wd = (np.asarray(w[...], np.float64) for w in (mlp.expert_gate, mlp.expert_down))
+    order = {e: plan.perms.get(e, np.arange(wg.shape[-1])) for e in range(4)}
     for c in range(2):
         members = [e for e in range(4) if groups[e] == c]
-        f = st.freq[members].astype(float)
-        want = np.tensordot(f / f.sum(), wg[members], axes=1)
-        np.testing.assert_allclose(np.asarray(runtime.layers[1].mlp.expert_gate[...])[c], want, rtol=1e-5)
+        f = st.freq[members].astype(float) / st.freq[members].sum()
+        want_g = sum(fi * wg[e][:, order[e]] for fi, e in zip(f, members))
+        want_d = sum(fi * wd[e][order[e]] for fi, e in zip(f, members))
+        np.testing.assert_allclose(np.asarray(runtime.layers[1].mlp.expert_gate[...])[c], want_g, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(runtime.layers[1].mlp.expert_down[...])[c], want_d,
+                                   rtol=1e-5, atol=1e-7)
+
+
+def test_neuron_alignment_against_brute_force():
+    """The weight-matching permutation maximises the matched inner products over all 5!
+    orders, and undoes a permutation of a noisy copy."""
+    rng = np.random.default_rng(3)
+    anchor = [rng.normal(size=(6, 5)), rng.normal(size=(6, 5)), rng.normal(size=(5, 6))]
+    member = [rng.normal(size=(6, 5)), rng.normal(size=(6, 5)), rng.normal(size=(5, 6))]
+
+    def score(perm):
+        return sum(np.sum(anchor[i] * member[i][:, perm]) for i in (0, 1)) + np.sum(anchor[2] * member[2][perm])
+
+    best = max(itertools.permutations(range(5)), key=lambda p: score(list(p)))
+    assert baselines.align_neurons(anchor, member).tolist() == list(best)
+    shuffle = rng.permutation(5)
+    noisy = [anchor[0][:, shuffle] + 0.01 * rng.normal(size=(6, 5)),
+             anchor[1][:, shuffle] + 0.01 * rng.normal(size=(6, 5)), anchor[2][shuffle]]
+    perm = baselines.align_neurons(anchor, noisy)
+    np.testing.assert_array_equal(shuffle[perm], np.arange(5))
+
+
+def test_msmoe_merges_permuted_copies_back_into_the_original(moe):
+    """Experts that are neuron-permuted copies of one another compute the same function; the
+    aligned merge returns that function, while a plain average of the weights would not."""
+    model, stats = moe
+    before = np.asarray(model.layers[1].mlp.expert_gate[...]).copy()
+    copies = nnx.clone(model)
+    mlp = copies.layers[1].mlp
+    rng = np.random.default_rng(4)
+    gate, up, down = (np.array(w[...]) for w in (mlp.expert_gate, mlp.expert_up, mlp.expert_down))
+    for e in range(1, 4):
+        perm = rng.permutation(gate.shape[-1])
+        gate[e], up[e], down[e] = gate[0][:, perm], up[0][:, perm], down[0][perm]
+    mlp.expert_gate[...], mlp.expert_up[...], mlp.expert_down[...] = gate, up, down
+    plan = baseline_plans("msmoe", stats, 0.5, copies)[1]
+    merged = apply_plans(copies, [plan])
+    np.testing.assert_allclose(np.asarray(merged(TOKENS)), np.asarray(copies(TOKENS)), atol=2e-5)
+    with pytest.raises(ValueError, match="pass the model"):
+        baseline_plans("msmoe", stats, 0.5)
+    np.testing.assert_array_equal(np.asarray(model.layers[1].mlp.expert_gate[...]), before)  # fixture intact
 
 
 def average_linkage(points, k):

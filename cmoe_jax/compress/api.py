@@ -72,7 +72,7 @@ def _load_done(staging: Path, settings: dict, resume: bool) -> dict:
 def make_plans(model, stats, method, ratio, scope, selection):
     if method == "conmoe":
         return conmoe_plans(model, stats, ratio, scope, selection)
-    return baseline_plans(method, stats, ratio), {}
+    return baseline_plans(method, stats, ratio, model), {}
 
 
 def dir_bytes(path: Path) -> int:

@@ -5,8 +5,9 @@
 - REAP pruning: the same, ranked by REAP's saliency, mean over routed tokens of
   g_e(t) ||e(h_t)|| (= ConMoE's a_e).
 - M-SMoE (Li et al. 2024): the k most frequent experts are the dominant ones; every other
-  expert joins the dominant expert whose router-logit column is most cosine-similar; each
-  group is merged by its usage-frequency-weighted average (no neuron permutation alignment).
+  expert joins the dominant expert whose router-logit column is most cosine-similar, has its
+  neurons permuted to match the dominant expert's (weight matching, `align_neurons`), and
+  each group is merged by its usage-frequency-weighted average.
 - HC-SMoE (Chen et al. 2025): average-linkage hierarchical clustering of the experts' mean
   outputs over all calibration tokens (Euclidean), cut at k clusters; each cluster merged
   by its usage-frequency-weighted average.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cmoe_jax.compress.plan import ScopePlan, copy_plan
+from cmoe_jax.compress.plan import ScopePlan, copy_plan, expert_weights
 from cmoe_jax.compress.scoring import budget, top
 
 METHODS = ("frequency", "reap", "msmoe", "hcsmoe")
@@ -31,8 +32,9 @@ def prune_plan(layer: int, score: np.ndarray, k: int) -> ScopePlan:
     return plan
 
 
-def merge_plan(layer: int, groups: np.ndarray, freq: np.ndarray) -> ScopePlan:
-    """Table row g = usage-weighted average of the experts with `groups == g`."""
+def merge_plan(layer: int, groups: np.ndarray, freq: np.ndarray, perms=None) -> ScopePlan:
+    """Table row g = usage-weighted average of the experts with `groups == g` (each with its
+    neurons permuted by `perms[e]` first, when given)."""
     groups = np.asarray(groups)
     k = int(groups.max()) + 1
     w = np.asarray(freq, np.float64)
@@ -42,7 +44,30 @@ def merge_plan(layer: int, groups: np.ndarray, freq: np.ndarray) -> ScopePlan:
         weights = w[members] if w[members].sum() > 0 else np.ones(members.sum())
         mix[g, members] = weights / weights.sum()
     return ScopePlan([layer], mix, {layer: groups.astype(np.int32)},
-                     {"groups": groups.tolist(), "freq": w.tolist()})
+                     {"groups": groups.tolist(), "freq": w.tolist()}, perms)
+
+
+def align_neurons(anchor, member) -> np.ndarray:
+    """M-SMoE's alignment by weight matching: the order `perm` of `member`'s neurons (its
+    neuron perm[j] takes the anchor's neuron j's place) that maximises the summed inner
+    products of their gate and up columns and down rows. `anchor`, `member`: [gate [d, m],
+    up [d, m], down [m, d]]. One hidden layer, so one assignment problem solves it exactly."""
+    from scipy.optimize import linear_sum_assignment
+
+    def neurons(w):  # [m, 3d]: each neuron's incoming and outgoing weights
+        return np.concatenate([w[0].T, w[1].T, w[2]], axis=1).astype(np.float64)
+
+    _, perm = linear_sum_assignment(neurons(anchor) @ neurons(member).T, maximize=True)
+    return perm.astype(np.int32)
+
+
+def msmoe_plan(model, layer: int, st, k: int) -> ScopePlan:
+    groups = msmoe_groups(st.freq, st.logit_gram, k)
+    cores = top(np.asarray(st.freq, np.float64), k)
+    ws = expert_weights(model, [layer])
+    perms = {e: align_neurons([w[cores[g]] for w in ws], [w[e] for w in ws])
+             for e, g in enumerate(groups) if e != cores[g]}
+    return merge_plan(layer, groups, st.freq, perms)
 
 
 def msmoe_groups(freq: np.ndarray, logit_gram: np.ndarray, k: int) -> np.ndarray:
@@ -66,9 +91,12 @@ def hcsmoe_groups(mean_out: np.ndarray, k: int) -> np.ndarray:
     return np.array([int(np.flatnonzero(order == l)[0]) for l in labels])
 
 
-def baseline_plans(method: str, stats: dict, ratio: float) -> list[ScopePlan]:
+def baseline_plans(method: str, stats: dict, ratio: float, model=None) -> list[ScopePlan]:
+    """Per-layer plans of a baseline; M-SMoE needs `model` (its alignment reads the weights)."""
     if method not in METHODS:
         raise ValueError(f"method {method!r} must be one of {', '.join(METHODS)}")
+    if method == "msmoe" and model is None:
+        raise ValueError("msmoe aligns the experts' neurons: pass the model")
     plans = []
     for layer in sorted(stats):
         st = stats[layer]
@@ -78,7 +106,7 @@ def baseline_plans(method: str, stats: dict, ratio: float) -> list[ScopePlan]:
         elif method == "reap":
             plans.append(prune_plan(layer, st.contrib, k))
         elif method == "msmoe":
-            plans.append(merge_plan(layer, msmoe_groups(st.freq, st.logit_gram, k), st.freq))
+            plans.append(msmoe_plan(model, layer, st, k))
         else:
             plans.append(merge_plan(layer, hcsmoe_groups(st.mean_out, k), st.freq))
     return plans

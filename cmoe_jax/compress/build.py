@@ -19,9 +19,12 @@ from cmoe_jax.models import Decoder
 
 
 def prototype_tables(model, plan) -> list[np.ndarray]:
-    """[gate, up, down] tables `[K, ...]` of one scope plan (`mix @ experts`)."""
-    return [np.tensordot(plan.mix, w, axes=1).astype(np.float32)
-            for w in expert_weights(model, plan.layers)]
+    """[gate, up, down] tables `[K, ...]` of one scope plan (`mix @ experts`, each expert's
+    neurons first put in the plan's order where it has one)."""
+    gate, up, down = expert_weights(model, plan.layers)
+    for e, perm in (plan.perms or {}).items():
+        gate[e], up[e], down[e] = gate[e][:, perm], up[e][:, perm], down[e][perm]
+    return [np.tensordot(plan.mix, w, axes=1).astype(np.float32) for w in (gate, up, down)]
 
 
 def compressed_config(cfg, plans):

@@ -3,7 +3,8 @@
 A `ScopePlan` covers consecutive MoE layers. Its prototype table is `mix @ experts`: row p
 of `mix [K, n]` weighs the scope's n original experts (layer-major), one-hot for ConMoE and
 pruning (a kept pretrained expert), usage-weighted for merging. `slot_maps[layer] [E]` sends
-each router slot to a table row, -1 for a pruned slot. `conmoe_plans` builds them with the
+each router slot to a table row, -1 for a pruned slot. `perms[i]`, where given, reorders scope
+expert i's neurons before mixing (M-SMoE's alignment; a neuron order changes no output). `conmoe_plans` builds them with the
 ConMoE rule (`scoring`); `baselines` the pruning and merging baselines.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ class ScopePlan:
     mix: np.ndarray                  # [K, n] float64
     slot_maps: dict[int, np.ndarray]  # layer -> int32 [E]
     info: dict = dataclasses.field(default_factory=dict)
+    perms: dict[int, np.ndarray] | None = None  # scope expert -> neuron order
 
     @property
     def num_prototypes(self) -> int:
@@ -31,7 +33,8 @@ class ScopePlan:
     def to_json(self) -> dict:
         return {"layers": self.layers, "num_prototypes": self.num_prototypes,
                 "slot_maps": {str(l): m.tolist() for l, m in self.slot_maps.items()},
-                "mix": self.mix.tolist(), **self.info}
+                "mix": self.mix.tolist(), **self.info,
+                **({"perms": {str(e): p.tolist() for e, p in self.perms.items()}} if self.perms else {})}
 
 
 def expert_weights(model, layers) -> list[np.ndarray]:
