@@ -14,6 +14,7 @@ metrics a variant already has and adds the missing ones (e.g. ARC to a perplexit
 
     python benchmarks/conmoe_table.py --model bases/smollm2-S3A3E8 --out s3.jsonl --stats s3.npz \
         --windows 8 --arc-path ../shared/data/arc-easy/test.jsonl --arc-limit 500
+    python benchmarks/conmoe_table.py --markdown s3.jsonl      # the README table from the lines
 """
 from __future__ import annotations
 
@@ -92,11 +93,39 @@ def write_rows(out: Path, rows: dict) -> None:
     os.replace(tmp, out)
 
 
+def markdown(rows: dict) -> str:
+    """The README table: one line per variant in the order measured, ratios against the base."""
+    base = rows.get(("base", 0.0, 1, ""), {})
+    total = base.get("prototypes")
+    lines = ["| method | rho | scope | selection | kept | PPL | vs base | ARC acc | ARC acc_norm "
+             "| cross-NN | d spread (min / mean / max) |", "|" + "---|" * 11]
+    for (method, ratio, scope, selection), r in rows.items():
+        ppl = r.get("ppl")
+        ratio_ppl = f"{ppl / base['ppl']:.3f}x" if ppl and base.get("ppl") else ""
+        arc = r.get("arc", {})
+        cross = r.get("cross_layer_nn_fraction")
+        spread = (f"{r['distance_min']:.3f} / {r['distance_mean']:.3f} / {r['distance_max']:.3f}"
+                  if r.get("distance_min") is not None else "")
+        lines.append(" | ".join([
+            f"| {method}", f"{ratio:g}" if ratio else "0", str(scope) if method == "conmoe" else "",
+            selection, f"{r.get('prototypes')}/{total}", f"{ppl:.3f}" if ppl else "", ratio_ppl,
+            f"{arc['acc']:.3f}" if arc else "", f"{arc['acc_norm']:.3f}" if arc else "",
+            f"{cross:.2f}" if cross is not None else "", spread]) + " |")
+    windows = {r.get("windows") for r in rows.values()} - {None}
+    items = {r["arc"]["items"] for r in rows.values() if "arc" in r}
+    se = max((r["arc"]["acc_stderr"] for r in rows.values() if "arc" in r), default=0.0)
+    loads = [r["load"] for r in rows.values() if "load" in r]
+    lines.append(f"\nPPL windows {sorted(windows)}, ARC questions {sorted(items)}, largest ARC acc "
+                 f"stderr {se:.3f}, load averages {min(loads, default=0):.1f} to {max(loads, default=0):.1f}")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--stats", required=True)
+    p.add_argument("--markdown", metavar="JSONL", help="print the README table of a finished run and exit")
+    p.add_argument("--model")
+    p.add_argument("--out")
+    p.add_argument("--stats")
     p.add_argument("--ratios", default="0.5,0.25")
     p.add_argument("--windows", type=int, default=40, help="WikiText-2 test windows (0: no perplexity)")
     p.add_argument("--arc-path", help="ARC-Easy test JSON lines: add each variant's accuracy")
@@ -104,6 +133,11 @@ def main():
     p.add_argument("--data-dir", default=str(WIKITEXT),
                    help="folder with WikiText-2 valid.txt and test.txt (default: %(default)s)")
     args = p.parse_args()
+    if args.markdown:
+        print(markdown(load_rows(Path(args.markdown))))
+        return
+    if not (args.model and args.out and args.stats):
+        p.error("--model, --out and --stats are required (or --markdown JSONL)")
     task = get_task("arc_easy")
     docs = load_documents(task, args.arc_path, args.arc_limit) if args.arc_path else None
     lm = load_model(args.model, dtype=jnp.float32)
