@@ -50,7 +50,7 @@ def variants(ratios):
                 yield method, ratio, scope, selection
 
 
-def stats_for(model, tokenizer, cache: Path, data_dir: str):
+def stats_for(model, tokenizer, cache: Path, data_dir: str = str(WIKITEXT)):
     if cache.exists():
         with np.load(cache) as z:
             layers = sorted({int(k.split("/")[0]) for k in z.files})
