@@ -166,7 +166,11 @@ def test_multiple_choice_equals_single_process(tiny):
     assert many["items"] == one["items"] == 10
     for key in ("acc", "acc_norm", "acc_stderr", "acc_norm_stderr"):
         assert many[key] == one[key], key
-    assert many["loglikelihoods"] == one["loglikelihoods"]
+    # same questions in the same order; batching other neighbours changes the padded shapes,
+    # so sums may differ in the last bits of fp32
+    assert [len(q) for q in many["loglikelihoods"]] == [len(q) for q in one["loglikelihoods"]]
+    np.testing.assert_allclose(np.concatenate(many["loglikelihoods"]),
+                               np.concatenate(one["loglikelihoods"]), rtol=1e-6, atol=0)
 
 
 def _train_args(converted, out, *extra):
