@@ -4,8 +4,9 @@ A `ScopePlan` covers consecutive MoE layers. Its prototype table is `mix @ exper
 of `mix [K, n]` weighs the scope's n original experts (layer-major), one-hot for ConMoE and
 pruning (a kept pretrained expert), usage-weighted for merging. `slot_maps[layer] [E]` sends
 each router slot to a table row, -1 for a pruned slot. `perms[i]`, where given, reorders scope
-expert i's neurons before mixing (M-SMoE's alignment; a neuron order changes no output). `conmoe_plans` builds them with the
-ConMoE rule (`scoring`); `baselines` the pruning and merging baselines.
+expert i's neurons before mixing (M-SMoE's alignment; a neuron order changes no output).
+`conmoe_plans` builds them with the ConMoE rule (`scoring`); `baselines` the pruning and
+merging baselines.
 """
 from __future__ import annotations
 
