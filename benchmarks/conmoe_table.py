@@ -28,7 +28,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from cmoe_jax.compress import apply_plans, baseline_plans, collect_stats, conmoe_plans, materialize, routed_bytes
+from cmoe_jax.compress import apply_plans, collect_stats, materialize, routed_bytes
+from cmoe_jax.compress.api import make_plans
 from cmoe_jax.compress.calibration import LayerStats
 from cmoe_jax.data import calibration_windows, eval_windows, load_text_tokens
 from cmoe_jax.eval.perplexity import perplexity
@@ -68,8 +69,7 @@ def build_variant(model, stats, method, ratio, scope, selection):
     """(model to evaluate, figures, prototypes kept, routed bytes of the prototype runtime)."""
     if method == "base":
         return model, {}, sum(len(s.freq) for s in stats.values()), routed_bytes(model)
-    plans, figures = (conmoe_plans(model, stats, ratio, scope, selection) if method == "conmoe"
-                      else (baseline_plans(method, stats, ratio, model), {}))
+    plans, figures = make_plans(model, stats, method, ratio, scope, selection)  # the CLI's own
     runtime = apply_plans(model, plans)
     kept, nbytes = sum(p.num_prototypes for p in plans), routed_bytes(runtime)
     if any((p.slot_maps[l] < 0).any() for p in plans for l in p.layers):
