@@ -15,6 +15,7 @@ metrics a variant already has and adds the missing ones (e.g. ARC to a perplexit
     python benchmarks/conmoe_table.py --model bases/smollm2-S3A3E8 --out s3.jsonl --stats s3.npz \
         --windows 8 --arc-path ../shared/data/arc-easy/test.jsonl --arc-limit 500
     python benchmarks/conmoe_table.py --markdown s3.jsonl      # the README table from the lines
+    python benchmarks/conmoe_table.py --model runs/h-s3 --variants core ...  # a hierarchical model
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ MORE = [("conmoe", 4, "fixed"), ("conmoe", 4, "usage"), ("conmoe", 4, "reap"),
         ("conmoe", 30, "adaptive")]
 
 
-def variants(ratios):
-    for group in (CORE, MORE):
+def variants(ratios, groups=(CORE, MORE)):
+    for group in groups:
         for ratio in ratios:
             for method, scope, selection in group:
                 yield method, ratio, scope, selection
@@ -127,6 +128,8 @@ def main():
     p.add_argument("--out")
     p.add_argument("--stats")
     p.add_argument("--ratios", default="0.5,0.25")
+    p.add_argument("--variants", choices=("all", "core"), default="all",
+                   help="core: ConMoE layer-local and scope 4 and the four baselines only")
     p.add_argument("--windows", type=int, default=40, help="WikiText-2 test windows (0: no perplexity)")
     p.add_argument("--arc-path", help="ARC-Easy test JSON lines: add each variant's accuracy")
     p.add_argument("--arc-limit", type=int, help="score only the first N ARC-Easy questions")
@@ -146,7 +149,8 @@ def main():
                          "wikitext2", 2048, args.windows, name="wikitext2 test") if args.windows else None)
     out = Path(args.out)
     rows = load_rows(out)
-    todo = [("base", 0.0, 1, "")] + list(variants([float(r) for r in args.ratios.split(",")]))
+    groups = (CORE,) if args.variants == "core" else (CORE, MORE)
+    todo = [("base", 0.0, 1, "")] + list(variants([float(r) for r in args.ratios.split(",")], groups))
     for method, ratio, scope, selection in todo:
         key = [method, ratio, scope, selection]
         row = rows.get(tuple(key), {"key": key})

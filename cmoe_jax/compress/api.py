@@ -43,10 +43,7 @@ def check_inputs(cfg, method, ratio, scope, selection, seqlen) -> list[int]:
     if any(s.num_prototypes for _, s in specs):
         raise CmoeError("the model is already compressed (it has prototype layers): give the "
                         "original MoE")
-    if any(s.sub_experts for _, s in specs):
-        raise CmoeError("the model's experts are carved into sub-experts (hierarchical CMoE): "
-                        "compress the MoE it was carved from")
-    if len({(s.num_experts, s.expert_width) for _, s in specs}) > 1:
+    if len({(s.num_experts, s.expert_width, s.sub_experts) for _, s in specs}) > 1:
         raise CmoeError("the MoE layers differ in expert count or width: cmoe_jax.compress needs "
                         "identical MoE layers")
     if seqlen > cfg.max_position_embeddings:

@@ -62,11 +62,20 @@ def align_neurons(anchor, member) -> np.ndarray:
 
 
 def msmoe_plan(model, layer: int, st, k: int) -> ScopePlan:
+    """Merged experts aligned to their dominant expert; in a hierarchical layer each
+    sub-expert to the dominant family's sub-expert in the same position (`perms[e]` `[S, m]`),
+    since a neuron may not move between sub-experts that are routed separately."""
     groups = msmoe_groups(st.freq, st.logit_gram, k)
     cores = top(np.asarray(st.freq, np.float64), k)
-    ws = expert_weights(model, [layer])
-    perms = {e: align_neurons([w[cores[g]] for w in ws], [w[e] for w in ws])
-             for e, g in enumerate(groups) if e != cores[g]}
+    ws = expert_weights(model, [layer])  # [n, S, ...] each
+    subs = ws[0].shape[1]
+
+    def aligned(e, core):
+        perm = np.stack([align_neurons([w[core, j] for w in ws], [w[e, j] for w in ws])
+                         for j in range(subs)])
+        return perm[0] if subs == 1 else perm
+
+    perms = {e: aligned(e, cores[g]) for e, g in enumerate(groups) if e != cores[g]}
     return merge_plan(layer, groups, st.freq, perms)
 
 

@@ -14,17 +14,28 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cmoe_jax.compress.plan import PROJECTIONS, expert_weights
+from cmoe_jax.compress.plan import PROJECTIONS, unit_weights
 from cmoe_jax.models import Decoder
 
 
-def prototype_tables(model, plan) -> list[np.ndarray]:
-    """[gate, up, down] tables `[K, ...]` of one scope plan (`mix @ experts`, each expert's
-    neurons first put in the plan's order where it has one)."""
-    gate, up, down = expert_weights(model, plan.layers)
+def prototype_tables(model, plan) -> dict[str, np.ndarray]:
+    """`{name: [K, ...]}` tables of one scope plan (`mix @ units`, `unit_weights` layout; each
+    unit's neurons first put in the plan's order where it has one: `perms[e]` is `[m]`, or
+    `[S, m]` with one order per sub-expert)."""
+    ws = unit_weights(model, plan.layers)
     for e, perm in (plan.perms or {}).items():
-        gate[e], up[e], down[e] = gate[e][:, perm], up[e][:, perm], down[e][perm]
-    return [np.tensordot(plan.mix, w, axes=1).astype(np.float32) for w in (gate, up, down)]
+        perm = np.atleast_2d(perm)
+        for name in ("expert_gate", "expert_up"):
+            ws[name][e] = np.take_along_axis(ws[name][e], perm[:, None, :], axis=2)
+        ws["expert_down"][e] = np.take_along_axis(ws["expert_down"][e], perm[:, :, None], axis=1)
+    return {name: np.tensordot(plan.mix, w, axes=1).astype(np.float32) for name, w in ws.items()}
+
+
+def _stored(name: str, table: np.ndarray, like) -> jnp.ndarray:
+    """A table in the layer's layout: sub-experts flattened into the expert axis."""
+    if name in PROJECTIONS:
+        table = table.reshape(-1, *table.shape[2:])
+    return jnp.asarray(table, like.dtype)
 
 
 def compressed_config(cfg, plans):
@@ -45,9 +56,10 @@ def apply_plans(model, plans) -> Decoder:
         tables = prototype_tables(model, plan)
         for l in plan.layers:
             mlp = state["layers"][l]["mlp"]
-            for name, table in zip(PROJECTIONS, tables):
-                if l == plan.layers[0]:
-                    mlp[name] = jnp.asarray(table, model.dtype)
+            shared = type(model.layers[l].mlp).TABLE_NAMES
+            for name, table in tables.items():
+                if l == plan.layers[0] or name not in shared:
+                    mlp[name] = _stored(name, table, mlp[name])
                 else:  # tied to the owner's table: not a variable of this layer
                     mlp.pop(name)
             mlp["slot_map"] = jnp.asarray(plan.slot_maps[l], jnp.int32)
@@ -67,8 +79,9 @@ def materialize(model, plans) -> Decoder:
             slots = plan.slot_maps[l]
             if (slots < 0).any():
                 raise ValueError("a pruned slot has no weights to copy")
-            for name, table in zip(PROJECTIONS, tables):
-                state["layers"][l]["mlp"][name] = jnp.asarray(table[slots], model.dtype)
+            mlp = state["layers"][l]["mlp"]
+            for name, table in tables.items():
+                mlp[name] = _stored(name, table[slots], mlp[name])
     graphdef, new_state = nnx.split(model)
     nnx.replace_by_pure_dict(new_state, state)
     return nnx.merge(graphdef, new_state)

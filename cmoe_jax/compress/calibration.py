@@ -9,6 +9,10 @@ all four baselines need:
 - `contrib [E]`: ConMoE's a_e = mean over those tokens of g_e(t) ||e(h_t)||_2 (REAP's score),
 - `mean_out [E, d]`: the expert's mean output over all tokens (HC-SMoE's features),
 - `logit_gram [E, E]`: Gram matrix of the router-logit columns (M-SMoE's similarity).
+
+In a hierarchical layer (`HierMoEFFN`) E counts top-level experts and an expert's output is
+its family's, `E_i^s(x) + sum_j g'_ij E_ij^r(x)` with its own sub-routing; the router is the
+top-level one.
 """
 from __future__ import annotations
 
@@ -47,25 +51,44 @@ def router_logits(ffn, x):
 
     if ffn.router == "linear":
         return x.astype(jnp.float32) @ ffn.router_kernel[...].astype(jnp.float32)
+    if ffn.router == "cmoe" and is_hierarchical(ffn):
+        return cmoe_scores(x, ffn.top_gate[...], ffn.top_up[...], ffn.top_experts)
     if ffn.router == "cmoe":
         return cmoe_scores(x, ffn.router_gate[...], ffn.router_up[...], ffn.num_experts)
     return jnp.ones((x.shape[0], ffn.num_experts), jnp.float32)
 
 
+def is_hierarchical(ffn) -> bool:
+    return getattr(ffn, "sub_experts", 0) > 0
+
+
 def all_expert_outputs(ffn, x):
-    """float32 `[T, E, d]`: every routed expert's SwiGLU output on every token."""
+    """float32 `[T, E, d]`: every routed expert's SwiGLU output on every token (in a
+    hierarchical layer every family's output, each with its own sub-routing)."""
     wg, wu, wd = (p[...].astype(jnp.float32) for p in (ffn.expert_gate, ffn.expert_up, ffn.expert_down))
     x = x.astype(jnp.float32)
     h = jax.nn.silu(jnp.einsum("td,edm->tem", x, wg)) * jnp.einsum("td,edm->tem", x, wu)
-    return jnp.einsum("tem,emd->ted", h, wd)
+    out = jnp.einsum("tem,emd->ted", h, wd)
+    if not is_hierarchical(ffn):
+        return out
+    from cmoe_jax.moe.gmm import get_gmm
+    from cmoe_jax.moe.hierarchical import sub_route
+
+    t, n = x.shape[0], ffn.top_experts
+    every = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (t, n))  # every family chosen
+    ids, w = sub_route(x, every, jnp.ones((t, n), jnp.float32), ffn.sub_gate[...], ffn.sub_up[...],
+                       ffn.u[...], ffn.router_bias[...], ffn.sub_shared, ffn.sub_top_k,
+                       get_gmm(ffn.backend))
+    weights = jnp.zeros((t, n * ffn.sub_experts), jnp.float32).at[jnp.arange(t)[:, None], ids].add(w)
+    return (out * weights[..., None]).reshape(t, n, ffn.sub_experts, -1).sum(2)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def chunk_sums(graphdef, state, x):
     """Per-chunk sums (freq, contrib sum, output sum, logit Gram) for tokens `x [T, d]`."""
     ffn = nnx.merge(graphdef, state)
-    ids, gates = ffn.route(x)
-    e = ffn.num_experts
+    ids, gates = ffn.top_route(x) if is_hierarchical(ffn) else ffn.route(x)
+    e = ffn.top_experts if is_hierarchical(ffn) else ffn.num_experts
     sel = jnp.zeros((x.shape[0], e), jnp.float32).at[jnp.arange(x.shape[0])[:, None], ids].add(1.0)
     g = jnp.zeros((x.shape[0], e), jnp.float32).at[jnp.arange(x.shape[0])[:, None], ids].add(gates)
     out = all_expert_outputs(ffn, x)

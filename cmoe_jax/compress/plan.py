@@ -7,6 +7,11 @@ each router slot to a table row, -1 for a pruned slot. `perms[i]`, where given, 
 expert i's neurons before mixing (M-SMoE's alignment; a neuron order changes no output).
 `conmoe_plans` builds them with the ConMoE rule (`scoring`); `baselines` the pruning and
 merging baselines.
+
+The unit of compression is a top-level expert: a plain MoE layer's expert, or, in a
+hierarchical layer (`HierMoEFFN`), an expert's family of S sub-experts with its sub-router
+(`unit_weights`); distances use the family's gate/up/down weights, the table carries the
+sub-router too.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import numpy as np
 from cmoe_jax.compress import scoring
 
 PROJECTIONS = ("expert_gate", "expert_up", "expert_down")
+SUB_ROUTER = ("sub_gate", "sub_up", "u", "router_bias")  # a hierarchical family's sub-router
 
 
 @dataclasses.dataclass
@@ -38,10 +44,24 @@ class ScopePlan:
                 **({"perms": {str(e): p.tolist() for e, p in self.perms.items()}} if self.perms else {})}
 
 
+def unit_weights(model, layers) -> dict[str, np.ndarray]:
+    """The units of `layers` stacked layer-major, `{name: [n, ...]}`: gate/up `[n, S, d, m]`,
+    down `[n, S, m, d]` (S sub-experts per unit, 1 in a plain MoE layer) and, for
+    hierarchical layers, the sub-router arrays `SUB_ROUTER` (`[n, ...]`)."""
+    sub = getattr(model.layers[layers[0]].mlp, "sub_experts", 0)
+    out = {}
+    for name in PROJECTIONS + (SUB_ROUTER if sub else ()):
+        arrays = [np.asarray(getattr(model.layers[l].mlp, name)[...], np.float32) for l in layers]
+        if name in PROJECTIONS:
+            arrays = [a.reshape(-1, max(sub, 1), *a.shape[1:]) for a in arrays]
+        out[name] = np.concatenate(arrays)
+    return out
+
+
 def expert_weights(model, layers) -> list[np.ndarray]:
-    """[gate, up, down] of the experts of `layers`, stacked layer-major (`[n, ...]` each)."""
-    return [np.concatenate([np.asarray(getattr(model.layers[l].mlp, p)[...], np.float32)
-                            for l in layers]) for p in PROJECTIONS]
+    """[gate, up, down] of the units of `layers` (`unit_weights`' first three)."""
+    ws = unit_weights(model, layers)
+    return [ws[p] for p in PROJECTIONS]
 
 
 def copy_plan(layers, prototypes, owner_of_slot, num_experts) -> ScopePlan:
@@ -60,7 +80,7 @@ def scopes_of(moe_layers: list[int], size: int) -> list[list[int]]:
 def conmoe_plans(model, stats: dict, ratio: float, scope: int, selection: str = "adaptive"):
     """ConMoE plans of every scope of `scope` consecutive MoE layers, and distance figures."""
     moe_layers = sorted(stats)
-    num_experts = model.layers[moe_layers[0]].mlp.num_experts
+    num_experts = len(stats[moe_layers[0]].freq)  # units (top-level experts) per layer
     plans, spread, cross = [], [], []
     for layers in scopes_of(moe_layers, scope):
         dist = scoring.frobenius_distance(expert_weights(model, layers))

@@ -99,10 +99,7 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     if seqlen > cfg.max_position_embeddings:
         raise CmoeError(f"--seqlen {seqlen} exceeds the model's context "
                         f"({cfg.max_position_embeddings} positions)")
-    from cmoe_jax.checkpoint import is_converted
-
-    # a converted (MoE) source keeps its tokenizer in tokenizer/
-    tokenizer = load_tokenizer(path / "tokenizer" if is_converted(path) else path)
+    tokenizer = load_tokenizer(path)
     if tokenizer is None:
         raise CmoeError(f"{path} has no tokenizer: calibration text cannot be tokenized")
     tokens = load_text_tokens(calib, tokenizer, split=calib_split, data_path=data_path)

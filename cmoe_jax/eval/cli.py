@@ -99,8 +99,7 @@ def _checked_tokenizer(args):
     from cmoe_jax.loading import load_config, load_tokenizer
 
     cfg, path = load_config(args.model)  # cheap: validates the path, architecture and context
-    tok_path = path / "tokenizer" if path.is_dir() and (path / "tokenizer").is_dir() else path
-    tokenizer = load_tokenizer(tok_path)
+    tokenizer = load_tokenizer(path)
     if tokenizer is None:
         raise CmoeError(f"{path} has no tokenizer (tokenizer.json / tokenizer.model): "
                         "copy the source model's tokenizer files next to its weights")

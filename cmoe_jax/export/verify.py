@@ -17,8 +17,7 @@ def verification_windows(model: str, calib: str, split: str, data_path, samples:
     cfg, path = load_config(model)
     if seqlen > cfg.max_position_embeddings:
         raise CmoeError(f"--seqlen {seqlen} exceeds the model's context ({cfg.max_position_embeddings})")
-    tok_path = path / "tokenizer" if path.is_dir() and (path / "tokenizer").is_dir() else path
-    tokenizer = load_tokenizer(tok_path)
+    tokenizer = load_tokenizer(path)
     if tokenizer is None:
         raise CmoeError(f"{path} has no tokenizer: pass --calib-samples 0 to export without the check")
     tokens = load_text_tokens(calib, tokenizer, split=split, data_path=data_path)

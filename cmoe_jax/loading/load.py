@@ -121,8 +121,7 @@ def load_converted(directory: Path, *, dtype=jnp.float32, mesh=None) -> LoadedMo
     """A converted model directory as a `LoadedModel`, restored directly onto its shardings."""
     directory = Path(directory)
     model = restore_model(directory, dtype=dtype, mesh=mesh)
-    tok_dir = directory / "tokenizer"
-    tokenizer = load_tokenizer(tok_dir) if tok_dir.exists() else None
+    tokenizer = load_tokenizer(directory)
     return LoadedModel(model, model.config, tokenizer, str(directory), directory)
 
 

@@ -74,8 +74,11 @@ def gguf_tokenizer(path: Path, reader=None) -> Tokenizer | None:
 
 
 def load_tokenizer(path: Path, gguf_reader=None) -> Tokenizer | None:
-    """The checkpoint's tokenizer, or None when it ships none (weights-only directories)."""
+    """The checkpoint's tokenizer, or None when it ships none (weights-only directories).
+    A converted cmoe_jax model keeps its tokenizer in `tokenizer/`."""
     path = Path(path)
+    if path.is_dir() and (path / "tokenizer").is_dir():
+        path = path / "tokenizer"
     if path.is_file() and path.suffix == ".gguf":
         return gguf_tokenizer(path, gguf_reader)
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):

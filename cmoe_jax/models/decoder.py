@@ -26,7 +26,8 @@ def make_ffn(cfg: ModelConfig, spec: FFNSpec | None, *, dtype, rngs: nnx.Rngs) -
                           sub_top_k=spec.sub_top_k, sub_router_neurons=spec.sub_router_neurons,
                           shared_width=spec.shared_width, router=spec.router,
                           norm_topk_prob=spec.norm_topk_prob, router_neurons=spec.router_neurons,
-                          dtype=dtype, param_dtype=dtype, rngs=rngs)
+                          dtype=dtype, param_dtype=dtype, num_prototypes=spec.num_prototypes,
+                          rngs=rngs)
 
     return MoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts, spec.top_k,
                   shared_width=spec.shared_width, router=spec.router,

@@ -15,6 +15,12 @@ k*(N'_s + N'_k) rows with combine weights w_i (shared) and w_i g'_ij (routed), w
 through `routed_swiglu_experts` like any MoE layer's rows, so every grouped-matmul backend,
 LoRA and the expert-parallel path serve it unchanged. The sub-routers run as one grouped
 matmul on the tokens sorted by top-level expert: each token pays for k sub-routers only.
+
+ConMoE on a hierarchical layer (`num_prototypes = K`, `cmoe_jax.compress`): the unit is a
+top-level expert's family (its N' sub-experts and its sub-router). The layer stores K families
+and an int32 `slot_map [N]`; the top-level router still scores all N slots, the selected
+slots map to families (gates of slots sharing a family summed, as in
+`cmoe_jax.moe.prototypes`), and the sub-routing and dispatch run on the K stored families.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from cmoe_jax.moe.dispatch import plan
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, tokens_sharded
 from cmoe_jax.moe.gmm import get_gmm
 from cmoe_jax.moe.layer import MoEFFN, _init
+from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
 from cmoe_jax.moe.routers import cmoe_route, linear_route
 
 
@@ -71,8 +78,14 @@ class HierMoEFFN(MoEFFN):
     `top_gate/top_up [d, N*r0]`, `top_u [N]`, `top_bias [N]` (cmoe); sub-routers
     `sub_gate/sub_up [N, d, N'_r*r]`, `u [N, N'_r]`, `router_bias [N, N'_r]`. `return_load`
     gives the routed sub-experts' loads `[N, N'_r]`, so `update_router_bias` balances each
-    sub-router against its own mean.
+    sub-router against its own mean. With `num_prototypes` K > 0 the expert tensors,
+    sub-routers, `u` and `router_bias` hold K families (`[K*N', d, m']`, `[K, ...]`) behind an
+    int32 `slot_map [N]` (-1: slot pruned) and the loads are the stored families' `[K, N'_r]`.
     """
+
+    # what a cross-layer ConMoE scope shares (`tie_prototype_tables`); u and the balancing
+    # bias stay per layer, since each layer trains and balances its own
+    TABLE_NAMES = ("expert_gate", "expert_up", "expert_down", "sub_gate", "sub_up")
 
     LOGICAL_AXES = dict(MoEFFN.LOGICAL_AXES, top_gate=("embed", "router"), top_up=("embed", "router"),
                         top_u=("router",), top_bias=("router",),
@@ -83,7 +96,8 @@ class HierMoEFFN(MoEFFN):
                  sub_experts: int, sub_shared: int, sub_top_k: int, sub_router_neurons: int = 1,
                  shared_width: int = 0, router: str = "linear", norm_topk_prob: bool = False,
                  router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32,
-                 backend="auto", expert_axis: str | None = DEFAULT_EXPERT_AXIS, rngs: nnx.Rngs):
+                 backend="auto", expert_axis: str | None = DEFAULT_EXPERT_AXIS,
+                 num_prototypes: int = 0, rngs: nnx.Rngs):
         if router not in ("linear", "cmoe"):
             raise ValueError(f"hierarchical top-level router must be linear or cmoe, got {router!r}")
         n_routed = sub_experts - sub_shared
@@ -104,6 +118,14 @@ class HierMoEFFN(MoEFFN):
         def param(*shape):
             return nnx.Param(_init(rngs.params(), shape, param_dtype))
 
+        self.num_prototypes = num_prototypes
+        if num_prototypes > 0:  # K stored families behind the N top-level slots
+            self.slot_map = SlotMap(jnp.arange(n, dtype=jnp.int32) % num_prototypes)
+            rows = num_prototypes * sub_experts
+            self.expert_gate, self.expert_up = param(rows, d, expert_width), param(rows, d, expert_width)
+            self.expert_down = param(rows, expert_width, d)
+            self.num_experts = rows
+
         if router == "linear":
             self.router_kernel = param(d, n)
         else:
@@ -111,9 +133,10 @@ class HierMoEFFN(MoEFFN):
             self.top_u = nnx.Param(jnp.zeros((n,), param_dtype))
             self.top_bias = RouterBias(jnp.zeros((n,), jnp.float32))
         cols = n_routed * sub_router_neurons
-        self.sub_gate, self.sub_up = param(n, d, cols), param(n, d, cols)
-        self.u = nnx.Param(jnp.zeros((n, n_routed), param_dtype))
-        self.router_bias = RouterBias(jnp.zeros((n, n_routed), jnp.float32))
+        families = num_prototypes or n
+        self.sub_gate, self.sub_up = param(families, d, cols), param(families, d, cols)
+        self.u = nnx.Param(jnp.zeros((families, n_routed), param_dtype))
+        self.router_bias = RouterBias(jnp.zeros((families, n_routed), jnp.float32))
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Flattened sub-expert ids and combine weights `[T, k*(N'_s+N'_k)]`."""
@@ -121,32 +144,42 @@ class HierMoEFFN(MoEFFN):
             top = (self.router_kernel[...],)
         else:
             top = (self.top_gate[...], self.top_up[...], self.top_u[...], self.top_bias[...])
-        arrays = (top, self.sub_gate[...], self.sub_up[...], self.u[...], self.router_bias[...])
+        slots = (self.slot_map[...],) if self.num_prototypes > 0 else ()
+        arrays = (top, self.sub_gate[...], self.sub_up[...], self.u[...], self.router_bias[...]) + slots
         if self._expert_parallel():
             return tokens_sharded(self._route, x, arrays)
         return self._route(x, arrays)
 
     def _route(self, x, arrays):
-        top, sub_gate, sub_up, u, bias = arrays
-        top_ids, top_w = self.top_route(x, top)
+        top, sub_gate, sub_up, u, bias = arrays[:5]
+        if self.num_prototypes > 0:  # pruned slots never win; chosen slots -> stored families
+            slot_map = arrays[5]
+            top_ids, top_w = self.top_route(x, top, keep=slot_map >= 0)
+            top_ids, top_w = to_prototypes(top_ids, top_w, slot_map)
+        else:
+            top_ids, top_w = self.top_route(x, top)
         return sub_route(x, top_ids, top_w, sub_gate, sub_up, u, bias, self.sub_shared,
                          self.sub_top_k, get_gmm(self.backend))
 
-    def top_route(self, x, top=None):
-        """The unchanged top-level choice: expert ids int32 `[T, k]` and weights w `[T, k]`."""
+    def top_route(self, x, top=None, keep=None):
+        """The unchanged top-level choice: expert ids int32 `[T, k]` and weights w `[T, k]`
+        (`keep`, bool `[N]`: slots not kept are never chosen)."""
         if top is None:
             top = ((self.router_kernel[...],) if self.router == "linear" else
                    (self.top_gate[...], self.top_up[...], self.top_u[...], self.top_bias[...]))
         if self.router == "linear":
-            return linear_route(x, *top, self.top_top_k, self.norm_topk_prob)
-        return cmoe_route(x, *top, self.top_top_k)
+            return linear_route(x, *top, self.top_top_k, self.norm_topk_prob, keep=keep)
+        return cmoe_route(x, *top, self.top_top_k, keep=keep)
 
     def __call__(self, x: jax.Array, *, return_load: bool = False, key=None):
-        out = super().__call__(x, return_load=return_load, key=key)
+        shape = x.shape
+        x = x.reshape(-1, self.d_model).astype(self.dtype)
+        ids, weights = self.route(x)
+        routed, counts = self.routed(x, ids, weights, key)
+        y = (self.shared(x, key).astype(jnp.float32) + routed).astype(self.dtype).reshape(shape)
         if not return_load:
-            return out
-        y, counts = out
-        return y, counts.reshape(self.top_experts, self.sub_experts)[:, self.sub_shared:]
+            return y
+        return y, counts.reshape(-1, self.sub_experts)[:, self.sub_shared:]
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:
         """Balance every sub-router against its own mean load (`counts [N, N'_r]`)."""

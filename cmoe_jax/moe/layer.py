@@ -29,7 +29,7 @@ from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.expert_parallel import (DEFAULT_EXPERT_AXIS, expert_axis_size,
                                           routed_swiglu_experts, tokens_sharded)
 from cmoe_jax.moe.gmm import get_gmm, resolve_backend
-from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
+from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
 from cmoe_jax.moe.routers import (ROUTER_KINDS, RouterKind, cmoe_route, linear_route, sum_route,
                                    topsum_route)
 
@@ -70,6 +70,7 @@ class MoEFFN(nnx.Module):
         "expert_down": ("expert", "mlp", "embed"), "router_kernel": ("embed", "router"),
         "router_gate": ("embed", "router"), "router_up": ("embed", "router"),
         "u": ("router",), "router_bias": ("router",), "slot_map": ("router",)}
+    TABLE_NAMES = TABLE_NAMES  # what a cross-layer ConMoE scope shares
 
     def __init__(self, d_model: int, expert_width: int, num_experts: int, top_k: int, *,
                  shared_width: int = 0, router: RouterKind = "cmoe", norm_topk_prob: bool = False,

@@ -39,9 +39,10 @@ def to_prototypes(ids: jax.Array, gates: jax.Array, slot_map: jax.Array):
 
 
 def tie_prototype_tables(layers, specs) -> None:
-    """Point each layer's expert weights at the table of its scope owner (in place)."""
+    """Point each layer's prototype table (`TABLE_NAMES` of its FFN class) at its scope
+    owner's (in place)."""
     for i, spec in enumerate(specs):
         owner = -1 if spec is None else spec.prototype_owner
         if owner >= 0 and owner != i:
-            for name in TABLE_NAMES:
+            for name in getattr(layers[i].mlp, "TABLE_NAMES", TABLE_NAMES):
                 setattr(layers[i].mlp, name, getattr(layers[owner].mlp, name))

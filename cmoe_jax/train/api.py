@@ -115,8 +115,7 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
                          f"({cfg.max_position_embeddings} positions)")
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     adapted = adapted_weights(abstract, targets)  # targets that match nothing fail here
-    tok_path = path / "tokenizer" if path.is_dir() and (path / "tokenizer").is_dir() else path
-    tokenizer = load_tokenizer(tok_path)
+    tokenizer = load_tokenizer(path)
     if tokenizer is None:
         raise TrainError(f"{path} has no tokenizer: the training text cannot be tokenized")
     tokens = load_text_tokens(dataset, tokenizer, split=split, data_path=data_path)
