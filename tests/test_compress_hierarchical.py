@@ -109,26 +109,9 @@ def _family_outputs(mlp, x):
 
 def test_family_statistics_against_numpy(hier):
     """freq, a_e, mean outputs and top-level logit Gram of layer 0 from a per-token loop."""
-    model, stats = hier
-    _, captured = model(jnp.asarray(CALIB), capture_ffn_inputs=True)
-    mlp = model.layers[0].mlp
-    x = np.asarray(captured[0], np.float64).reshape(-1, 32)
-    logits = x @ np.asarray(mlp.router_kernel[...], np.float64)
-    probs = np.exp(logits - logits.max(1, keepdims=True))
-    probs /= probs.sum(1, keepdims=True)
-    top = np.argsort(-probs, axis=1)[:, :2]
-    gates = np.take_along_axis(probs, top, 1)
-    outs = _family_outputs(mlp, x)
-    freq, contrib = np.zeros(4), np.zeros(4)
-    for t in range(len(x)):
-        for j in range(2):
-            freq[top[t, j]] += 1
-            contrib[top[t, j]] += gates[t, j] * np.linalg.norm(outs[t, top[t, j]])
-    st = stats[0]
-    np.testing.assert_array_equal(st.freq, freq)
-    np.testing.assert_allclose(st.contrib, contrib / np.maximum(freq, 1), rtol=1e-4)
-    np.testing.assert_allclose(st.mean_out, outs.mean(0), rtol=1e-3, atol=1e-7)
-    np.testing.assert_allclose(st.logit_gram, logits.T @ logits, rtol=1e-4)
+    from tests.test_compress import assert_stats_match
+
+    assert_stats_match(*hier, _family_outputs)
 
 
 def test_msmoe_merges_permuted_families_back(hier):
