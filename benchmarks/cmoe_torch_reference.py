@@ -71,7 +71,12 @@ class RepresentativeNeuronRouter(nn.Module):
 
 
 class ReferenceMoE(nn.Module):
-    """Shared MLP + routed experts run one by one in a Python loop (the authors' MoE)."""
+    """Shared MLP + routed experts run one by one in a Python loop (the authors' MoE).
+
+    `run_routed = False` skips the routed experts (router and shared MLP still run): what a
+    step costs without them (`benchmarks/routed_share.py`)."""
+
+    run_routed = True
 
     def __init__(self, d_model: int, expert_width: int, num_experts: int, top_k: int,
                  shared_width: int, neurons: int, bias_speed: float):
@@ -90,7 +95,7 @@ class ReferenceMoE(nn.Module):
             self.gate.update_bias(counts)
         y = torch.zeros_like(x)
         for e, n in enumerate(counts.tolist()):
-            if n == 0:
+            if n == 0 or not self.run_routed:
                 continue
             rows, slot = torch.where(ids == e)
             out = self.experts[e](x.index_select(0, rows)) * weights[rows, slot].unsqueeze(-1)
