@@ -133,3 +133,18 @@ def test_train_job_runs_on_a_compressed_model(mixtral, tmp_path):
     moved = np.abs(np.asarray(after.layers[0].mlp.expert_gate[...]) -
                    np.asarray(before.layers[0].mlp.expert_gate[...])).max()
     assert moved > 0  # the trained adapters were merged into the table
+
+
+def test_train_refuses_a_table_shared_across_layers(mixtral, tmp_path, capsys):
+    """Adapters of the routed experts cannot be merged into a table several layers share:
+    one error line before any training, nothing written."""
+    from cmoe_jax.train.cli import main as train_main
+
+    path, text = mixtral
+    compress(str(path), method="conmoe", ratio=0.5, scope=2, out=tmp_path / "c", data_path=str(text),
+             calib_samples=2, seqlen=32, progress=False)
+    args = ["--model", str(tmp_path / "c"), "--dataset", "wikitext2", "--data-path", str(text),
+            "--samples", "8", "--seqlen", "32", "--batch-size", "2", "--out", str(tmp_path / "ft")]
+    assert train_main(args) == 2
+    assert "--scope 1" in capsys.readouterr().err
+    assert not (tmp_path / "ft").exists() and not (tmp_path / "ft.partial").exists()

@@ -115,6 +115,11 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
                          f"({cfg.max_position_embeddings} positions)")
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     adapted = adapted_weights(abstract, targets)  # targets that match nothing fail here
+    tied = [i for i, s in enumerate(cfg.moe_layers) if s is not None and s.prototype_owner >= 0]
+    if tied and any(p[1] in tied and p[3].startswith("expert_") for p, _ in adapted):
+        raise TrainError("the model shares prototype tables across layers (compressed with "
+                         "--scope > 1): per-layer adapters cannot be merged into a shared table; "
+                         "compress with --scope 1, or leave the routed experts out of --targets")
     tokenizer = load_tokenizer(path)
     if tokenizer is None:
         raise TrainError(f"{path} has no tokenizer: the training text cannot be tokenized")
