@@ -2,7 +2,8 @@
 
 Layout of a converted (or fine-tuned) model directory:
     cmoe_manifest.json   source model, plan, calibration, per-layer neuron indices, timings
-    state/               Orbax StandardCheckpointer of `nnx.state(model)`; or, written by a
+    state/               Orbax StandardCheckpointer of the model's state with its layers
+                         per index (`layered_state`, whatever the in-memory storage); or, written by a
                          streamed conversion (manifest "state_layout": "per_layer"), one
                          checkpoint per decoder layer (state/layer_0000, ...) plus
                          state/rest (embedding, final norm, LM head)
@@ -27,7 +28,8 @@ from flax import nnx
 from cmoe_jax import distributed
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.models import Decoder, ModelConfig
-from cmoe_jax.sharding import make_mesh, place_state, shardings_of
+from cmoe_jax.models.stack import layered_state
+from cmoe_jax.sharding import make_mesh, place_state, placed_split, shardings_of
 
 MANIFEST = "cmoe_manifest.json"
 FORMAT = "cmoe_jax.converted/v1"
@@ -81,7 +83,7 @@ def save_converted(model: Decoder, manifest: dict, directory: Path, tokenizer=No
     distributed.barrier("save_converted:mkdir")
     # every process calls Orbax (it needs all of them); each piece is written once
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save((directory / "state").absolute(), distributed.replicated_global(nnx.state(model)))
+    checkpointer.save((directory / "state").absolute(), distributed.replicated_global(layered_state(model)))
     checkpointer.wait_until_finished()
     if distributed.is_main():
         write_manifest(directory, model.config, manifest, tokenizer)
@@ -136,7 +138,7 @@ def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None) -> Decoder:
     manifest = read_manifest(directory)
     cfg = ModelConfig.from_dict(manifest["model_config"])
     mesh = mesh if mesh is not None else make_mesh(devices=jax.local_devices())
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), stack=False))
     graphdef, abstract_state = nnx.split(abstract)
     target = place_state(abstract_state, shardings_of(abstract, mesh))
     checkpointer = ocp.StandardCheckpointer()
@@ -159,5 +161,12 @@ def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None) -> Decoder:
         # included) runs in it, not only the parameters
         state = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a,
                              state)
-        graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
-    return nnx.merge(graphdef, state)
+        graphdef, _ = nnx.split(nnx.eval_shape(
+            lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0), stack=False)))
+    return stacked_on(nnx.merge(graphdef, state), mesh)
+
+
+def stacked_on(model: Decoder, mesh) -> Decoder:
+    """`model` with its layers stacked where they can be, every variable on its sharding."""
+    stacked = model.stacked()
+    return model if stacked is model else nnx.merge(*placed_split(stacked, mesh))

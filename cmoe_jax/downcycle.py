@@ -74,19 +74,15 @@ def first_layers(model, n: int):
     """The decoder cut to its first `n` layers (embeddings, final norm and head kept)."""
     import dataclasses
 
-    from flax import nnx
-
     from cmoe_jax.models import Decoder
+    from cmoe_jax.models.stack import layered_pure
 
     if not 1 <= n <= model.config.num_layers:
         raise CmoeError(f"--layers {n} must be between 1 and {model.config.num_layers}")
     cfg = dataclasses.replace(model.config, num_layers=n)
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=model.dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    pure = nnx.to_pure_dict(nnx.state(model))
+    pure = layered_pure(model)
     pure["layers"] = {i: pure["layers"][i] for i in range(n)}
-    nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
+    return Decoder.from_pure(cfg, pure, model.dtype)
 
 
 def run(args) -> dict:

@@ -5,7 +5,8 @@ attribute `LOGICAL_AXES = {"q_proj": ("embed", "heads"), ...}`. One rules table,
 maps each logical axis to the mesh axes it may be split over, in order of preference:
 projections are split Megatron-style over "model" (columns of q/k/v/gate/up, rows of
 o/down), stacked experts over "expert" when the mesh has that axis and over "model"
-otherwise. A mesh axis is used at most once per array, and only where it divides the
+otherwise; stacked decoder layers (`cmoe_jax.models.stack`) add a leading "layers" axis,
+never split. A mesh axis is used at most once per array, and only where it divides the
 dimension (else that dimension stays whole). A variable whose module declares no axes for
 it is an error, never a silent replication. LoRA adapters (`cmoe_jax.lora`) take their
 axes from the weight they adapt.
@@ -34,6 +35,7 @@ RULES: dict[str | None, tuple[str, ...]] = {
     "expert": ("expert", "model"),
     "router": (),         # the CMoE / linear router's small [d, E*r] tables
     "norm": (),           # RMSNorm scales
+    "layers": (),         # the leading axis of stacked decoder layers: each device holds all
 }
 
 
@@ -102,7 +104,9 @@ def logical_axes(model: nnx.Module) -> dict[tuple, tuple]:
             raise ShardingError(f"variable {'/'.join(map(str, path))} of "
                                 f"{type(owner).__name__} has no logical axes: declare them in "
                                 f"{type(owner).__name__}.LOGICAL_AXES")
-        out[path] = axes
+        stacked = [getattr(type(modules[path[:k]]), "STACKED_AXIS", None)
+                   for k in range(len(path) - 1) if path[:k] in modules]
+        out[path] = (*[a for a in stacked if a], *axes)  # a LayerStack's layer axis first
     return out
 
 

@@ -78,7 +78,8 @@ def test_loglikelihoods_match_transformers(save_tiny, family, batch_size, scan):
     ref_model, path = save_tiny(family)
     lm = load_model(str(path), progress=False)
     requests = random_requests(23) + choice_requests(6, seed=11)  # 6 questions share their context
-    ours, stats = score_requests(lm.model, requests, batch_size=batch_size, progress=False, scan_layers=scan)
+    model = lm.model if scan else lm.model.unstacked()  # stacked layers run as a scan
+    ours, stats = score_requests(model, requests, batch_size=batch_size, progress=False)
     assert_same(ours, torch_scores(ref_model, requests))
     assert stats["requests"] == 47 and stats["rows"] == 23 + 6
     assert stats["padded_tokens"] >= stats["tokens"]
@@ -131,8 +132,8 @@ def test_converted_and_lora_merged_models_score_as_their_own_forward(save_tiny):
     adapters = jax.tree.map(lambda a: 0.05 * jax.random.normal(jax.random.key(2), a.shape), adapters)
     merged = merge_adapters(moe, adapters, lora.scale)
     requests = random_requests(17, seed=2)
-    for model, scan in ((moe, True), (merged, False)):
-        ours, _ = score_requests(model, requests, batch_size=6, progress=False, scan_layers=scan)
+    for model in (moe, merged.unstacked()):
+        ours, _ = score_requests(model, requests, batch_size=6, progress=False)
         assert_same(ours, own_scores(model, requests), atol=2e-4)
 
 

@@ -19,13 +19,14 @@ MOE = ModelConfig.from_hf({"model_type": "qwen3_moe", "vocab_size": 96, "hidden_
                            "num_experts_per_tok": 2, "max_position_embeddings": 64})
 
 
-def _abstract(cfg):
-    return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+def _abstract(cfg, stack=False):
+    return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), stack=stack))
 
 
+@pytest.mark.parametrize("stack", [False, True], ids=["per-layer", "stacked"])
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
-def test_every_variable_has_logical_axes_of_its_rank(cfg):
-    model = _abstract(cfg)
+def test_every_variable_has_logical_axes_of_its_rank(cfg, stack):
+    model = _abstract(cfg, stack)
     axes = logical_axes(model)
     flat = {tuple(p): v.get_value().shape for p, v in nnx.to_flat_state(nnx.state(model))}
     assert set(axes) == set(flat)
@@ -46,6 +47,21 @@ def test_rules_split_projections_megatron_style():
     # k/v: 2 heads x 8 = 16 columns split over 4; a dimension the axis does not divide stays whole
     assert sh[("layers", 0, "attn", "k_proj")] == P(None, "model")
     assert spec_for(("embed", "kv_heads"), (32, 6), mesh) == P()
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_stacked_layers_shard_like_each_layer_with_the_layer_axis_whole(cfg):
+    mesh = AbstractMesh((1, 2, 4), ("data", "expert", "model"))
+    per_layer = {p: s.spec for p, s in shardings_of(_abstract(cfg), mesh).items()}
+    stacked = {p: s.spec for p, s in shardings_of(_abstract(cfg, stack=True), mesh).items()}
+    assert ("layers", "stacked", "attn", "q_proj") in stacked
+    for path, spec in stacked.items():
+        if path[0] != "layers":
+            assert spec == per_layer[path]
+            continue
+        for i in range(cfg.num_layers):
+            one = per_layer[("layers", i, *path[2:])]
+            assert spec == (P(None, *one) if len(one) else P()), path
 
 
 def test_expert_axis_goes_to_an_expert_mesh_axis_when_there_is_one():

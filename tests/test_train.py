@@ -19,6 +19,7 @@ from cmoe_jax.convert import ConvertConfig, convert_model
 from cmoe_jax.checkpoint import save_converted
 from cmoe_jax.loading import load_model
 from cmoe_jax.models import Decoder, ModelConfig
+from cmoe_jax.models.stack import LayerStack
 from cmoe_jax.lora import LoRA
 from cmoe_jax.train import (LoRAConfig, adapted_weights, finetune, init_adapters, load_adapters,
                             lora_logits, lora_loss, merge_adapters, router_params, with_adapters)
@@ -101,7 +102,8 @@ def test_adapters_are_variables_of_the_model_split_by_type(models):
     adapted = with_adapters(moe, adapters, lora.scale, us, bs)
     _, lora_state, frozen = nnx.split(adapted, LoRA, ...)
     got = {p for p, _ in nnx.to_flat_state(lora_state)}
-    want = {(*p[:-1], p[-1] + s) for p, _ in adapted_weights(moe, lora.targets)
+    layer = lambda i: "stacked" if isinstance(moe.layers, LayerStack) else i  # stacked layers
+    want = {(p[0], layer(p[1]), *p[2:-1], p[-1] + s) for p, _ in adapted_weights(moe, lora.targets)
             for s in ("_lora_a", "_lora_b")}
     assert got == want and not any(isinstance(v, LoRA) for _, v in nnx.to_flat_state(frozen))
     assert not any(isinstance(v, LoRA) for _, v in nnx.to_flat_state(nnx.state(moe)))  # base untouched
@@ -132,8 +134,8 @@ def test_dropout_follows_the_key_and_remat_changes_nothing(models):
 
 def _reference_loss(model, adapters, us, bs, tokens, scale):
     """Independent reference: W + scale * A @ B written into a copy of the base model by hand,
-    u and b set, the plain `Decoder` forward, log-softmax NLL in jnp."""
-    graphdef, state = nnx.split(model)
+    u and b set, the plain `Decoder` forward (one module per layer), log-softmax NLL in jnp."""
+    graphdef, state = nnx.split(model.unstacked())
     values = {}
     for i, layer in adapters["layers"].items():
         for group, weights in layer.items():

@@ -16,6 +16,7 @@ from flax import nnx
 
 from cmoe_jax.compress.plan import PROJECTIONS, unit_weights
 from cmoe_jax.models import Decoder
+from cmoe_jax.models.stack import each_layer, layered_pure
 
 
 def prototype_tables(model, plan) -> dict[str, np.ndarray]:
@@ -51,28 +52,25 @@ def compressed_config(cfg, plans):
 def apply_plans(model, plans) -> Decoder:
     """The compressed Decoder (prototype runtime) of `model` under `plans`."""
     cfg = compressed_config(model.config, plans)
-    state = nnx.to_pure_dict(nnx.state(model))
+    state = layered_pure(model)
     for plan in plans:
         tables = prototype_tables(model, plan)
         for l in plan.layers:
             mlp = state["layers"][l]["mlp"]
-            shared = type(model.layers[l].mlp).TABLE_NAMES
+            shared = type(each_layer(model)[l][0].mlp).TABLE_NAMES
             for name, table in tables.items():
                 if l == plan.layers[0] or name not in shared:
                     mlp[name] = _stored(name, table, mlp[name])
                 else:  # tied to the owner's table: not a variable of this layer
                     mlp.pop(name)
             mlp["slot_map"] = jnp.asarray(plan.slot_maps[l], jnp.int32)
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=model.dtype, rngs=nnx.Rngs(0)))
-    graphdef, new_state = nnx.split(abstract)
-    nnx.replace_by_pure_dict(new_state, state)
-    return nnx.merge(graphdef, new_state)
+    return Decoder.from_pure(cfg, state, model.dtype)
 
 
 def materialize(model, plans) -> Decoder:
     """The copied checkpoint: the original architecture, slot e of layer l holding its
     prototype's weights (plans without pruned slots only)."""
-    state = nnx.to_pure_dict(nnx.state(model))
+    state = layered_pure(model)
     for plan in plans:
         tables = prototype_tables(model, plan)
         for l in plan.layers:
@@ -82,9 +80,7 @@ def materialize(model, plans) -> Decoder:
             mlp = state["layers"][l]["mlp"]
             for name, table in tables.items():
                 mlp[name] = _stored(name, table[slots], mlp[name])
-    graphdef, new_state = nnx.split(model)
-    nnx.replace_by_pure_dict(new_state, state)
-    return nnx.merge(graphdef, new_state)
+    return Decoder.from_pure(model.config, state, model.dtype)
 
 
 def routed_bytes(model) -> int:

@@ -20,6 +20,7 @@ import dataclasses
 import numpy as np
 
 from cmoe_jax.compress import scoring
+from cmoe_jax.models.stack import each_layer, layer_value
 
 PROJECTIONS = ("expert_gate", "expert_up", "expert_down")
 SUB_ROUTER = ("sub_gate", "sub_up", "u", "router_bias")  # a hierarchical family's sub-router
@@ -48,10 +49,10 @@ def unit_weights(model, layers) -> dict[str, np.ndarray]:
     """The units of `layers` stacked layer-major, `{name: [n, ...]}`: gate/up `[n, S, d, m]`,
     down `[n, S, m, d]` (S sub-experts per unit, 1 in a plain MoE layer) and, for
     hierarchical layers, the sub-router arrays `SUB_ROUTER` (`[n, ...]`)."""
-    sub = getattr(model.layers[layers[0]].mlp, "sub_experts", 0)
+    sub = getattr(each_layer(model)[layers[0]][0].mlp, "sub_experts", 0)
     out = {}
     for name in PROJECTIONS + (SUB_ROUTER if sub else ()):
-        arrays = [np.asarray(getattr(model.layers[l].mlp, name)[...], np.float32) for l in layers]
+        arrays = [np.asarray(layer_value(model, l, "mlp", name), np.float32) for l in layers]
         if name in PROJECTIONS:
             arrays = [a.reshape(-1, max(sub, 1), *a.shape[1:]) for a in arrays]
         out[name] = np.concatenate(arrays)

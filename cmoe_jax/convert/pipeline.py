@@ -21,6 +21,7 @@ from cmoe_jax.carving.router import router_fit_sums, scale_router_up
 from cmoe_jax import distributed
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
+from cmoe_jax.models.stack import layered_pure
 from cmoe_jax.profiling.layerwise import (NonFiniteActivations, calibration_mesh, ffn_residual_step,
                                           layer_ffn_input, replicate, start_pass)
 from cmoe_jax.sharding import place_state, shardings_of
@@ -225,14 +226,10 @@ def fit_router_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
 
 def assemble(model: Decoder, cfg_moe: ModelConfig, ffns: list[nnx.Module]) -> Decoder:
     """A converted Decoder: the dense model's attention/norms/embeddings plus carved FFNs."""
-    abstract = nnx.eval_shape(lambda: Decoder(cfg_moe, dtype=model.dtype, rngs=nnx.Rngs(0)))
-    graphdef, _ = nnx.split(abstract)
-    dense_state = nnx.to_pure_dict(nnx.state(model))
+    state = layered_pure(model)
     for i, ffn in enumerate(ffns):
-        dense_state["layers"][i]["mlp"] = nnx.to_pure_dict(nnx.state(ffn))
-    new_state = nnx.state(abstract)
-    nnx.replace_by_pure_dict(new_state, dense_state)
-    return nnx.merge(graphdef, new_state)
+        state["layers"][i]["mlp"] = nnx.to_pure_dict(nnx.state(ffn))
+    return Decoder.from_pure(cfg_moe, state, model.dtype)
 
 
 def convert_layer(cfg: ModelConfig, layer, index: int, h, rope, cc: ConvertConfig, mesh,

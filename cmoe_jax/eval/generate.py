@@ -13,18 +13,18 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from cmoe_jax.eval import layer_scan
 from cmoe_jax.eval.loglikelihood import length_bucket
-from cmoe_jax.sharding import make_mesh
+from cmoe_jax.sharding import make_mesh, placed_split
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _next_tokens(graphdefs, states, tokens, last):
+def _next_tokens(graphdef, state, tokens, last):
     """Argmax token [B] after position `last` [B] of each row of `tokens` [B, T]."""
-    model = layer_scan.merge_parts(graphdefs, states)
+    model = nnx.merge(graphdef, state)
     if hasattr(model, "hidden_states") and hasattr(model, "unembed"):
         h = jnp.take_along_axis(model.hidden_states(tokens), last[:, None, None], axis=1)
         logits = model.unembed(h)[:, 0]
@@ -47,7 +47,7 @@ def greedy_generate(model, prompts, max_new_tokens: int, stop: Callable[[list[in
     prompts = [list(p)[-keep:] for p in prompts]
     if any(not p for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    graphdefs, states = layer_scan.placed_parts(model, mesh)
+    graphdef, state = placed_split(model, mesh)
     sharding = NamedSharding(mesh, P("data"))
     outputs: list[list[int]] = [[] for _ in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
@@ -62,7 +62,7 @@ def greedy_generate(model, prompts, max_new_tokens: int, stop: Callable[[list[in
             for r, seq in enumerate(seqs):
                 tokens[r, :len(seq)] = seq
                 last[r] = len(seq) - 1
-            nxt = np.asarray(_next_tokens(graphdefs, states, *jax.device_put((tokens, last), sharding)))
+            nxt = np.asarray(_next_tokens(graphdef, state, *jax.device_put((tokens, last), sharding)))
             still = []
             for r, i in enumerate(active):
                 outputs[i].append(int(nxt[r]))

@@ -30,8 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from cmoe_jax.eval import layer_scan
-from cmoe_jax.sharding import make_mesh
+from cmoe_jax.sharding import make_mesh, placed_split
 
 _HEAD_ROWS = 256  # scored positions per LM-head tile
 
@@ -91,8 +90,8 @@ def _scored_slots(model, tokens, positions, segments, slot_pos, labels):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _score_step(graphdefs, states, *arrays):
-    return _scored_slots(layer_scan.merge_parts(graphdefs, states), *arrays)
+def _score_step(graphdef, state, *arrays):
+    return _scored_slots(nnx.merge(graphdef, state), *arrays)
 
 
 def _prepare(requests, max_length: int):
@@ -169,15 +168,13 @@ def _batch_arrays(prepared, batch, rows: int, length: int, slots: int):
 
 def score_requests(model, requests, batch_size: int = 32, mesh: Mesh | None = None,
                    max_length: int | None = None, progress: bool = True, desc: str = "loglikelihood",
-                   scan_layers: bool = True, share_context: bool = True):
+                   share_context: bool = True):
     """[(summed log-prob, is_greedy)] for each (context_ids, continuation_ids) request, in order.
 
     model: a `Decoder` (dense, converted or LoRA-merged; its `hidden_states` and `unembed`
         are used).
     batch_size: rows per step, rounded up to a multiple of the mesh's "data" size.
     max_length: longest input the model reads (default: the config's context).
-    scan_layers: run uniform layers as one scan (compiles once per shape instead of once per
-        layer; holds a stacked copy of the layer weights), see `layer_scan`.
     share_context: requests with the same context (the choices of one question) share a
         row, the context computed once (`_pack_rows`); False: one row a request. The
         numbers are the same either way (up to float32 summation order).
@@ -205,7 +202,7 @@ def score_requests(model, requests, batch_size: int = 32, mesh: Mesh | None = No
     sums = np.zeros(len(prepared), np.float64)
     greedy_all = np.ones(len(prepared), bool)
 
-    graphdefs, states = layer_scan.placed_parts(model, mesh, scan_layers)
+    graphdef, state = placed_split(model, mesh)
     sharding = NamedSharding(mesh, P("data"))
     stats = collections.Counter()
     shapes = set()
@@ -228,7 +225,7 @@ def score_requests(model, requests, batch_size: int = 32, mesh: Mesh | None = No
         stats["tokens"] += sum(size[id(r)][0] for r in batch)
         stats["padded_tokens"] += n_rows * length
         t0 = time.perf_counter()
-        out = _score_step(graphdefs, states, *jax.device_put(arrays, sharding))
+        out = _score_step(graphdef, state, *jax.device_put(arrays, sharding))
         if (length, width) not in shapes:  # first call traces and compiles: time it apart
             shapes.add((length, width))
             jax.block_until_ready(out)

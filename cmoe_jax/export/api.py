@@ -68,6 +68,7 @@ def export(model: str, *, out, fmt: str = "hf", calib: str = "wikitext2",
     from tqdm.auto import tqdm
 
     from cmoe_jax.loading import load_config, load_model
+    from cmoe_jax.models.stack import layered_state
 
     t0 = time.perf_counter()
     out = Path(out)
@@ -90,7 +91,7 @@ def export(model: str, *, out, fmt: str = "hf", calib: str = "wikitext2",
     write_json_atomic(staging / "progress.json", {"settings": settings, "shards": done})
 
     lm = load_model(model, progress=progress)
-    state = nnx.state(lm.model)
+    state = layered_state(lm.model)  # tensors per layer, as Hugging Face names them
     values = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(state)}
     plan = _shard_plan(cfg, state, int(max_shard_mb * 2**20))
     weight_map: dict[str, str] = {}

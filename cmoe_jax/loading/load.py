@@ -2,7 +2,7 @@
 
 The model is built abstractly (`nnx.eval_shape`), then each parameter is read, checked
 against the config's shape, cast and `device_put` with its target sharding, so peak host
-memory stays near one tensor plus the model on device.
+memory stays near one tensor (one per layer for stacked layers) plus the model on device.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from cmoe_jax.loading.sources import GGUFSource, TensorSource, open_source
 from cmoe_jax.loading.tokenizer import Tokenizer, load_tokenizer
 from cmoe_jax.loading.zoo import resolve
 from cmoe_jax.models import Decoder, DecoderLayer, ModelConfig
+from cmoe_jax.models.stack import STACKED
 from cmoe_jax.sharding import make_mesh, place_state, shardings_of
 
 
@@ -84,7 +85,11 @@ def _fill(source: TensorSource, cfg: ModelConfig, abstract: nnx.Module, prefix: 
 
     def read(path, abstract_value):
         bar.update(1)
-        return read_parameter(source, cfg, prefix + tuple(path), abstract_value.shape, dtype)
+        path, shape = prefix + tuple(path), abstract_value.shape
+        if path[:2] == ("layers", STACKED):  # stacked layers: every layer's tensor, stacked
+            return np.stack([read_parameter(source, cfg, ("layers", i, *path[2:]), shape[1:], dtype)
+                             for i in range(shape[0])])
+        return read_parameter(source, cfg, path, shape, dtype)
 
     state = place_state(state, shardings, read)
     bar.close()

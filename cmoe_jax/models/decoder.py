@@ -11,6 +11,7 @@ from flax import nnx
 
 from cmoe_jax.models.config import FFNSpec, ModelConfig
 from cmoe_jax.models.layers import Attention, RMSNorm, SwiGLU, _param, rope_tables
+from cmoe_jax.models.stack import LayerStack, layered_state, stackable
 
 
 def make_ffn(cfg: ModelConfig, spec: FFNSpec | None, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
@@ -70,20 +71,58 @@ class Decoder(nnx.Module):
     # the embedding table stays whole (a gather); the LM head is split over its vocabulary
     LOGICAL_AXES = {"embed": (None, "embed"), "lm_head": ("embed", "vocab")}
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 stack: bool = True):
+        """`stack=False` keeps one module per layer even where the layers could be stacked
+        (`cmoe_jax.models.stack`): the form checkpoints are read into."""
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = cfg
         self.dtype = dtype
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs)
-                                for i in range(cfg.num_layers)])
+        layers = [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
         if any(s is not None and s.prototype_owner >= 0 for s in cfg.moe_layers):
             from cmoe_jax.moe.prototypes import tie_prototype_tables  # ConMoE scopes
 
-            tie_prototype_tables(self.layers, cfg.moe_layers)
+            tie_prototype_tables(layers, cfg.moe_layers)
+        self.layers = self._store(layers) if stack else nnx.List(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+
+    def _store(self, layers):
+        """A LayerStack of `layers` when they can be stacked, else an nnx.List."""
+        h = jax.ShapeDtypeStruct((1, 2, self.config.hidden_size), self.dtype)
+        if stackable(layers, h, self.rope(2)):
+            return LayerStack.from_layers(layers)
+        return nnx.List(layers)
+
+    @classmethod
+    def from_pure(cls, cfg: ModelConfig, pure: dict, dtype) -> "Decoder":
+        """The model of config `cfg` holding `pure` (a pure dict with layers per index,
+        `cmoe_jax.models.stack.layered_pure`), its layers stacked where they can be."""
+        abstract = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0), stack=False))
+        graphdef, state = nnx.split(abstract)
+        nnx.replace_by_pure_dict(state, pure)
+        return nnx.merge(graphdef, state).stacked()
+
+    def unstacked(self) -> "Decoder":
+        """This model with one module per layer (itself when it has that already): a copy
+        holding slices of the stacked arrays, for code that changes single layers."""
+        if not isinstance(self.layers, LayerStack):
+            return self
+        abstract = nnx.eval_shape(lambda: Decoder(self.config, dtype=self.dtype,
+                                                  rngs=nnx.Rngs(0), stack=False))
+        return nnx.merge(nnx.split(abstract)[0], layered_state(self))
+
+    def stacked(self) -> "Decoder":
+        """This model with its layers stacked where they can be (itself when they are, or
+        cannot be); the layer modules' arrays are copied into the stack."""
+        if isinstance(self.layers, LayerStack) or len(self.layers) < 2:
+            return self
+        graphdef, state = nnx.split(self)
+        model = nnx.merge(graphdef, state)  # new module objects over the same arrays
+        model.layers = model._store(list(model.layers))
+        return model
 
     def rope(self, seq_len: int, positions: jax.Array | None = None):
         """cos/sin tables for positions 0..seq_len-1, or for explicit `positions` [B, T]."""
@@ -113,6 +152,12 @@ class Decoder(nnx.Module):
         """
         rope = self.rope(tokens.shape[-1], positions)
         h = self.embed_tokens(tokens)
+        if isinstance(self.layers, LayerStack):
+            h, inputs, loads = self.layers.scan(h, rope, key=key, segments=segments, remat=remat,
+                                                capture=capture)
+            n = len(self.layers)
+            return (h, [inputs[i] for i in range(n)] if capture else [],
+                    {} if loads is None else {str(i): loads[i] for i in range(n)})
         inputs, loads = [], {}
         for i, layer in enumerate(self.layers):
             k = None if key is None else jax.random.fold_in(key, i)

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.lora import attach
 from cmoe_jax.models.decoder import chunked_nll
+from cmoe_jax.models.stack import STACKED, LayerStack, each_layer, layer_value, stack_trees
 from cmoe_jax.moe.balance import RouterBias
 from cmoe_jax.sharding import logical_axes, spec_for
 
@@ -90,13 +91,14 @@ def adapted_weights(model, targets) -> list[tuple[tuple, tuple]]:
     """
     names = _expand(targets)
     found, hit = [], set()
-    for i, layer in enumerate(model.layers):
+    for i, (layer, stacked) in enumerate(each_layer(model)):
         for module, group, candidates in ((layer.attn, "attn", ATTENTION_WEIGHTS),
                                           (layer.mlp, "mlp", MLP_WEIGHTS)):
             for name in candidates:
                 w = getattr(module, name, None)
                 if name in names and isinstance(w, nnx.Param):
-                    found.append((("layers", i, group, name), tuple(w.get_value().shape)))
+                    shape = tuple(w.get_value().shape)[1 if stacked else 0:]
+                    found.append((("layers", i, group, name), shape))
                     hit.add(name)
     for t in targets:
         if not hit & set(ALIASES.get(t, (t,))):
@@ -147,7 +149,8 @@ def adapter_specs(model, cfg: LoRAConfig, mesh: Mesh) -> dict:
     specs: dict = {}
     axes = logical_axes(model)
     for path, shape in adapted_weights(model, cfg.targets):
-        s = tuple(spec_for(axes[path], shape, mesh))
+        weight_axes = axes.get(path) or axes[("layers", STACKED, *path[2:])][1:]
+        s = tuple(spec_for(weight_axes, shape, mesh))
         s = s + (None,) * (len(shape) - len(s))
         _put(specs, path, {"a": P(*s[:-1], None), "b": P(*s[:-2], None, s[-1])})
     return specs
@@ -175,11 +178,11 @@ def router_params(model) -> tuple[dict, dict]:
     Fresh float32 copies, so donating them to a train step leaves the model intact.
     """
     us, bs = {}, {}
-    for i, layer in enumerate(model.layers):
-        mlp = layer.mlp
-        if _trains_router(mlp):
-            us[str(i)] = jnp.array(mlp.u[...], jnp.float32, copy=True)
-            bs[str(i)] = jnp.array(mlp.router_bias[...], jnp.float32, copy=True)
+    for i, (layer, _) in enumerate(each_layer(model)):
+        if _trains_router(layer.mlp):
+            us[str(i)] = jnp.array(layer_value(model, i, "mlp", "u"), jnp.float32, copy=True)
+            bs[str(i)] = jnp.array(layer_value(model, i, "mlp", "router_bias"), jnp.float32,
+                                   copy=True)
     return us, bs
 
 
@@ -189,20 +192,39 @@ def _copy(model):
     return nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
 
 
+def _per_layer(model, adapters: dict, u: dict | None, bias: dict | None):
+    """`[(layer module, {"attn": .., "mlp": .., "u": .., "bias": ..})]`: what goes into each
+    layer, or, for stacked layers, into the stacked layer, every layer's values stacked (u / b
+    of layers missing from `u` / `bias` then come from the model)."""
+    trees = {}
+    for i, (layer, stacked) in enumerate(each_layer(model)):
+        tree = {g: dict(get_adapter(adapters, ("layers", i, g)) or {}) for g in ("attn", "mlp")}
+        for key, given, name in (("u", u, "u"), ("bias", bias, "router_bias")):
+            if given and str(i) in given:
+                tree[key] = jnp.asarray(given[str(i)])
+            elif given and stacked:
+                tree[key] = layer_value(model, i, "mlp", name)
+        trees[i] = tree
+    if isinstance(model.layers, LayerStack):
+        return [(model.layers.stacked, stack_trees(list(trees.values())))] if trees else []
+    return [(model.layers[i], tree) for i, tree in trees.items()]
+
+
 def with_adapters(model, adapters: dict, scale: float, u: dict | None = None,
                   bias: dict | None = None, dropout: float = 0.0):
     """A copy of `model` carrying `adapters` as `LoRA` variables of the modules they adapt,
     and the router scales u / selection biases b given by layer (float32, as given; layers
-    missing from them keep the model's). Traceable: the train step calls it inside `jit`."""
+    missing from them keep the model's). Traceable: the train step calls it inside `jit`;
+    for stacked layers it stacks the adapters (small), never the weights."""
     out = _copy(model)
-    for i, layer in enumerate(out.layers):
-        for group, module in (("attn", layer.attn), ("mlp", layer.mlp)):
-            for name, ab in (get_adapter(adapters, ("layers", i, group)) or {}).items():
-                attach(module, name, ab["a"], ab["b"], scale, dropout)
-        if u and str(i) in u:
-            layer.mlp.u = nnx.Param(jnp.asarray(u[str(i)]))
-        if bias and str(i) in bias:
-            layer.mlp.router_bias = RouterBias(jnp.asarray(bias[str(i)]))
+    for layer, tree in _per_layer(out, adapters, u, bias):
+        for group in ("attn", "mlp"):
+            for name, ab in tree[group].items():
+                attach(getattr(layer, group), name, ab["a"], ab["b"], scale, dropout)
+        if "u" in tree:
+            layer.mlp.u = nnx.Param(tree["u"])
+        if "bias" in tree:
+            layer.mlp.router_bias = RouterBias(tree["bias"])
     return out
 
 
@@ -214,7 +236,7 @@ def lora_hidden(model, adapters: dict, u: dict, bias: dict, tokens: jax.Array, *
     `fold_in(key, i)` (no dropout without a key)."""
     adapted = with_adapters(model, adapters, scale, u, bias, dropout)
     h, _, loads = adapted.run_layers(tokens, key=key, remat=remat)
-    cmoe = {str(i) for i, layer in enumerate(model.layers) if _trains_router(layer.mlp)}
+    cmoe = {str(i) for i, (layer, _) in enumerate(each_layer(model)) if _trains_router(layer.mlp)}
     return h, {k: v for k, v in loads.items() if k in cmoe}
 
 
@@ -240,16 +262,16 @@ def merge_adapters(model, adapters: dict, scale: float, u: dict | None = None,
                    bias: dict | None = None):
     """A copy of `model` with `W + scale * A @ B` folded in and u / b set; `model` is unchanged."""
     merged = _copy(model)
-    for i, layer in enumerate(merged.layers):
-        for group, module in (("attn", layer.attn), ("mlp", layer.mlp)):
-            node = get_adapter(adapters, ("layers", i, group)) or {}
-            for name, adapter in node.items():
+    for layer, tree in _per_layer(merged, adapters, u, bias):
+        for group in ("attn", "mlp"):
+            module = getattr(layer, group)
+            for name, adapter in tree[group].items():
                 w = getattr(module, name)
                 new = w[...].astype(jnp.float32) + delta(adapter, scale)
                 setattr(module, name, nnx.Param(new.astype(w[...].dtype)))
         mlp = layer.mlp
-        if u and str(i) in u:
-            mlp.u = nnx.Param(jnp.asarray(u[str(i)]).astype(mlp.u[...].dtype))
-        if bias and str(i) in bias:
-            mlp.router_bias[...] = jnp.asarray(bias[str(i)]).astype(mlp.router_bias[...].dtype)
+        if "u" in tree:
+            mlp.u = nnx.Param(tree["u"].astype(mlp.u[...].dtype))
+        if "bias" in tree:
+            mlp.router_bias[...] = tree["bias"].astype(mlp.router_bias[...].dtype)
     return merged
