@@ -110,3 +110,20 @@ def tiny_checkpoint(tmp_path):
     save_tiny_tokenizer(path)
     text = write_random_text(tmp_path / "calib.txt", 4000)
     return model, path, text
+
+
+def dense_and_converted(cfg, plan: str):
+    """A tiny random dense `Decoder` of `cfg` and its CMoE conversion under `plan` (4 random
+    calibration windows of 32 tokens)."""
+    import numpy as np
+    from flax import nnx
+
+    from cmoe_jax.carving import MoEPlan
+    from cmoe_jax.convert import ConvertConfig, convert_model
+    from cmoe_jax.models import Decoder
+
+    dense = Decoder(cfg, rngs=nnx.Rngs(0))
+    calib = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(4, 32)).astype(np.int32)
+    moe, _ = convert_model(dense, calib, ConvertConfig(plan=MoEPlan.parse(plan), k_act=4),
+                           progress=False)
+    return dense, moe

@@ -235,7 +235,7 @@ def test_msmoe_merges_permuted_copies_back_into_the_original(moe):
     aligned merge returns that function, while a plain average of the weights would not."""
     model, stats = moe
     before = np.asarray(model.layers[1].mlp.expert_gate[...]).copy()
-    copies = nnx.clone(model)
+    copies = nnx.clone(model).unstacked()  # one module per layer: layer 1 is changed below
     mlp = copies.layers[1].mlp
     rng = np.random.default_rng(4)
     gate, up, down = (np.array(w[...]) for w in (mlp.expert_gate, mlp.expert_up, mlp.expert_down))

@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cmoe_jax.carving import MoEPlan
-from cmoe_jax.convert import ConvertConfig, convert_model
 from cmoe_jax.checkpoint import save_converted
 from cmoe_jax.loading import load_model
 from cmoe_jax.models import Decoder, ModelConfig
@@ -24,7 +22,7 @@ from cmoe_jax.lora import LoRA
 from cmoe_jax.train import (LoRAConfig, adapted_weights, finetune, init_adapters, load_adapters,
                             lora_logits, lora_loss, merge_adapters, router_params, with_adapters)
 from cmoe_jax.train.cli import main as train_main
-from conftest import save_tiny_tokenizer, write_random_text
+from conftest import dense_and_converted, save_tiny_tokenizer, write_random_text
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
@@ -34,11 +32,7 @@ CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediat
 @pytest.fixture(scope="module")
 def models():
     """A tiny random dense Llama and its CMoE conversion (S2A2E8: shared MLP + 6 routed experts)."""
-    dense = Decoder(CFG, rngs=nnx.Rngs(0))
-    calib = np.random.default_rng(0).integers(0, 96, size=(4, 32)).astype(np.int32)
-    moe, _ = convert_model(dense, calib, ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4),
-                           progress=False)
-    return dense, moe
+    return dense_and_converted(CFG, "S2A2E8")
 
 
 @pytest.fixture(scope="module")

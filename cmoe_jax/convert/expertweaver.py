@@ -123,9 +123,10 @@ def weave_model(model: Decoder, windows: np.ndarray, task_ids: np.ndarray, cc: W
     h, rope = start_pass(model, windows, mesh)
     records, ffns, specs = [], [], []
     for i in tqdm(range(cfg.num_layers), desc=f"weaving {cc.name}", disable=not progress):
-        mlp = model.layers[i].mlp
+        layer = model.layers[i]  # one view of a stacked layer, taken once
+        mlp = layer.mlp
         t0 = time.perf_counter()
-        h_mid, x, _ = layer_ffn_input(model.layers[i], i, h, rope, mesh)
+        h_mid, x, _ = layer_ffn_input(layer, i, h, rope, mesh)
         if i < len(done):
             record = done[i]
         else:

@@ -1,0 +1,127 @@
+"""Decoder layers stored stacked (`cmoe_jax.models.stack`): which models stack, the scanned
+forward against the unrolled one, training reading the stacked weights in place, and
+checkpoints that stay per layer."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from cmoe_jax.checkpoint import restore_model, save_converted
+from cmoe_jax.models import Decoder, ModelConfig
+from cmoe_jax.models.stack import STACKED, LayerStack, layered_state
+from cmoe_jax.sharding import make_mesh, place_state, shardings_of
+from cmoe_jax.train import LoRAConfig, init_adapters, lora_loss, router_params
+from conftest import dense_and_converted
+
+CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
+                  num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+QWEN_MOE = {"model_type": "qwen3_moe", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+            "moe_intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+            "max_position_embeddings": 64}
+
+
+def _tokens(b=2, t=12, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 96, (b, t)), jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def converted():
+    return dense_and_converted(CFG, "S1A1E4")
+
+
+def test_uniform_models_stack_and_mixed_ones_do_not():
+    assert isinstance(Decoder(CFG).layers, LayerStack)
+    assert isinstance(Decoder(ModelConfig.from_hf(QWEN_MOE)).layers, LayerStack)
+    mixed = ModelConfig.from_hf({**QWEN_MOE, "mlp_only_layers": [1]})  # layer 1 dense
+    assert isinstance(Decoder(mixed).layers, nnx.List)
+    one = Decoder(ModelConfig(**{**CFG.__dict__, "num_layers": 1}))
+    assert isinstance(one.layers, nnx.List)
+    state = nnx.state(Decoder(CFG))
+    assert state["layers"][STACKED]["attn"]["q_proj"].get_value().shape == (3, 32, 32)
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_scanned_forward_equals_the_unrolled_one(converted, which):
+    model = dict(zip(("dense", "moe"), converted))[which]
+    assert isinstance(model.layers, LayerStack)
+    per_layer = model.unstacked()
+    assert isinstance(per_layer.layers, nnx.List)
+    tokens = _tokens()
+    h1, x1, loads1 = model.run_layers(tokens, capture=True)
+    h2, x2, loads2 = per_layer.run_layers(tokens, capture=True)
+    np.testing.assert_allclose(np.asarray(h1), np.asarray(h2), atol=1e-5)
+    assert len(x1) == len(x2) == 3
+    for a, b in zip(x1, x2):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    assert sorted(loads1) == sorted(loads2) == ([] if which == "dense" else ["0", "1", "2"])
+    for k in loads1:
+        np.testing.assert_array_equal(np.asarray(loads1[k]), np.asarray(loads2[k]))
+    # a view of layer i holds layer i's weights
+    np.testing.assert_array_equal(np.asarray(model.layers[2].attn.q_proj[...]),
+                                  np.asarray(per_layer.layers[2].attn.q_proj[...]))
+
+
+def test_training_loss_and_gradients_equal_the_per_layer_model(converted):
+    _, moe = converted
+    per_layer = moe.unstacked()
+    lora = LoRAConfig(rank=4, alpha=8, dropout=0.2)
+    adapters = init_adapters(moe, lora, jax.random.key(0))
+    adapters = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape), adapters)
+    us, bs = router_params(moe)
+    assert sorted(us) == ["0", "1", "2"]
+    tokens, key = _tokens(2, 16, 3), jax.random.key(7)
+
+    def grads(model):
+        f = lambda ad, u: lora_loss(model, ad, u, bs, tokens, scale=lora.scale, dropout=0.2,
+                                    key=key, remat=True)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(adapters, us)
+
+    (l1, loads1), g1 = grads(moe)
+    (l2, loads2), g2 = grads(per_layer)
+    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-6)
+    for k in loads1:
+        np.testing.assert_array_equal(np.asarray(loads1[k]), np.asarray(loads2[k]))
+    assert jax.tree.structure(g1) == jax.tree.structure(g2)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
+
+
+def test_the_loss_reads_stacked_weights_in_place(converted):
+    """Nothing in the traced loss builds an array of a stacked weight's shape: the scan slices
+    the weights where they lie (the adapters, small, are what gets stacked)."""
+    _, moe = converted
+    lora = LoRAConfig(rank=4, alpha=8)
+    adapters = init_adapters(moe, lora, jax.random.key(0))
+    us, bs = router_params(moe)
+    graphdef, frozen = nnx.split(moe)
+    weight_shapes = {tuple(v.get_value().shape) for p, v in nnx.to_flat_state(frozen)
+                     if p[:2] == ("layers", STACKED) and np.prod(v.get_value().shape) > 64 * 4}
+    tokens = _tokens(2, 16)
+    jaxpr = jax.make_jaxpr(lambda fr, ad: lora_loss(nnx.merge(graphdef, fr), ad, us, bs, tokens,
+                                                    scale=lora.scale))(frozen, adapters)
+    top = jaxpr.jaxpr
+    assert any(e.primitive.name == "scan" for e in top.eqns)
+    built = {tuple(v.aval.shape) for e in top.eqns if e.primitive.name != "scan" for v in e.outvars}
+    assert not built & weight_shapes
+
+
+def test_checkpoints_stay_per_layer_and_restore_stacked(converted, tmp_path):
+    _, moe = converted
+    save_converted(moe, {"source_model": "tiny"}, tmp_path / "m")
+    # on disk: one entry per layer index, read here into one module per layer's state
+    per_layer = nnx.eval_shape(lambda: Decoder(moe.config, stack=False))
+    target = place_state(nnx.state(per_layer), shardings_of(per_layer, make_mesh()))
+    raw = ocp.StandardCheckpointer().restore((tmp_path / "m" / "state").absolute(), target)
+    np.testing.assert_array_equal(np.asarray(raw["layers"][1]["mlp"]["expert_gate"].get_value()),
+                                  np.asarray(moe.layers[1].mlp.expert_gate[...]))
+    back = restore_model(tmp_path / "m")
+    assert isinstance(back.layers, LayerStack)
+    tokens = _tokens()
+    np.testing.assert_array_equal(np.asarray(back(tokens)), np.asarray(moe(tokens)))
+    flat = {p: v.get_value() for p, v in nnx.to_flat_state(layered_state(back))}
+    assert ("layers", 1, "mlp", "expert_gate") in flat
