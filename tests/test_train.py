@@ -16,7 +16,7 @@ from flax import nnx
 
 from cmoe_jax.checkpoint import save_converted
 from cmoe_jax.loading import load_model
-from cmoe_jax.models import Decoder, ModelConfig
+from cmoe_jax.models import ModelConfig
 from cmoe_jax.models.stack import LayerStack
 from cmoe_jax.lora import LoRA
 from cmoe_jax.train import (LoRAConfig, adapted_weights, finetune, init_adapters, load_adapters,
