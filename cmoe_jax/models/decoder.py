@@ -117,11 +117,13 @@ class Decoder(nnx.Module):
     def stacked(self) -> "Decoder":
         """This model with its layers stacked where they can be (itself when they are, or
         cannot be); the layer modules' arrays are copied into the stack."""
-        if isinstance(self.layers, LayerStack) or len(self.layers) < 2:
+        if isinstance(self.layers, LayerStack):
             return self
-        graphdef, state = nnx.split(self)
-        model = nnx.merge(graphdef, state)  # new module objects over the same arrays
-        model.layers = model._store(list(model.layers))
+        layers = self._store(list(self.layers))
+        if not isinstance(layers, LayerStack):
+            return self
+        model = nnx.merge(*nnx.split(self))  # new module objects over the same arrays
+        model.layers = layers
         return model
 
     def rope(self, seq_len: int, positions: jax.Array | None = None):
