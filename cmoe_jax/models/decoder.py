@@ -145,7 +145,8 @@ class Decoder(nnx.Module):
                    positions: jax.Array | None = None, segments: jax.Array | None = None):
         """(residual stream after the last layer, every layer's FFN input when `capture`
         else [], expert loads `{layer: int32 [E]}` of the MoE layers): the one forward
-        behind evaluation, conversion and training.
+        behind evaluation, conversion and training. Stacked layers run as one `lax.scan`
+        (`LayerStack.scan`), layers that differ one after another; the results are the same.
 
         `key`: dropout key of the LoRA adapters (layer i uses `fold_in(key, i)`; None: no
         dropout). `remat`: recompute each layer in the backward pass instead of storing its

@@ -45,7 +45,7 @@ class LayerStack(nnx.Module):
         if not -self.size <= i < self.size:
             raise IndexError(f"layer {i} of {self.size}")
         graphdef, state = nnx.split(self.stacked)
-        return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+        return nnx.merge(graphdef, jax.tree.map(lambda a: _layer_slice(a, i % self.size), state))
 
     def __iter__(self):
         return (self[i] for i in range(self.size))
@@ -94,6 +94,11 @@ def stackable(layers, h: jax.ShapeDtypeStruct, rope) -> bool:
     return jax.eval_shape(lambda h: layers[0](h, rope)[0], h).dtype == h.dtype
 
 
+def _layer_slice(a: jax.Array, i: int) -> jax.Array:
+    """`a[i]` with the index as an operand: one compiled slice per shape, not per index."""
+    return jax.lax.dynamic_index_in_dim(a, jnp.asarray(i, jnp.int32), 0, keepdims=False)
+
+
 def layered_state(model) -> nnx.State:
     """`nnx.state(model)` with the layers per index (`state["layers"][i]`) whatever the
     storage: the layout of checkpoints, exports and per-layer surgery (slices are copies)."""
@@ -102,7 +107,8 @@ def layered_state(model) -> nnx.State:
     if not isinstance(layers, LayerStack):
         return state
     stacked = state["layers"][STACKED]
-    per_layer = {i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(layers.size)}
+    per_layer = {i: jax.tree.map(lambda a, i=i: _layer_slice(a, i), stacked)
+                 for i in range(layers.size)}
     out = {k: v for k, v in state.items() if k != "layers"}
     out["layers"] = nnx.State(per_layer)
     return nnx.State(out)
