@@ -83,10 +83,10 @@ def stackable(layers, h: jax.ShapeDtypeStruct, rope) -> bool:
     carry cannot change it): `h` a residual stream's shape and dtype, `rope` its tables."""
     if len(layers) < 2:
         return False
-    graphdef, states = _split_all(layers)
+    splits = [nnx.split(layer) for layer in layers]
     shapes = lambda st: jax.tree.map(lambda a: (a.shape, a.dtype), st)
-    if any(nnx.split(l)[0] != graphdef or shapes(s) != shapes(states[0])
-           for l, s in zip(layers, states)):
+    first = (splits[0][0], shapes(splits[0][1]))
+    if any((g, shapes(s)) != first for g, s in splits[1:]):
         return False
     ids = [id(v) for l in layers for _, v in nnx.iter_graph(l) if isinstance(v, nnx.Variable)]
     if len(ids) != len(set(ids)):
