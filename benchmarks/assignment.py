@@ -62,9 +62,8 @@ def main() -> None:
     args = ap.parse_args()
     load_start = load_average()
 
-    from cmoe_jax.carving import (MoEPlan, assignment_cost, balanced_assignment, balanced_kmeans,
-                                  carve_layer, markers_to_points, repeated_column_reference, split_shared,
-                                  squared_distances)
+    from cmoe_jax.methods.cmoe import MoEPlan, carve_layer, split_shared
+    from cmoe_jax.carving import assignment_cost, balanced_assignment, balanced_kmeans, markers_to_points, repeated_column_reference, squared_distances
 
     plan = MoEPlan.parse("S1A1E8")
     d_h = max(1, int(round(11008 * args.scale / plan.total))) * plan.total

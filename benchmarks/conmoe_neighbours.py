@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from conmoe_table import stats_for  # noqa: E402  (benchmarks/ is on sys.path)
-from cmoe_jax.compress import conmoe_plans
+from cmoe_jax.methods.conmoe import conmoe_plans
 from cmoe_jax.loading import load_model
 
 

@@ -45,11 +45,12 @@ def layer_floor(model: str, plan, samples: int, seqlen: int, repeats: int) -> No
     import numpy as np
     from flax import nnx
 
-    from cmoe_jax.carving import carve_layer
-    from cmoe_jax.carving.markers import profile_layer
-    from cmoe_jax.convert.pipeline import ConvertConfig, build_moe_ffn, slices_for
+    from cmoe_jax.methods.cmoe import carve_layer
+    from cmoe_jax.profiling.markers import profile_layer
+    from cmoe_jax.methods.cmoe.convert import ConvertConfig, moe_spec, slices_for
+    from cmoe_jax.models.ffn import filled_ffn
     from cmoe_jax.loading import load_model
-    from cmoe_jax.profiling.layerwise import (attention_step, calibration_mesh, embed_step,
+    from cmoe_jax.profiling.layer_pass import (attention_step, calibration_mesh, embed_step,
                                               ffn_residual_step, replicate, shard_batch)
 
     dense = load_model(model, dtype=jnp.float32, progress=False).model
@@ -68,7 +69,7 @@ def layer_floor(model: str, plan, samples: int, seqlen: int, repeats: int) -> No
     markers, mu, _ = profile_layer(xt, *w, k_act=cc.k_act)
     carving = carve_layer(np.asarray(markers), np.asarray(mu), plan, k_act=cc.k_act,
                           router_neurons=cc.router_neurons)
-    fg, fs = nnx.split(build_moe_ffn(cfg, cc, slices_for(layer, carving), dense.dtype))
+    fg, fs = nnx.split(filled_ffn(cfg, moe_spec(cfg, cc), slices_for(layer, carving), dense.dtype))
     fs = replicate(fs, mesh)
     steps = {
         "attention (calibration pass)": lambda: attention_step(lg, ls, h, rope),
@@ -108,13 +109,14 @@ def random_layers(args, load_start: float) -> None:
     import numpy as np
     from flax import nnx
 
-    from cmoe_jax.carving import MoEPlan
-    from cmoe_jax.convert.pipeline import (ConvertConfig, build_moe_ffn, carve_one_layer,
-                                           fit_router_scales, slices_for)
+    from cmoe_jax.methods.cmoe import MoEPlan
+    from cmoe_jax.methods.cmoe.convert import (ConvertConfig, carve_one_layer, fit_router_scales,
+                                               moe_spec, slices_for)
+    from cmoe_jax.models.ffn import filled_ffn
     from cmoe_jax.models.config import ModelConfig
     from cmoe_jax.models.decoder import DecoderLayer
     from cmoe_jax.models.layers import rope_tables
-    from cmoe_jax.profiling.layerwise import (attention_step, calibration_mesh,
+    from cmoe_jax.profiling.layer_pass import (attention_step, calibration_mesh,
                                               ffn_residual_step, replicate, shard_batch)
 
     cfg = ModelConfig(**SHAPES[args.shape])
@@ -138,7 +140,7 @@ def random_layers(args, load_start: float) -> None:
         jax.block_until_ready(x)
         t2 = time.perf_counter()
         carving, _, secs = carve_one_layer(layer, x, cc)
-        ffn = build_moe_ffn(cfg, cc, slices_for(layer, carving), dtype)
+        ffn = filled_ffn(cfg, moe_spec(cfg, cc), slices_for(layer, carving), dtype)
         ffn.backend = args.backend
         fit_router_scales(ffn, x, cc, mesh)
         fg, fs = nnx.split(ffn)
@@ -183,7 +185,7 @@ def main() -> None:
     if args.shape:
         return random_layers(args, load_start)
 
-    from cmoe_jax.carving import MoEPlan
+    from cmoe_jax.methods.cmoe import MoEPlan
     from cmoe_jax.convert import convert
     from cmoe_jax.demo import local_wikitext
 

@@ -30,7 +30,7 @@ def main() -> None:
     args = p.parse_args()
     import jax
 
-    from cmoe_jax.carving.sparsity_baselines import abstopk_glu
+    from benchmarks.sparsity_baselines_lib import abstopk_glu
     from cmoe_jax.data import eval_windows, load_text_tokens
     from cmoe_jax.loading import load_model
 

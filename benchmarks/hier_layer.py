@@ -14,6 +14,7 @@ import os
 import resource
 import sys
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -24,10 +25,10 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks.harness import load_average  # noqa: E402
-from cmoe_jax.carving import MoEPlan  # noqa: E402
-from cmoe_jax.carving.hierarchical import carve_moe_layer  # noqa: E402
+from cmoe_jax.methods.cmoe import MoEPlan  # noqa: E402
+from cmoe_jax.methods.hierarchical.carve import carve_moe_layer  # noqa: E402
 from cmoe_jax.convert import ConvertConfig  # noqa: E402
-from cmoe_jax.convert.hierarchical import build_hier_ffn, hier_spec  # noqa: E402
+from cmoe_jax.methods.hierarchical.convert import build_hier_ffn, hier_spec  # noqa: E402
 from cmoe_jax.models import FFNSpec  # noqa: E402
 from cmoe_jax.moe import MoEFFN  # noqa: E402
 
@@ -87,7 +88,8 @@ def main() -> None:
     del weights
     t0 = time.perf_counter()
     spec = hier_spec(FFNSpec(n, k, d_e, 0, "linear", True), cc)
-    hier = build_hier_ffn(src, spec, carved, dtype)
+    cfg = types.SimpleNamespace(hidden_size=d)  # all the builder reads of a model config
+    hier = build_hier_ffn(cfg, src, spec, carved, dtype)
     t_build = time.perf_counter() - t0
     total = t_route + t_carve + t_build
     fallback = sum(r.fallback for r in records)

@@ -16,10 +16,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import load_average  # noqa: E402
-from cmoe_jax.carving import MoEPlan  # noqa: E402
+from cmoe_jax.methods.cmoe import MoEPlan  # noqa: E402
 from cmoe_jax.checkpoint import is_converted  # noqa: E402
 from cmoe_jax.convert import ConvertConfig  # noqa: E402
-from cmoe_jax.convert.hierarchical import random_hierarchical  # noqa: E402
+from cmoe_jax.methods.hierarchical.convert import random_hierarchical  # noqa: E402
 from cmoe_jax.data import load_text_tokens, text_windows  # noqa: E402
 from cmoe_jax.eval import perplexity  # noqa: E402
 from cmoe_jax.loading import load_model, load_tokenizer  # noqa: E402

@@ -50,7 +50,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from cmoe_jax.carving import MoEPlan
+    from cmoe_jax.methods.cmoe import MoEPlan
     from cmoe_jax.convert import ConvertConfig, convert_model
     from cmoe_jax.data import calibration_windows, load_text_tokens
     from cmoe_jax.demo import local_wikitext

@@ -24,28 +24,25 @@ WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2
 
 
 def wanda_layerwise(model, calib, sparsity: float) -> None:
-    from flax import nnx
+    """Wanda on `model` (listed layers, pruned in place) through the project's layer pass:
+    each FFN is pruned on the inputs the already-pruned layers before it produce."""
+    from benchmarks.sparsity_baselines_lib import prune_ffn
+    from cmoe_jax.profiling.layer_pass import calibration_mesh, layer_pass, start_pass
 
-    from cmoe_jax.carving.sparsity_baselines import prune_ffn
-    from cmoe_jax.profiling.layerwise import attention_step, calibration_mesh, embed_step, ffn_residual_step, replicate, shard_batch
+    def prune(inputs):
+        prune_ffn(inputs.layer.mlp, sparsity, "wanda", inputs.ffn_input)
+        return inputs.layer.mlp
 
     mesh = calibration_mesh(calib.shape[0])
-    g, s = nnx.split(model)
-    h = embed_step(g, replicate(s, mesh), shard_batch(calib, mesh))
-    rope = replicate(model.rope(calib.shape[1]), mesh)
-    for layer in model.layers:
-        lg, ls = nnx.split(layer)
-        h_mid, x, _ = attention_step(lg, replicate(ls, mesh), h, rope)
-        prune_ffn(layer.mlp, sparsity, "wanda", x)
-        fg, fs = nnx.split(layer.mlp)
-        h, _ = ffn_residual_step(fg, replicate(fs, mesh), h_mid, x)
+    h, rope = start_pass(model, calib, mesh)
+    layer_pass(model.layers, h, rope, mesh, prune, desc="wanda", progress=False)
 
 
 def sparse_model(method: str, sparsity: float, calib):
-    from cmoe_jax.carving.sparsity_baselines import AbsTopkGLU, prune_ffn
+    from benchmarks.sparsity_baselines_lib import AbsTopkGLU, prune_ffn
     from cmoe_jax.loading import load_model
 
-    model = load_model("smollm2", progress=False).model
+    model = load_model("smollm2", progress=False).model.unstacked()  # layers edited in place
     if method == "abstopk":
         keep = int(round((1 - sparsity) * model.config.intermediate_size))
         for layer in model.layers:

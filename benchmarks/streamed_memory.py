@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -85,10 +86,10 @@ def convert_child(source: str, out: str, stream: bool, config: str, samples: int
     import jax.numpy as jnp
     import numpy as np
 
-    from cmoe_jax.carving import MoEPlan
+    from cmoe_jax.methods.cmoe import MoEPlan
     from cmoe_jax.checkpoint import PER_LAYER, save_converted, write_manifest
     from cmoe_jax.convert import ConvertConfig, convert_model
-    from cmoe_jax.convert.streamed import convert_streamed
+    from cmoe_jax.methods.cmoe.streamed import convert_streamed
     from cmoe_jax.loading import load_config, load_model, open_source
 
     base = peak_rss()
@@ -112,8 +113,19 @@ def run_child(*args) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True)
     if proc.returncode:
-        sys.exit(f"child failed:\n{proc.stderr[-4000:]}")
+        sys.exit(f"child failed: {why_failed(proc.returncode, proc.stderr)}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def why_failed(returncode: int, stderr: str) -> str:
+    """A child's end in words: the signal that killed it (SIGKILL with no error of its own is
+    almost always the kernel's out-of-memory killer), or its exit status and last error."""
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        hint = " (most likely the kernel's out-of-memory killer)" if name == "SIGKILL" else ""
+        return f"killed by {name}{hint}" + (f"; stderr ends:\n{stderr[-2000:]}" if stderr.strip() else "")
+    lines = [l for l in stderr.strip().splitlines() if l.strip()]
+    return f"exit status {returncode}: {lines[-1] if lines else 'no error message'}\n{stderr[-4000:]}"
 
 
 def state_digest(directory: str) -> list[tuple[str, str]]:

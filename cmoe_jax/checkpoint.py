@@ -2,11 +2,12 @@
 
 Layout of a converted (or fine-tuned) model directory:
     cmoe_manifest.json   source model, plan, calibration, per-layer neuron indices, timings
-    state/               Orbax StandardCheckpointer of the model's state with its layers
-                         per index (`layered_state`, whatever the in-memory storage); or, written by a
-                         streamed conversion (manifest "state_layout": "per_layer"), one
-                         checkpoint per decoder layer (state/layer_0000, ...) plus
-                         state/rest (embedding, final norm, LM head)
+    state/               Orbax StandardCheckpointers: one per decoder layer (state/layer_0000,
+                         ...) plus state/rest (embedding, final norm, LM head), manifest
+                         "state_layout": "per_layer", written one layer at a time whatever
+                         the in-memory storage (stacked layers are sliced one by one); older
+                         directories hold one checkpoint of the whole state with its layers
+                         per index, and still load
     tokenizer/           the source tokenizer (so `python -m cmoe_jax.eval` needs nothing else)
 Jobs write into `staging_dir(out)` and `publish` it at the end, so an interrupted run never
 leaves a half-written model at the output path. This module sits below both `loading`
@@ -28,7 +29,7 @@ from flax import nnx
 from cmoe_jax import distributed
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.models import Decoder, ModelConfig
-from cmoe_jax.models.stack import layered_state
+from cmoe_jax.models.stack import layer_state
 from cmoe_jax.sharding import make_mesh, place_state, placed_split, shardings_of
 
 MANIFEST = "cmoe_manifest.json"
@@ -76,17 +77,26 @@ def is_converted(path: Path) -> bool:
 
 
 def save_converted(model: Decoder, manifest: dict, directory: Path, tokenizer=None) -> None:
-    """Write model state, tokenizer and manifest into `directory` (which must not exist yet)."""
+    """Write model state, tokenizer and manifest into `directory` (which must not exist yet).
+
+    The state goes one decoder layer at a time (the per-layer layout), so saving a model
+    whose layers are stacked holds one layer's slice beside it, not a copy of every layer."""
     directory = Path(directory)
     if distributed.is_main():
-        directory.mkdir(parents=True)
+        (directory / "state").mkdir(parents=True)
     distributed.barrier("save_converted:mkdir")
     # every process calls Orbax (it needs all of them); each piece is written once
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save((directory / "state").absolute(), distributed.replicated_global(layered_state(model)))
-    checkpointer.wait_until_finished()
+
+    def save(part: str, state: nnx.State) -> None:
+        checkpointer.save((directory / "state" / part).absolute(), distributed.replicated_global(state))
+        checkpointer.wait_until_finished()
+
+    save("rest", without_layers(nnx.state(model)))
+    for i in range(model.config.num_layers):
+        save(layer_part(i), layer_state(model, i))
     if distributed.is_main():
-        write_manifest(directory, model.config, manifest, tokenizer)
+        write_manifest(directory, model.config, dict(manifest, state_layout=PER_LAYER), tokenizer)
     distributed.barrier("save_converted:manifest")
 
 

@@ -43,7 +43,7 @@ def parse_config(spec: str) -> tuple[str, dict]:
         if not eq and key in ("rate", "energy"):
             kwargs["shared_by"] = key
         elif not eq and key == "paper":
-            from cmoe_jax.convert.pipeline import ConvertConfig
+            from cmoe_jax.methods.cmoe import ConvertConfig
 
             kwargs.update(ConvertConfig.PAPER_ROUTER)
         elif eq and key in _OPTIONS:
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
 
-    from cmoe_jax.carving import MoEPlan
+    from cmoe_jax.methods.cmoe import MoEPlan
 
     try:  # every row's plan and options are checked before the first (minutes-long) evaluation
         parsed = [parse_config(c) for c in configs]

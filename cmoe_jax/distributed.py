@@ -17,7 +17,12 @@ from __future__ import annotations
 import os
 import pickle
 
+import jax
 import numpy as np
+from jax._src import distributed as _state
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from cmoe_jax.errors import CmoeError
 
@@ -72,14 +77,12 @@ def check_environment(environ=None) -> None:
 def initialize() -> None:
     """Join the multi-process job the environment describes (no-op for a single process or
     when already joined). Must run before anything touches a JAX device."""
-    import jax
 
     check_environment()
     auto = os.environ.get("CMOE_DISTRIBUTED", "").strip() == "auto"
     settings = None if auto else _env_settings(os.environ)
     if not auto and (settings is None or settings[1] == 1):
         return
-    from jax._src import distributed as _state
 
     if _state.global_state.client is not None:
         return
@@ -93,14 +96,10 @@ def initialize() -> None:
 
 
 def process_count() -> int:
-    import jax
-
     return jax.process_count()
 
 
 def process_index() -> int:
-    import jax
-
     return jax.process_index()
 
 
@@ -112,8 +111,6 @@ def is_main() -> bool:
 def barrier(name: str) -> None:
     """Every process waits here until all have arrived (no-op for one process)."""
     if process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 
@@ -133,8 +130,6 @@ def split_for_process(items, index: int | None = None, count: int | None = None)
 
 
 def _gather_stacked(x: np.ndarray) -> np.ndarray:
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=False))
 
 
@@ -174,7 +169,6 @@ def gather_objects(obj) -> list:
 def sum_across_processes(tree):
     """Leaf-wise sums over processes of equally shaped host arrays (float64 for floats,
     int64 for integers), summed in process order so every process gets the same bits."""
-    import jax
 
     def total(x):
         x = np.asarray(x)
@@ -189,7 +183,6 @@ def broadcast_from_main(obj):
     with `multihost_utils.broadcast_one_to_all` as bytes so every dtype keeps its bits."""
     if process_count() == 1:
         return obj
-    from jax.experimental import multihost_utils
 
     data = np.frombuffer(pickle.dumps(obj), np.uint8) if is_main() else np.zeros(0, np.uint8)
     size = int(multihost_utils.broadcast_one_to_all(np.asarray(data.size, np.int32)))
@@ -224,8 +217,6 @@ def replicated_global(tree):
     once); unchanged for a single process."""
     if process_count() == 1:
         return tree
-    import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     sharding = NamedSharding(Mesh(np.array(jax.devices()), ("processes",)), P())
 
@@ -240,12 +231,9 @@ def replicated_global(tree):
 def to_host(tree):
     """Every leaf as a whole host numpy array on every process; the pieces of a global array
     sharded over other processes' devices are gathered (all processes must call this)."""
-    import jax
 
     def fetch(x):
         if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
-            from jax.experimental import multihost_utils
-
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(x)
 

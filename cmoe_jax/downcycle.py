@@ -49,7 +49,7 @@ def initial_model(args):
     import jax.numpy as jnp
     from flax import nnx
 
-    from cmoe_jax.convert.expertweaver import WeaveConfig, weave_model
+    from cmoe_jax.methods.expertweaver import WeaveConfig, weave_model
     from cmoe_jax.convert.expertweaver_job import calibration_tasks
     from cmoe_jax.loading import load_model
 
@@ -75,12 +75,14 @@ def first_layers(model, n: int):
     import dataclasses
 
     from cmoe_jax.models import Decoder
-    from cmoe_jax.models.stack import layered_pure
+    from flax import nnx
+
+    from cmoe_jax.models.stack import layered_state
 
     if not 1 <= n <= model.config.num_layers:
         raise CmoeError(f"--layers {n} must be between 1 and {model.config.num_layers}")
     cfg = dataclasses.replace(model.config, num_layers=n)
-    pure = layered_pure(model)
+    pure = nnx.to_pure_dict(layered_state(model))
     pure["layers"] = {i: pure["layers"][i] for i in range(n)}
     return Decoder.from_pure(cfg, pure, model.dtype)
 
@@ -93,7 +95,7 @@ def run(args) -> dict:
     from cmoe_jax.data import load_text_tokens
     from cmoe_jax.train.checkpoint import check_run_config, write_run_config
     from cmoe_jax.train.data import BatchOrder, training_windows
-    from cmoe_jax.train.downcycle import Downcycler, checkpoint_manager
+    from cmoe_jax.methods.expertweaver import Downcycler, checkpoint_manager
     from cmoe_jax.train.report import plot_loss, write_log
 
     if not 0 <= args.shared_experts < args.active <= args.experts:

@@ -118,7 +118,7 @@ def dense_and_converted(cfg, plan: str):
     import numpy as np
     from flax import nnx
 
-    from cmoe_jax.carving import MoEPlan
+    from cmoe_jax.methods.cmoe import MoEPlan
     from cmoe_jax.convert import ConvertConfig, convert_model
     from cmoe_jax.models import Decoder
 

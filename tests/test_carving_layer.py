@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from scipy.spatial.distance import cdist
 
-from cmoe_jax.carving import LayerCarving, MoEPlan, carve_layer, profile_layer, slice_ffn
+from cmoe_jax.methods.cmoe import LayerCarving, MoEPlan, carve_layer, slice_ffn
+from cmoe_jax.profiling.markers import profile_layer
 
 
 def _layer(seed=0, d=16, d_h=64, tokens=300):
@@ -95,7 +96,7 @@ def test_shared_ties_break_by_index():
 
 
 def test_shared_by_score_and_centroids_by_mu():
-    from cmoe_jax.carving import split_shared
+    from cmoe_jax.methods.cmoe import split_shared
 
     mu = np.array([0.9, 0.1, 0.8, 0.3, 0.3, 0.7])
     score = np.array([0.0, 5.0, 1.0, 5.0, 2.0, 0.5])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cmoe_jax.carving import MoEPlan
+from cmoe_jax.methods.cmoe import MoEPlan
 
 
 @pytest.mark.parametrize("text, xyz", [("S1A1E8", (1, 1, 8)), ("S2A2E16", (2, 2, 16)),

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cmoe_jax.compress import (apply_plans, baseline_plans, collect_stats, conmoe_plans,
-                               materialize, routed_bytes)
-from cmoe_jax.compress import baselines, scoring
+from cmoe_jax.methods.conmoe import apply_plans, baseline_plans, collect_stats, conmoe_plans, materialize, routed_bytes
+from cmoe_jax.methods.conmoe import baselines, scoring
 from cmoe_jax.loading import load_model
 from cmoe_jax.moe import MoEFFN
 

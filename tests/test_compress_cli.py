@@ -56,7 +56,7 @@ def test_saved_model_restores_and_reports(mixtral, tmp_path):
     tokens = jnp.asarray(np.arange(16, dtype=np.int32)[None] % 90)
     assert np.isfinite(np.asarray(restored(tokens))).all()
     # the same run in memory gives the same logits
-    from cmoe_jax.compress import ScopePlan, apply_plans
+    from cmoe_jax.methods.conmoe import ScopePlan, apply_plans
 
     plans = [ScopePlan(s["layers"], np.asarray(s["mix"]), {int(k): np.asarray(v, np.int32)
                                                           for k, v in s["slot_maps"].items()})

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cmoe_jax.carving import MoEPlan
-from cmoe_jax.compress import (apply_plans, baseline_plans, collect_stats, conmoe_plans,
-                               materialize, routed_bytes)
+from cmoe_jax.methods.cmoe import MoEPlan
+from cmoe_jax.methods.conmoe import apply_plans, baseline_plans, collect_stats, conmoe_plans, materialize, routed_bytes
 from cmoe_jax.convert import ConvertConfig
-from cmoe_jax.convert.hierarchical import convert_moe_model
+from cmoe_jax.methods.hierarchical.convert import convert_moe_model
 from cmoe_jax.loading import load_model
 
 CALIB = np.random.default_rng(0).integers(0, 96, (2, 32)).astype(np.int32)
@@ -161,7 +160,7 @@ def test_cli_compresses_a_hierarchical_model_and_lora_trains_it(tmp_path):
     restored = load_model(str(tmp_path / "c"), progress=False).model
     assert restored.config.moe_layers[1].sub_experts == 4
     assert restored.layers[1].mlp.sub_gate is restored.layers[0].mlp.sub_gate
-    from cmoe_jax.compress import ScopePlan
+    from cmoe_jax.methods.conmoe import ScopePlan
 
     plans = [ScopePlan(s["layers"], np.asarray(s["mix"]),
                        {int(l): np.asarray(m, np.int32) for l, m in s["slot_maps"].items()})

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cmoe_jax.carving import MoEPlan
+from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.convert import ConvertConfig, convert, convert_model
 from cmoe_jax.convert.cli import main as convert_main
 from cmoe_jax.loading import load_model
@@ -178,7 +178,7 @@ _MULTI_DEVICE_SCRIPT = """
 import sys, json, numpy as np, jax
 sys.path.insert(0, {root!r})
 import cmoe_jax.moe.expert_parallel as ep
-from cmoe_jax.carving import MoEPlan
+from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.convert import ConvertConfig, convert_model
 from cmoe_jax.loading import load_model
 exchanges = []
@@ -245,7 +245,7 @@ def test_cli_rejects_bad_plans(tiny_checkpoint, tmp_path, capsys, extra, message
                                        (dict(shared_by="norm"), "--shared-by"),
                                        (dict(router_neurons=0), "--router-neurons")])
 def test_api_rejects_bad_router_and_shared_rules(dense, bad, flag):
-    from cmoe_jax.convert.pipeline import ConversionError
+    from cmoe_jax.methods.cmoe.convert import ConversionError
 
     with pytest.raises(ConversionError, match=flag):
         convert_model(dense, _calib(), ConvertConfig(plan=MoEPlan.parse("S1A1E8"), **bad),

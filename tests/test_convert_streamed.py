@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cmoe_jax.carving import MoEPlan
+from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.checkpoint import PER_LAYER, restore_model
 from cmoe_jax.convert import ConvertConfig, convert, convert_model
 from cmoe_jax.convert.cli import main as convert_main
-from cmoe_jax.convert.streamed import convert_streamed
+from cmoe_jax.methods.cmoe.streamed import convert_streamed
 from cmoe_jax.loading import load_config, load_model, open_source
 from cmoe_jax.loading.sources import TensorSource
 from tests.conftest import tiny_hf_model
@@ -32,7 +32,7 @@ def _assert_same_state(a, b):
 @pytest.mark.parametrize("family", ["llama", "llama_tied"])
 def test_streamed_conversion_equals_in_memory(save_tiny, tmp_path, family):
     """Same manifest partitions and bitwise-equal parameters as the in-memory conversion;
-    the output is written per layer (state/layer_NNNN, state/rest) and loads like any other."""
+    both outputs are written per layer (state/layer_NNNN, state/rest) and load alike."""
     from tests.conftest import save_tiny_tokenizer, write_random_text
 
     _, path = save_tiny(family, intermediate_size=64)
@@ -43,10 +43,11 @@ def test_streamed_conversion_equals_in_memory(save_tiny, tmp_path, family):
     convert(str(path), plan, out=tmp_path / "streamed", data_path=str(text), stream=True, **KW)
     a = json.loads((tmp_path / "memory" / "cmoe_manifest.json").read_text())
     b = json.loads((tmp_path / "streamed" / "cmoe_manifest.json").read_text())
-    assert b["state_layout"] == PER_LAYER and "state_layout" not in a
+    assert a["state_layout"] == b["state_layout"] == PER_LAYER
     assert a["layers"] == b["layers"] and a["model_config"] == b["model_config"]
-    parts = sorted(p.name for p in (tmp_path / "streamed" / "state").iterdir())
-    assert parts == ["layer_0000", "layer_0001", "rest"]
+    for out in ("memory", "streamed"):
+        parts = sorted(p.name for p in (tmp_path / out / "state").iterdir())
+        assert parts == ["layer_0000", "layer_0001", "rest"]
     _assert_same_state(restore_model(tmp_path / "memory"), restore_model(tmp_path / "streamed"))
 
 

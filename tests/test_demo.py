@@ -1,7 +1,7 @@
 """The demo's per-row option syntax (the README table's rows are written in it)."""
 import pytest
 
-from cmoe_jax.carving import MoEPlan
+from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.demo import DEFAULT_CONFIGS, parse_config
 
 

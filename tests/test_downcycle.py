@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from cmoe_jax.downcycle import main as train_main
-from cmoe_jax.train.downcycle import load_balance_loss
+from cmoe_jax.methods.expertweaver.downcycle import load_balance_loss
 from tests.test_expertweaver import _articles
 
 

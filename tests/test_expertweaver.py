@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cmoe_jax.carving.expertweaver import (active_experts, balanced_kmeans, coefficient_of_variation,
+from cmoe_jax.methods.expertweaver.weave import (active_experts, balanced_kmeans, coefficient_of_variation,
                                            gate_profiles, router_centroids, shared_experts,
                                            shared_ratio, weave_layer)
 from cmoe_jax.convert.cli import main as convert_main
@@ -168,7 +168,7 @@ def test_cli_rejects_bad_settings(tiny_checkpoint, tmp_path, capsys, extra, mess
 
 
 def test_interrupted_weave_resumes_identically(tiny_checkpoint, tmp_path):
-    from cmoe_jax.convert.expertweaver import WeaveConfig
+    from cmoe_jax.methods.expertweaver.convert import WeaveConfig
     from cmoe_jax.convert.expertweaver_job import convert_expertweaver
 
     _, path, _ = tiny_checkpoint

@@ -12,7 +12,7 @@ import torch
 import transformers
 from flax import nnx
 
-from cmoe_jax.carving import MoEPlan
+from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.checkpoint import save_converted
 from cmoe_jax.convert import ConvertConfig, convert_model
 from cmoe_jax.export import EXPORT_MANIFEST, export

@@ -15,7 +15,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from cmoe_jax.moe import gmm_pallas_gpu, gmm_tpu
+from cmoe_jax.moe.gmm import pallas_gpu as gmm_pallas_gpu, tpu as gmm_tpu
 
 TRITON = "__gpu$xla.gpu.triton"
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cmoe_jax.carving import MoEPlan
+from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.convert import ConvertConfig
 from cmoe_jax.convert.cli import main as convert_main
-from cmoe_jax.convert.hierarchical import convert_moe_model
+from cmoe_jax.methods.hierarchical.convert import convert_moe_model
 from cmoe_jax.loading import load_model
 from cmoe_jax.moe.hierarchical import HierMoEFFN, flops_per_token
 
@@ -195,9 +195,9 @@ def test_interrupted_hierarchical_conversion_resumes_identically(moe_dir, tmp_pa
 _MULTI_DEVICE_SCRIPT = """
 import sys; sys.path.insert(0, {root!r})
 import jax, numpy as np
-from cmoe_jax.carving import MoEPlan
+from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.convert import ConvertConfig
-from cmoe_jax.convert.hierarchical import convert_moe_model
+from cmoe_jax.methods.hierarchical.convert import convert_moe_model
 from cmoe_jax.loading import load_model
 model = load_model({path!r}, progress=False).model
 calib = np.random.default_rng(0).integers(0, 96, size=(8, 32)).astype(np.int32)
@@ -242,7 +242,7 @@ def test_converted_cmoe_source_carves_through_the_cli_with_parity(tiny_checkpoin
 
 
 def test_random_baseline_is_a_partition_too(moe_source):
-    from cmoe_jax.convert.hierarchical import random_hierarchical
+    from cmoe_jax.methods.hierarchical.convert import random_hierarchical
 
     hf, model = moe_source
     hier = random_hierarchical(model, ConvertConfig(plan=MoEPlan(1, 3, 4), router_neurons=2))

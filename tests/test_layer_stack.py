@@ -113,11 +113,14 @@ def test_the_loss_reads_stacked_weights_in_place(converted):
 def test_checkpoints_stay_per_layer_and_restore_stacked(converted, tmp_path):
     _, moe = converted
     save_converted(moe, {"source_model": "tiny"}, tmp_path / "m")
-    # on disk: one entry per layer index, read here into one module per layer's state
+    # on disk: one checkpoint per layer index, read here into one layer module's state
     per_layer = nnx.eval_shape(lambda: Decoder(moe.config, stack=False))
     target = place_state(nnx.state(per_layer), shardings_of(per_layer, make_mesh()))
-    raw = ocp.StandardCheckpointer().restore((tmp_path / "m" / "state").absolute(), target)
-    np.testing.assert_array_equal(np.asarray(raw["layers"][1]["mlp"]["expert_gate"].get_value()),
+    assert sorted(p.name for p in (tmp_path / "m" / "state").iterdir()) == [
+        "layer_0000", "layer_0001", "layer_0002", "rest"]
+    raw = ocp.StandardCheckpointer().restore((tmp_path / "m" / "state" / "layer_0001").absolute(),
+                                             target["layers"][1])
+    np.testing.assert_array_equal(np.asarray(raw["mlp"]["expert_gate"].get_value()),
                                   np.asarray(moe.layers[1].mlp.expert_gate[...]))
     back = restore_model(tmp_path / "m")
     assert isinstance(back.layers, LayerStack)
@@ -125,3 +128,47 @@ def test_checkpoints_stay_per_layer_and_restore_stacked(converted, tmp_path):
     np.testing.assert_array_equal(np.asarray(back(tokens)), np.asarray(moe(tokens)))
     flat = {p: v.get_value() for p, v in nnx.to_flat_state(layered_state(back))}
     assert ("layers", 1, "mlp", "expert_gate") in flat
+
+
+def test_a_write_through_a_stacked_layer_view_raises():
+    from cmoe_jax.models.stack import LayerViewError
+
+    model = Decoder(CFG)
+    view = model.layers[1]
+    with pytest.raises(LayerViewError, match="set_layer"):
+        view.mlp.gate[...] = jnp.zeros_like(view.mlp.gate[...])
+    with pytest.raises(LayerViewError):
+        view.mlp = view.attn
+    with pytest.raises(LayerViewError):
+        view.attn.q_proj = nnx.Param(jnp.zeros((32, 32)))
+    out = view(jnp.zeros((1, 4, 32)), model.rope(4))  # reading and running a view is fine
+    assert out.h.shape == out.ffn_input.shape == (1, 4, 32) and out.load is None
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_set_layer_replaces_one_layer_on_stacked_and_listed_models(stacked):
+    model = Decoder(CFG) if stacked else Decoder(CFG).unstacked()
+    reference = Decoder(CFG).unstacked()  # same seed: same weights, one module per layer
+    new = nnx.clone(reference.layers[1])
+    new.mlp.up[...] = 2.0 * new.mlp.up[...]
+    model.set_layer(1, new)
+    reference.layers[1] = new
+    assert isinstance(model.layers, LayerStack) == stacked
+    tokens = _tokens()
+    np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(reference(tokens)), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(model.layers[1].mlp.up[...]), np.asarray(new.mlp.up[...]))
+    np.testing.assert_array_equal(np.asarray(model.layers[0].mlp.up[...]),
+                                  np.asarray(reference.layers[0].mlp.up[...]))
+
+
+def test_set_layer_of_another_structure_unstacks_the_model(converted):
+    dense, moe = converted
+    model = nnx.clone(dense)
+    model.set_layer(2, nnx.clone(moe.unstacked().layers[2]))  # an MoE layer among dense ones
+    assert isinstance(model.layers, nnx.List)
+    tokens = _tokens()
+    h, _, loads = model.run_layers(tokens)
+    assert sorted(loads) == ["2"]
+    expected = dense.unstacked()
+    expected.layers[2] = moe.unstacked().layers[2]
+    np.testing.assert_allclose(np.asarray(h), np.asarray(expected.run_layers(tokens)[0]), atol=1e-5)

@@ -9,7 +9,7 @@ import torch
 import jax
 import jax.numpy as jnp
 
-from cmoe_jax.carving import MoEPlan
+from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.convert import ConvertConfig, convert_model
 from cmoe_jax.eval.loglikelihood import encode_pair, length_bucket, score_requests
 from cmoe_jax.loading import load_model

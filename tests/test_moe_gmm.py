@@ -8,7 +8,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from cmoe_jax.moe import gmm_cpu, gmm_pallas_gpu, gmm_tpu
+from cmoe_jax.moe.gmm import cpu as gmm_cpu, pallas_gpu as gmm_pallas_gpu, tpu as gmm_tpu
 from cmoe_jax.moe.gmm import gmm_dense, gmm_ragged_dot, get_gmm, resolve_backend
 
 HI = jax.lax.Precision.HIGHEST

@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cmoe_jax.moe import MoEFFN, RouterBias, gmm_cpu, gmm_pallas_gpu, gmm_tpu
+from cmoe_jax.moe import MoEFFN, RouterBias
+from cmoe_jax.moe.gmm import cpu as gmm_cpu, pallas_gpu as gmm_pallas_gpu, tpu as gmm_tpu
 
 D, M, E, S = 16, 8, 6, 12
 

@@ -3,11 +3,17 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import sys
+from pathlib import Path
+
 from flax import nnx
 
-from cmoe_jax.carving.sparsity_baselines import (AbsTopkGLU, abstopk_glu, magnitude_prune, prune_ffn,
-                                                 wanda_prune)
 from cmoe_jax.models.layers import SwiGLU
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.sparsity_baselines_lib import (AbsTopkGLU, abstopk_glu, magnitude_prune,  # noqa: E402
+                                               prune_ffn, wanda_prune)
 
 RNG = np.random.default_rng(0)
 X, WG, WU, WD = RNG.normal(size=(7, 8)), RNG.normal(size=(8, 12)), RNG.normal(size=(8, 12)), RNG.normal(size=(12, 8))

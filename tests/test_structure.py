@@ -6,6 +6,7 @@ imports keep from failing is still a circle).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "cmoe_jax"
@@ -18,6 +19,7 @@ LAYERS = [
     {"models", "data"},
     {"checkpoint", "profiling", "carving"},
     {"loading"},
+    {"methods"},
     {"convert", "train", "eval", "export", "compress"},
     {"demo", "__init__", "downcycle"},
 ]
@@ -85,3 +87,44 @@ def test_modules_stay_small():
     big = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
            if (n := len(p.read_text().splitlines())) > 300}
     assert not big, big
+
+
+METHODS = PACKAGE / "methods"
+
+
+def _imports(path: Path):
+    """Every `cmoe_jax...` module a file imports (function-level imports included)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def test_a_method_is_entered_through_its_package():
+    """Outside its folder, a method is used through the names its `__init__` exports, so
+    its modules can be rearranged without touching the rest of the package."""
+    methods = {p.name for p in METHODS.iterdir() if (p / "__init__.py").exists()}
+    assert methods == {"cmoe", "hierarchical", "expertweaver", "conmoe"}
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        for module in _imports(path):
+            parts = module.split(".")
+            if parts[:2] == ["cmoe_jax", "methods"] and len(parts) > 3:
+                if METHODS / parts[2] not in path.parents:
+                    wrong.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert not wrong, wrong
+
+
+def test_the_layer_pass_is_written_once():
+    """Only `profiling/layer_pass.py` runs a model's layers one by one on calibration data:
+    its building blocks (embedding, attention half, FFN half) are used nowhere else."""
+    blocks = re.compile(r"\b(embed_step|attention_step|ffn_residual_step|_ffn_input)\b")
+    users = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                   if blocks.search(p.read_text()))
+    assert users == ["profiling/layer_pass.py"], users
+    callers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                     if "layer_pass(" in p.read_text() and p.name != "layer_pass.py")
+    assert callers == ["methods/cmoe/convert.py", "methods/cmoe/streamed.py",
+                       "methods/conmoe/calibration.py", "methods/expertweaver/convert.py",
+                       "methods/hierarchical/convert.py"], callers

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from scipy.optimize import linear_sum_assignment
 
 
 @numba.njit(cache=True, inline="always")
@@ -183,7 +184,6 @@ def assignment_cost(cost, label) -> float:
 def repeated_column_reference(cost, capacity: int | None = None) -> np.ndarray:
     """The papers' reduction, for tests and benchmarks: LSA on the [n, k * capacity] matrix
     whose k columns are each repeated `capacity` times (n x n when n = k * capacity)."""
-    from scipy.optimize import linear_sum_assignment
 
     n, k = np.shape(cost)
     cap = n // k if capacity is None else int(capacity)

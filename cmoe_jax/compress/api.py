@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from cmoe_jax.checkpoint import MANIFEST, publish, save_converted, staging_dir, write_json_atomic
-from cmoe_jax.compress.baselines import METHODS as BASELINES, baseline_plans
-from cmoe_jax.compress.calibration import LayerStats, collect_stats
-from cmoe_jax.compress.plan import conmoe_plans
-from cmoe_jax.compress.scoring import SELECTIONS
+from cmoe_jax.methods.conmoe import METHODS as BASELINES, baseline_plans
+from cmoe_jax.methods.conmoe import LayerStats, collect_stats
+from cmoe_jax.methods.conmoe import conmoe_plans
+from cmoe_jax.methods.conmoe import SELECTIONS
 from cmoe_jax.errors import CmoeError
 
 METHODS = ("conmoe",) + BASELINES
@@ -85,7 +85,7 @@ def compress(model: str, *, method: str, ratio: float, out, scope: int = 1,
 
     `stop_after_layers` exists for testing interruption (the job stops once that many
     layers' statistics are saved)."""
-    from cmoe_jax.compress.build import apply_plans, routed_bytes
+    from cmoe_jax.methods.conmoe import apply_plans, routed_bytes
     from cmoe_jax.data import calibration_windows, load_text_tokens
     from cmoe_jax.loading import load_config, load_model, load_tokenizer
 
@@ -144,7 +144,7 @@ def compress(model: str, *, method: str, ratio: float, out, scope: int = 1,
     shutil.rmtree(final, ignore_errors=True)
     save_converted(compressed, manifest, final, tokenizer=lm.tokenizer)
     if report:
-        from cmoe_jax.compress.report import write_report
+        from cmoe_jax.methods.conmoe import write_report
 
         write_report(plans, stats, manifest["compression"], final / "report")
     seconds = {"calibrate": t_cal - t0, "total": time.perf_counter() - t0}

@@ -10,7 +10,7 @@ import argparse
 import json
 
 from cmoe_jax.compress.api import METHODS
-from cmoe_jax.compress.scoring import SELECTIONS
+from cmoe_jax.methods.conmoe import SELECTIONS
 from cmoe_jax.errors import run_job
 
 

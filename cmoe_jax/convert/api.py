@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from cmoe_jax import distributed
 from cmoe_jax.checkpoint import (MANIFEST, PER_LAYER, publish, save_converted, staging_dir,
                                  write_json_atomic, write_manifest)
-from cmoe_jax.convert.pipeline import (ConversionError, ConvertConfig, LayerRecord, check_router,
+from cmoe_jax.methods.cmoe import (ConversionError, ConvertConfig, LayerRecord, check_router,
                                        conversion_mesh, convert_model)
 from cmoe_jax.errors import CmoeError
 
@@ -56,15 +56,15 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     `convert_model`; it changes where work runs, not the result (dense sources only).
 
     An MoE `model` (a converted cmoe_jax MoE, Qwen3-MoE, Mixtral) is carved hierarchically:
-    `plan` is then the per-expert plan S'A'E' (`cmoe_jax.convert.hierarchical`), each expert
+    `plan` is then the per-expert plan S'A'E' (`cmoe_jax.methods.hierarchical.convert`), each expert
     profiled on the tokens its router sends it, or all tokens below `min_expert_tokens`.
 
-    `stream`: read, convert and write one decoder layer at a time (`cmoe_jax.convert.streamed`:
+    `stream`: read, convert and write one decoder layer at a time (`cmoe_jax.methods.cmoe.streamed`:
     peak host memory about one layer, for models larger than one host); dense sources only.
     """
-    from cmoe_jax.convert import hierarchical
+    from cmoe_jax.methods import hierarchical
     from cmoe_jax.data import calibration_windows, load_text_tokens
-    from cmoe_jax.convert.streamed import convert_streamed
+    from cmoe_jax.methods.cmoe import convert_streamed
     from cmoe_jax.loading import load_config, load_model, load_tokenizer, open_source
 
     t_start = time.perf_counter()
@@ -179,11 +179,11 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     else:
         save_converted(moe_model, manifest, final, tokenizer=lm.tokenizer)
     if report and hier and main:
-        from cmoe_jax.convert.hier_report import write_hier_report
+        from cmoe_jax.methods.hierarchical import write_hier_report
 
         write_hier_report(records, plan.name, stage_seconds, final / "report")
     elif report and main:
-        from cmoe_jax.convert.report import write_report
+        from cmoe_jax.methods.cmoe import write_report
 
         write_report(records, plan.name, stage_seconds, final / "report")
     stage_seconds["save"] = time.perf_counter() - t_save

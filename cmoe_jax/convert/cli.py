@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from cmoe_jax.convert.pipeline import ConvertConfig
+from cmoe_jax.methods.cmoe import ConvertConfig
 from cmoe_jax import distributed
 from cmoe_jax.errors import CmoeError, run_job
 
@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def plan_from_args(args):
-    from cmoe_jax.carving import MoEPlan
+    from cmoe_jax.methods.cmoe import MoEPlan
 
     if args.config:
         if not re.fullmatch(r"S\d+A\d+E\d+", args.config):
@@ -109,7 +109,7 @@ def router_options(args) -> dict:
 
 
 def run_expertweaver(args) -> dict:
-    from cmoe_jax.convert.expertweaver import WeaveConfig
+    from cmoe_jax.methods.expertweaver import WeaveConfig
     from cmoe_jax.convert.expertweaver_job import convert_expertweaver
 
     if args.config or args.shared is not None or args.active is not None:

@@ -13,14 +13,14 @@ import numpy as np
 
 from cmoe_jax.checkpoint import MANIFEST, publish, save_converted, staging_dir, write_json_atomic
 from cmoe_jax.convert.api import _load_done
-from cmoe_jax.convert.expertweaver import WeaveConfig, validate, weave_model
+from cmoe_jax.methods.expertweaver import WeaveConfig, validate, weave_model
 from cmoe_jax.errors import CmoeError
 
 
 def calibration_tasks(tokenizer, data_path: str, arc_path: str | None, tasks: int,
                       samples_per_task: int, seqlen: int):
     """(windows [N, seqlen], task ids [N], task names): WikiText-2 articles, then ARC-Easy."""
-    from cmoe_jax.data.calib_tasks import arc_text, task_windows, wikitext_articles
+    from cmoe_jax.methods.expertweaver import arc_text, task_windows, wikitext_articles
 
     windows, ids = task_windows(wikitext_articles(data_path), tokenizer, samples_per_task, seqlen, tasks)
     names = [f"wikitext article {t}" for t in range(int(ids.max()) + 1)]

@@ -5,36 +5,35 @@ run a model layer by layer and feed a converted layer's output to the next one.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, traverse_util
 
-from cmoe_jax.models.config import FFNSpec, ModelConfig
+from cmoe_jax.models.config import ModelConfig
+from cmoe_jax.models.ffn import make_ffn
 from cmoe_jax.models.layers import Attention, RMSNorm, SwiGLU, _param, rope_tables
-from cmoe_jax.models.stack import LayerStack, layered_state, stackable
+from cmoe_jax.models.stack import STACKED, LayerStack, layered_state, stackable
 
 
-def make_ffn(cfg: ModelConfig, spec: FFNSpec | None, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
-    if spec is None:
-        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
-    from cmoe_jax.moe import MoEFFN  # imported here: the dense path never needs it
+def _stack_consuming(modules: list) -> dict:
+    """The modules' states stacked on a new leading axis (a pure dict), one variable at a
+    time, each per-module array released as soon as it is stacked (`modules` is emptied)."""
+    flats = [traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(m))) for m in modules]
+    modules.clear()
+    stacked = {}
+    for path in list(flats[0]):
+        stacked[path] = jnp.stack([flat.pop(path) for flat in flats])
+    return traverse_util.unflatten_dict(stacked)
 
-    if spec.sub_experts:  # hierarchical CMoE: experts carved into sub-experts
-        from cmoe_jax.moe.hierarchical import HierMoEFFN
 
-        return HierMoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts, spec.top_k,
-                          sub_experts=spec.sub_experts, sub_shared=spec.sub_shared,
-                          sub_top_k=spec.sub_top_k, sub_router_neurons=spec.sub_router_neurons,
-                          shared_width=spec.shared_width, router=spec.router,
-                          norm_topk_prob=spec.norm_topk_prob, router_neurons=spec.router_neurons,
-                          dtype=dtype, param_dtype=dtype, num_prototypes=spec.num_prototypes,
-                          rngs=rngs)
+class LayerOutput(NamedTuple):
+    """What a decoder layer returns (a tuple, so `h, x, load = layer(...)` reads it too)."""
 
-    return MoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts, spec.top_k,
-                  shared_width=spec.shared_width, router=spec.router,
-                  norm_topk_prob=spec.norm_topk_prob,
-                  router_neurons=spec.router_neurons, dtype=dtype, param_dtype=dtype,
-                  num_prototypes=spec.num_prototypes, rngs=rngs)
+    h: jax.Array  # the residual stream after the layer
+    ffn_input: jax.Array  # what its FFN saw (the post-attention RMSNorm)
+    load: jax.Array | None  # tokens per routed expert, int32 [E]; None for a dense FFN
 
 
 class DecoderLayer(nnx.Module):
@@ -52,17 +51,17 @@ class DecoderLayer(nnx.Module):
         """What the FFN sees: the post-attention RMSNorm of the residual stream."""
         return self.post_attn_norm(h)
 
-    def __call__(self, h: jax.Array, rope, key=None, segments=None):
-        """(new residual stream, FFN input, expert loads int32 [E] or None for a dense FFN).
+    def __call__(self, h: jax.Array, rope, key=None, segments=None) -> LayerOutput:
+        """The layer's `LayerOutput`: new residual stream, FFN input, expert loads.
 
         `key` drives the LoRA adapters' dropout (None: none); `segments`: prefix-shared
         packing, see `causal_attention`."""
         h = self.attention_block(h, rope, key, segments)
         x = self.ffn_input(h)
         if isinstance(self.mlp, SwiGLU):
-            return h + self.mlp(x, key), x, None
+            return LayerOutput(h + self.mlp(x, key), x, None)
         y, load = self.mlp(x, return_load=True, key=key)
-        return h + y, x, load
+        return LayerOutput(h + y, x, load)
 
 
 class Decoder(nnx.Module):
@@ -99,7 +98,7 @@ class Decoder(nnx.Module):
     @classmethod
     def from_pure(cls, cfg: ModelConfig, pure: dict, dtype) -> "Decoder":
         """The model of config `cfg` holding `pure` (a pure dict with layers per index,
-        `cmoe_jax.models.stack.layered_pure`), its layers stacked where they can be."""
+        `nnx.to_pure_dict(layered_state(model))`), its layers stacked where they can be."""
         abstract = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0), stack=False))
         graphdef, state = nnx.split(abstract)
         nnx.replace_by_pure_dict(state, pure)
@@ -125,6 +124,38 @@ class Decoder(nnx.Module):
         model = nnx.merge(*nnx.split(self))  # new module objects over the same arrays
         model.layers = layers
         return model
+
+    def with_ffns(self, cfg: ModelConfig, ffns: list) -> "Decoder":
+        """A new model of config `cfg` (a conversion's): this model's embeddings, attention
+        and norms with `ffns[i]` as layer i's FFN. Consumes `ffns` (the list is emptied):
+        when the new layers stack, each FFN tensor is stacked and its per-layer pieces are
+        dropped one tensor at a time, and this model's stacked arrays are shared, not copied."""
+        abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=self.dtype, rngs=nnx.Rngs(0)))
+        if isinstance(self.layers, LayerStack) and isinstance(abstract.layers, LayerStack):
+            pure = nnx.to_pure_dict(nnx.state(self))
+            pure["layers"][STACKED]["mlp"] = _stack_consuming(ffns)
+        else:
+            abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=self.dtype, rngs=nnx.Rngs(0),
+                                                      stack=False))
+            pure = nnx.to_pure_dict(layered_state(self, skip="mlp"))
+            for i, ffn in enumerate(ffns):
+                pure["layers"][i]["mlp"] = nnx.to_pure_dict(nnx.state(ffn))
+            ffns.clear()
+        graphdef, target = nnx.split(abstract)
+        nnx.replace_by_pure_dict(target, pure)
+        return nnx.merge(graphdef, target).stacked()
+
+    def set_layer(self, i: int, layer: nnx.Module) -> None:
+        """Replace decoder layer `i`, whether the layers are stacked or listed. A layer of the
+        stack's structure is written into the stack; any other one turns the stack into a
+        list of layers first (the model then runs unrolled)."""
+        if isinstance(self.layers, LayerStack):
+            try:
+                self.layers.set(i, layer)
+                return
+            except ValueError:
+                self.layers = nnx.List(list(self.unstacked().layers))
+        self.layers[i] = layer
 
     def rope(self, seq_len: int, positions: jax.Array | None = None):
         """cos/sin tables for positions 0..seq_len-1, or for explicit `positions` [B, T]."""

@@ -1,5 +1,8 @@
 """Decoder layers of one structure, stored stacked and run as one `lax.scan`.
 
+Editing one layer goes through `Decoder.set_layer(i, layer)` (it works the same on stacked
+and listed layers); `model.layers[i]` of a stack is a read-only view whose writes raise.
+
 When every layer of a model has the same structure (dense models, uniformly converted or
 compressed ones), `Decoder.layers` is a `LayerStack`: one `DecoderLayer` whose variables all
 carry a leading layer axis (state paths `("layers", "stacked", "attn", "q_proj")`, shape
@@ -13,6 +16,8 @@ layer at a time; `stack_state` / `LayerStack.from_layers` stack them when a mode
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -24,7 +29,8 @@ class LayerStack(nnx.Module):
     """`size` layers of one structure as one layer with a leading layer axis on every variable.
 
     Indexing gives a layer's view (a new module over slices of the stacked arrays): reading it
-    is fine, changing it changes nothing here; build a new model to change layers.
+    is fine; writing to it raises `LayerViewError` (it would change a copy, not the stack):
+    change a layer with `Decoder.set_layer`.
     """
 
     STACKED_AXIS = "layers"  # logical axis of the leading dimension (`cmoe_jax.sharding`)
@@ -45,7 +51,21 @@ class LayerStack(nnx.Module):
         if not -self.size <= i < self.size:
             raise IndexError(f"layer {i} of {self.size}")
         graphdef, state = nnx.split(self.stacked)
-        return nnx.merge(graphdef, jax.tree.map(lambda a: _layer_slice(a, i % self.size), state))
+        return read_only(nnx.merge(graphdef, jax.tree.map(lambda a: _layer_slice(a, i % self.size), state)))
+
+    def set(self, i: int, layer: nnx.Module) -> None:
+        """Write `layer` (of the stack's structure) into position `i` of the stacked arrays."""
+        flat = nnx.to_flat_state(nnx.state(self.stacked))
+        new = dict(nnx.to_flat_state(nnx.state(layer)))
+        if set(new) != {path for path, _ in flat}:
+            raise ValueError(f"layer {i} does not have the structure of the stacked layers")
+        for path, var in flat:
+            value = new[path].get_value()
+            if value.shape != var.get_value().shape[1:]:
+                raise ValueError(f"layer {i}: {'/'.join(map(str, path))} has shape {value.shape}, "
+                                 f"the stacked layers {var.get_value().shape[1:]}")
+            var.set_value(var.get_value().at[i % self.size].set(value.astype(var.get_value().dtype)))
+        nnx.update(self.stacked, nnx.from_flat_state(flat))
 
     def __iter__(self):
         return (self[i] for i in range(self.size))
@@ -65,6 +85,36 @@ class LayerStack(nnx.Module):
         step = jax.checkpoint(step) if remat else step
         h, (inputs, loads) = jax.lax.scan(step, h, (state, jnp.arange(self.size)))
         return h, inputs, loads
+
+
+class LayerViewError(AttributeError):
+    """A write into a view of one stacked layer: it would change a copy, never the model."""
+
+
+_VIEW_MESSAGE = ("this is a read-only view of one stacked layer: writing to it would change a "
+                 "copy, not the model. Use model.set_layer(i, layer) to replace a layer")
+
+
+@functools.cache
+def _read_only_class(cls: type) -> type:
+    """A twin of module or variable class `cls` whose writes raise `LayerViewError`."""
+    def refuse(self, *args, **kwargs):
+        raise LayerViewError(_VIEW_MESSAGE)
+
+    if issubclass(cls, nnx.Variable):
+        members = {"set_value": refuse, "set_raw_value": refuse}
+    else:
+        members = {"__setattr__": refuse, "__setitem__": refuse, "__delattr__": refuse}
+    return type(cls.__name__, (cls,), {**members, "__slots__": (), "__module__": cls.__module__,
+                                        "__qualname__": cls.__qualname__, "_view_of": cls})
+
+
+def read_only(module: nnx.Module) -> nnx.Module:
+    """`module` with every module and variable in it made read-only in place (a layer view)."""
+    for _, node in list(nnx.iter_graph(module)):
+        if isinstance(node, (nnx.Module, nnx.Variable)) and not hasattr(type(node), "_view_of"):
+            object.__setattr__(node, "__class__", _read_only_class(type(node)))
+    return module
 
 
 def _split_all(layers):
@@ -99,14 +149,29 @@ def _layer_slice(a: jax.Array, i: int) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(a, jnp.asarray(i, jnp.int32), 0, keepdims=False)
 
 
-def layered_state(model) -> nnx.State:
+def layer_state(model, i: int) -> nnx.State:
+    """`layered_state(model)["layers"][i]` alone: a slice (copied) when the layers are
+    stacked; a variable several layers share (a ConMoE scope's table) is in its first
+    layer's state only, as in the whole model's state."""
+    layers = model.layers
+    if isinstance(layers, LayerStack):
+        stacked = nnx.state(layers.stacked)
+        return jax.tree.map(lambda a: _layer_slice(a, i % layers.size), stacked)
+    return nnx.state(model)["layers"][i]
+
+
+def layered_state(model, skip: str | None = None) -> nnx.State:
     """`nnx.state(model)` with the layers per index (`state["layers"][i]`) whatever the
-    storage: the layout of checkpoints, exports and per-layer surgery (slices are copies)."""
+    storage: the layout of checkpoints, exports and per-layer surgery (slices are copies).
+    `skip`: a layer attribute (e.g. "mlp") left out of every layer, so it is not copied."""
     state = nnx.state(model)
     layers = getattr(model, "layers", None)
     if not isinstance(layers, LayerStack):
+        if skip is not None:
+            for layer in state["layers"].values():
+                layer.pop(skip, None)
         return state
-    stacked = state["layers"][STACKED]
+    stacked = nnx.State({k: v for k, v in state["layers"][STACKED].items() if k != skip})
     per_layer = {i: jax.tree.map(lambda a, i=i: _layer_slice(a, i), stacked)
                  for i in range(layers.size)}
     out = {k: v for k, v in state.items() if k != "layers"}
@@ -122,12 +187,6 @@ def each_layer(model) -> list[tuple[nnx.Module, bool]]:
     if isinstance(layers, LayerStack):
         return [(layers.stacked, True)] * len(layers)
     return [(layer, False) for layer in layers]
-
-
-def layered_pure(model) -> dict:
-    """`layered_state` as a pure dict (`pure["layers"][i]["mlp"]`): what per-layer surgery
-    edits before `Decoder.from_pure` builds the new model."""
-    return nnx.to_pure_dict(layered_state(model))
 
 
 def layer_value(model, i: int, *attrs: str) -> jax.Array:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cmoe_jax.moe.balance import RouterBias
+from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.dispatch import plan
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, tokens_sharded
 from cmoe_jax.moe.gmm import get_gmm
@@ -183,7 +183,6 @@ class HierMoEFFN(MoEFFN):
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:
         """Balance every sub-router against its own mean load (`counts [N, N'_r]`)."""
-        from cmoe_jax.moe.balance import update_router_bias
 
         self.router_bias[...] = update_router_bias(self.router_bias, counts, gamma)
 

@@ -11,7 +11,7 @@ import importlib
 
 import jax.numpy as jnp
 
-from cmoe_jax.moe.gmm_vjp import differentiable_gmm
+from cmoe_jax.moe.gmm.vjp import differentiable_gmm
 
 TILING = (128, 128, 128)  # (tm, tk, tn)
 

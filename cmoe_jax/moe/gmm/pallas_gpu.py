@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from cmoe_jax.moe.gmm_vjp import differentiable_gmm
+from cmoe_jax.moe.gmm.vjp import differentiable_gmm
 
 PRECISIONS = {
     "highest": jax.lax.Precision.HIGHEST,

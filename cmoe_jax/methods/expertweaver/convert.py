@@ -1,4 +1,4 @@
-"""ExpertWeaver conversion of an in-memory dense model, layer by layer (see carving/expertweaver).
+"""ExpertWeaver conversion of an in-memory dense model, layer by layer (the algorithm is in `weave.py`).
 
 Like the CMoE pipeline, each layer is profiled on the FFN inputs that the already-converted
 layers before it produce, so only one layer's activations live at a time. Each layer gets its
@@ -12,18 +12,15 @@ import dataclasses
 import time
 from typing import Callable
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
-from cmoe_jax.carving.expertweaver import (ASSIGNMENTS, WovenLayer, active_experts, gate_profiles,
+from cmoe_jax.methods.expertweaver.weave import (ASSIGNMENTS, WovenLayer, active_experts, gate_profiles,
                                            router_centroids, weave_layer)
-from cmoe_jax.convert.pipeline import ConversionError, assemble
+from cmoe_jax.methods.cmoe import ConversionError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
-from cmoe_jax.models.decoder import make_ffn
-from cmoe_jax.profiling.layerwise import (calibration_mesh, ffn_residual_step, layer_ffn_input,
-                                          replicate, start_pass)
+from cmoe_jax.models.ffn import filled_ffn
+from cmoe_jax.profiling.layer_pass import LayerInput, calibration_mesh, layer_pass, start_pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,17 +92,43 @@ def woven_slices(w_gate, w_up, w_down, woven: WovenLayer) -> dict:
             "router_kernel": router_centroids(w_gate, e)}
 
 
-def build_ffn(cfg: ModelConfig, spec: FFNSpec, slices: dict, dtype) -> nnx.Module:
-    """A MoEFFN of `spec` holding `slices` (every parameter must be given)."""
-    ffn = nnx.eval_shape(lambda: make_ffn(cfg, spec, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(ffn)
-    flat = nnx.to_flat_state(state)
-    for path, var in flat:
-        value = np.asarray(slices[path[-1]])
-        if value.shape != tuple(var.get_value().shape):
-            raise AssertionError(f"{path[-1]}: woven shape {value.shape} != layer shape {var.get_value().shape}")
-        var.set_value(jnp.asarray(value, dtype=var.get_value().dtype))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+class LayerWeaver:
+    """The ExpertWeaver step of the layer pass: gate profiles of layer i per task, the
+    adaptive shared/routed split and clustering (or a resumed layer's record), the woven
+    MoE FFN. `records` (JSON dicts) and `specs` grow by one per layer."""
+
+    def __init__(self, cfg: ModelConfig, cc: WeaveConfig, task_ids: np.ndarray, dtype, done=(),
+                 on_layer: Callable[[int, dict], None] | None = None):
+        self.cfg, self.cc, self.task_ids, self.dtype = cfg, cc, task_ids, dtype
+        self.done, self.on_layer = list(done), on_layer
+        self.records: list[dict] = []
+        self.specs: list[FFNSpec] = []
+
+    def __call__(self, inputs: LayerInput) -> nnx.Module:
+        i, mlp, cc = inputs.index, inputs.layer.mlp, self.cc
+        if i < len(self.done):
+            record = self.done[i]
+        else:
+            t0 = time.perf_counter()
+            profiles = np.asarray(gate_profiles(inputs.ffn_input, mlp.gate[...]))
+            t1 = time.perf_counter()
+            woven = weave_layer(profiles, self.task_ids, cc.experts, alpha_min=cc.alpha_min,
+                                alpha_max=cc.alpha_max, tau=cc.tau, max_shared=cc.active - 1,
+                                n_shared=cc.n_shared, assignment=cc.assignment, seed=cc.seed + i,
+                                random_split=cc.random_split)
+            record = dict(woven.to_json(), seconds={"profile": inputs.seconds + t1 - t0,
+                                                    "cluster": time.perf_counter() - t1})
+        woven = WovenLayer.from_json(record)
+        spec = layer_spec(self.cfg, cc, woven.n_shared)
+        weights = [np.asarray(p[...], np.float32) for p in (mlp.gate, mlp.up, mlp.down)]
+        self.records.append(record)
+        self.specs.append(spec)
+        return filled_ffn(self.cfg, spec, woven_slices(*weights, woven), self.dtype)
+
+    def finish(self, inputs: LayerInput, load: np.ndarray) -> None:
+        self.records[inputs.index]["load"] = load.tolist()
+        if inputs.index >= len(self.done) and self.on_layer is not None:
+            self.on_layer(inputs.index, self.records[inputs.index])
 
 
 def weave_model(model: Decoder, windows: np.ndarray, task_ids: np.ndarray, cc: WeaveConfig, *,
@@ -118,37 +141,15 @@ def weave_model(model: Decoder, windows: np.ndarray, task_ids: np.ndarray, cc: W
     windows = np.asarray(windows, np.int32)
     if len(np.unique(task_ids)) < 2 or len(task_ids) != len(windows):
         raise ConversionError("ExpertWeaver needs calibration samples from at least 2 tasks")
-    done = list(done or [])
     mesh = calibration_mesh(windows.shape[0], devices)
     h, rope = start_pass(model, windows, mesh)
-    records, ffns, specs = [], [], []
-    for i in tqdm(range(cfg.num_layers), desc=f"weaving {cc.name}", disable=not progress):
-        layer = model.layers[i]  # one view of a stacked layer, taken once
-        mlp = layer.mlp
-        t0 = time.perf_counter()
-        h_mid, x, _ = layer_ffn_input(layer, i, h, rope, mesh)
-        if i < len(done):
-            record = done[i]
-        else:
-            profiles = np.asarray(gate_profiles(x, mlp.gate[...]))
-            t1 = time.perf_counter()
-            woven = weave_layer(profiles, task_ids, cc.experts, alpha_min=cc.alpha_min,
-                                alpha_max=cc.alpha_max, tau=cc.tau, max_shared=cc.active - 1,
-                                n_shared=cc.n_shared, assignment=cc.assignment, seed=cc.seed + i,
-                                random_split=cc.random_split)
-            record = dict(woven.to_json(), seconds={"profile": t1 - t0,
-                                                    "cluster": time.perf_counter() - t1})
-        woven = WovenLayer.from_json(record)
-        spec = layer_spec(cfg, cc, woven.n_shared)
-        weights = [np.asarray(p[...], np.float32) for p in (mlp.gate, mlp.up, mlp.down)]
-        ffn = build_ffn(cfg, spec, woven_slices(*weights, woven), model.dtype)
-        fg, fs = nnx.split(ffn)
-        h, load = ffn_residual_step(fg, replicate(fs, mesh), h_mid, x)
-        record["load"] = np.asarray(load).tolist()
-        del h_mid, x
-        ffns.append(ffn)
-        specs.append(spec)
-        records.append(record)
-        if i >= len(done) and on_layer is not None:
-            on_layer(i, record)
-    return assemble(model, cfg.with_moe_layers(specs), ffns), records
+    step = LayerWeaver(cfg, cc, task_ids, model.dtype, done or (), on_layer)
+    ffns = []
+
+    def finish(inputs, load):
+        ffns.append(inputs.ffn)
+        step.finish(inputs, load)
+
+    layer_pass(model.layers, h, rope, mesh, step, after_layer=finish, desc=f"weaving {cc.name}",
+               progress=progress)
+    return model.with_ffns(cfg.with_moe_layers(step.specs), ffns), step.records

@@ -16,9 +16,11 @@ Merged layers keep every router slot: a slot routes to its group's merged expert
 from __future__ import annotations
 
 import numpy as np
+from scipy.cluster.hierarchy import fcluster, linkage
+from scipy.optimize import linear_sum_assignment
 
-from cmoe_jax.compress.plan import ScopePlan, copy_plan, expert_weights
-from cmoe_jax.compress.scoring import budget, top
+from cmoe_jax.methods.conmoe.plan import ScopePlan, copy_plan, expert_weights
+from cmoe_jax.methods.conmoe.scoring import budget, top
 
 METHODS = ("frequency", "reap", "msmoe", "hcsmoe")
 
@@ -52,7 +54,6 @@ def align_neurons(anchor, member) -> np.ndarray:
     neuron perm[j] takes the anchor's neuron j's place) that maximises the summed inner
     products of their gate and up columns and down rows. `anchor`, `member`: [gate [d, m],
     up [d, m], down [m, d]]. One hidden layer, so one assignment problem solves it exactly."""
-    from scipy.optimize import linear_sum_assignment
 
     def neurons(w):  # [m, 3d]: each neuron's incoming and outgoing weights
         return np.concatenate([w[0].T, w[1].T, w[2]], axis=1).astype(np.float64)
@@ -89,8 +90,6 @@ def msmoe_groups(freq: np.ndarray, logit_gram: np.ndarray, k: int) -> np.ndarray
 
 
 def hcsmoe_groups(mean_out: np.ndarray, k: int) -> np.ndarray:
-    from scipy.cluster.hierarchy import fcluster, linkage
-
     if k >= len(mean_out):
         return np.arange(len(mean_out))
     labels = fcluster(linkage(np.asarray(mean_out, np.float64), method="average",

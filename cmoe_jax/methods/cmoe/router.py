@@ -40,7 +40,6 @@ def _unit_columns(w):
     if isinstance(w, np.ndarray):
         w32 = w.astype(np.float32)
         return (w32 / np.maximum(np.linalg.norm(w32, axis=0, keepdims=True), 1e-12)).astype(w.dtype)
-    import jax.numpy as jnp
 
     w32 = w.astype(jnp.float32)
     return (w32 / jnp.maximum(jnp.linalg.norm(w32, axis=0, keepdims=True), 1e-12)).astype(w.dtype)

@@ -2,7 +2,7 @@
 
 `convert_model` needs the whole dense model in memory; a 70B model does not fit one host.
 Here each layer's weights are read from the checkpoint (safetensors shards, GGUF) only when
-the calibration stream reaches it, converted by the same `convert_layer`, written to the
+the calibration stream reaches it, converted by the same `LayerConverter`, written to the
 output as its own checkpoint piece and dropped. Peak host memory is about one dense layer
 (plus its carved copy) and one layer's calibration activations, whatever the depth; the
 embedding and LM head are read once, written, and dropped before the first layer.
@@ -15,15 +15,14 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
 from cmoe_jax.checkpoint import PER_LAYER, layer_part, save_state_part, without_layers
-from cmoe_jax.convert.pipeline import (ConvertConfig, LayerRecord, conversion_mesh, convert_layer,
-                                       moe_spec, validate)
+from cmoe_jax.methods.cmoe.convert import (ConvertConfig, LayerConverter, LayerRecord,
+                                           conversion_mesh, moe_spec, validate)
 from cmoe_jax.loading.load import load_layer, load_outer
 from cmoe_jax.loading.sources import TensorSource
 from cmoe_jax.models import DecoderLayer, ModelConfig
-from cmoe_jax.profiling.layerwise import start_pass
+from cmoe_jax.profiling.layer_pass import layer_pass, start_pass
 
 
 def converted_layer_state(cfg_moe: ModelConfig, index: int, dense_layer, ffn) -> nnx.State:
@@ -52,7 +51,6 @@ def convert_streamed(source: TensorSource, cfg: ModelConfig, calib: np.ndarray, 
     """
     calib = np.asarray(calib, np.int32)
     validate(cfg, calib, cc)
-    done = list(done or [])
     mesh = conversion_mesh(cc, calib.shape[0], devices, expert_parallel)
     outer = load_outer(source, cfg, dtype=jnp.float32, mesh=mesh)
     save_state_part(out, "rest", without_layers(nnx.state(outer)))
@@ -60,22 +58,23 @@ def convert_streamed(source: TensorSource, cfg: ModelConfig, calib: np.ndarray, 
     del outer
     source.release()
     cfg_moe = cfg.with_moe_layers([moe_spec(cfg, cc)] * cfg.num_layers)
-    records = []
-    bar = tqdm(range(cfg.num_layers), desc=f"converting to {cc.plan.name} (streamed)",
-               disable=not progress)
-    for i in bar:
-        layer = load_layer(source, cfg, i, dtype=jnp.float32, mesh=mesh)
-        h, ffn, record = convert_layer(cfg, layer, i, h, rope, cc, mesh,
-                                       done[i] if i < len(done) else None)
-        state = converted_layer_state(cfg_moe, i, layer, ffn)
-        del layer, ffn  # the dense FFN goes before the save's buffers arrive
-        save_state_part(out, layer_part(i), state)
+    step = LayerConverter(cfg, cc, mesh, done or (), on_layer)
+
+    def dense_layers():
+        for i in range(cfg.num_layers):
+            yield load_layer(source, cfg, i, dtype=jnp.float32, mesh=mesh)
+
+    def save(inputs, load):
+        state = converted_layer_state(cfg_moe, inputs.index, inputs.layer, inputs.ffn)
+        inputs.layer = inputs.ffn = None  # the dense FFN goes before the save's buffers arrive
+        save_state_part(out, layer_part(inputs.index), state)
         del state
         source.release()
-        records.append(record)
-        if i >= len(done) and on_layer is not None:
-            on_layer(i, record)
-    return cfg_moe, records
+        step.finish(inputs, load)
+
+    layer_pass(dense_layers(), h, rope, mesh, step, after_layer=save, num_layers=cfg.num_layers,
+               desc=f"converting to {cc.plan.name} (streamed)", progress=progress)
+    return cfg_moe, step.records
 
 
 __all__ = ["PER_LAYER", "convert_streamed", "converted_layer_state"]

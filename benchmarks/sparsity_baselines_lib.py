@@ -1,4 +1,5 @@
-"""FFN sparsity baselines of the ExpertWeaver paper at a given sparsity s (share removed).
+"""The ExpertWeaver paper's FFN sparsity baselines (AbsTopk-GLU, magnitude, Wanda): used only by
+benchmarks/sparsity_baselines.py, so they live beside it rather than in the package.
 
 - AbsTopk-GLU (paper eq. 2): per token keep the round((1-s) d_ffn) largest |Swish(x W_gate)|
   and zero the rest before the product with x W_up; a dynamic, per-token neuron choice.

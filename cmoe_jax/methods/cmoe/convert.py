@@ -13,18 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
-from cmoe_jax.carving import LayerCarving, MoEPlan, carve_layer, slice_ffn
-from cmoe_jax.carving.markers import profile_layer
-from cmoe_jax.carving.router import router_fit_sums, scale_router_up
+from cmoe_jax.methods.cmoe.carve import LayerCarving, carve_layer, slice_ffn
+from cmoe_jax.methods.cmoe.plan import MoEPlan
+from cmoe_jax.profiling.markers import profile_layer
+from cmoe_jax.methods.cmoe.router import router_fit_sums, scale_router_up
 from cmoe_jax import distributed
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
-from cmoe_jax.models.stack import layered_pure
-from cmoe_jax.profiling.layerwise import (NonFiniteActivations, calibration_mesh, ffn_residual_step,
-                                          layer_ffn_input, replicate, start_pass)
-from cmoe_jax.sharding import place_state, shardings_of
+from cmoe_jax.models.ffn import filled_ffn
+from cmoe_jax.profiling.layer_pass import (LayerInput, calibration_mesh, layer_pass, replicate,
+                                           start_pass)
 
 
 class ConversionError(CmoeError):
@@ -114,7 +113,7 @@ def validate(cfg: ModelConfig, calib: np.ndarray, cc: ConvertConfig) -> None:
 
 
 def check_router(cfg: ModelConfig, cc: ConvertConfig) -> None:
-    m = cfg.intermediate_size // cc.plan.total
+    m = cc.plan.expert_width(cfg.intermediate_size)
     if not 1 <= cc.router_neurons <= m:
         raise ConversionError(f"--router-neurons {cc.router_neurons} must be between 1 and the "
                               f"expert width {m}")
@@ -138,29 +137,10 @@ def conversion_mesh(cc: ConvertConfig, num_windows: int, devices=None, expert_pa
 
 def moe_spec(cfg: ModelConfig, cc: ConvertConfig) -> FFNSpec:
     plan = cc.plan
-    m = cfg.intermediate_size // plan.total
-    return FFNSpec(num_experts=plan.total - plan.shared, top_k=plan.active, expert_width=m,
-                   shared_width=plan.shared * m, router="cmoe", router_neurons=cc.router_neurons)
-
-
-def build_moe_ffn(cfg: ModelConfig, cc: ConvertConfig, slices: dict, dtype) -> nnx.Module:
-    from cmoe_jax.moe import MoEFFN
-
-    spec = moe_spec(cfg, cc)
-    ffn = nnx.eval_shape(lambda: MoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts,
-                                        spec.top_k, shared_width=spec.shared_width, router="cmoe",
-                                        router_neurons=spec.router_neurons, dtype=dtype,
-                                        param_dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(ffn)
-    flat = nnx.to_flat_state(state)
-    for path, var in flat:
-        name = path[-1]
-        shape = var.get_value().shape
-        value = slices[name] if name in slices else np.zeros(shape, np.float32)
-        if tuple(value.shape) != tuple(shape):
-            raise AssertionError(f"{name}: carved shape {value.shape} != layer shape {shape}")
-        var.set_value(jnp.asarray(value, dtype=var.get_value().dtype))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    m = plan.expert_width(cfg.intermediate_size)
+    return FFNSpec(num_experts=plan.routed, top_k=plan.active, expert_width=m,
+                   shared_width=plan.shared_width(cfg.intermediate_size), router="cmoe",
+                   router_neurons=cc.router_neurons)
 
 
 def carve_one_layer(layer, x, cc: ConvertConfig) -> tuple[LayerCarving, np.ndarray, dict]:
@@ -224,40 +204,40 @@ def fit_router_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
     return scales
 
 
-def assemble(model: Decoder, cfg_moe: ModelConfig, ffns: list[nnx.Module]) -> Decoder:
-    """A converted Decoder: the dense model's attention/norms/embeddings plus carved FFNs."""
-    state = layered_pure(model)
-    for i, ffn in enumerate(ffns):
-        state["layers"][i]["mlp"] = nnx.to_pure_dict(nnx.state(ffn))
-    return Decoder.from_pure(cfg_moe, state, model.dtype)
+class LayerConverter:
+    """The CMoE step of the layer pass: carve dense layer i on its FFN input (or reuse the
+    partition of a resumed layer), build its MoE FFN and fit the router's score scales.
 
+    `records` grows by one `LayerRecord` per layer; `finish` (the pass's `after_layer`)
+    adds the layer's expert load and hands newly converted layers to `on_layer`."""
 
-def convert_layer(cfg: ModelConfig, layer, index: int, h, rope, cc: ConvertConfig, mesh,
-                  done: LayerRecord | None = None):
-    """Dense decoder layer `index` converted on the calibration stream `h` [N, T, d]:
-    (residual stream after the converted layer, its MoE FFN, its record). With `done` (a
-    resumed layer) the partition is reused; only the router fit and forward are re-run."""
-    try:
-        h_mid, x, t_attn = layer_ffn_input(layer, index, h, rope, mesh)
-        failed = None
-    except NonFiniteActivations as e:
-        failed = e
-    distributed.all_ok(failed)  # a failure on any process stops them all
-    if done is not None:
-        record = done
-    else:
-        carving, mu, secs = carve_one_layer(layer, x, cc)
-        record = LayerRecord(carving, mu, np.zeros(0), dict(secs, attention=t_attn))
-    t1 = time.perf_counter()
-    ffn = build_moe_ffn(cfg, cc, slices_for(layer, record.carving), layer.mlp.gate[...].dtype)
-    if cc.router_scale:
-        record.router_scales = fit_router_scales(ffn, x, cc, mesh)
-    fg, fs = nnx.split(ffn)
-    with jax.set_mesh(mesh):  # an "expert" axis makes MoEFFN run expert-parallel
-        h, load = ffn_residual_step(fg, place_state(fs, shardings_of(ffn, mesh)), h_mid, x)
-    record.load = distributed.sum_across_processes(np.asarray(load)).astype(np.asarray(load).dtype)
-    record.seconds["route_and_forward"] = time.perf_counter() - t1
-    return h, ffn, record
+    def __init__(self, cfg: ModelConfig, cc: ConvertConfig, mesh, done=(),
+                 on_layer: Callable[[int, LayerRecord], None] | None = None):
+        self.cfg, self.cc, self.mesh, self.done, self.on_layer = cfg, cc, mesh, list(done), on_layer
+        self.records: list[LayerRecord] = []
+        self._t_route = 0.0
+
+    def __call__(self, inputs: LayerInput) -> nnx.Module:
+        i, layer, x = inputs.index, inputs.layer, inputs.ffn_input
+        if i < len(self.done):
+            record = self.done[i]
+        else:
+            carving, mu, secs = carve_one_layer(layer, x, self.cc)
+            record = LayerRecord(carving, mu, np.zeros(0), dict(secs, attention=inputs.seconds))
+        self._t_route = time.perf_counter()
+        ffn = filled_ffn(self.cfg, moe_spec(self.cfg, self.cc), slices_for(layer, record.carving),
+                         layer.mlp.gate[...].dtype)
+        if self.cc.router_scale:
+            record.router_scales = fit_router_scales(ffn, x, self.cc, self.mesh)
+        self.records.append(record)
+        return ffn
+
+    def finish(self, inputs: LayerInput, load: np.ndarray) -> None:
+        record = self.records[inputs.index]
+        record.load = load
+        record.seconds["route_and_forward"] = time.perf_counter() - self._t_route
+        if inputs.index >= len(self.done) and self.on_layer is not None:
+            self.on_layer(inputs.index, record)
 
 
 def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devices=None,
@@ -274,17 +254,16 @@ def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devic
     cfg = model.config
     calib = np.asarray(calib, np.int32)
     validate(cfg, calib, cc)
-    done = list(done or [])
     mesh = conversion_mesh(cc, calib.shape[0], devices, expert_parallel)
     h, rope = start_pass(model, calib, mesh)
-    records, ffns = [], []
-    bar = tqdm(range(cfg.num_layers), desc=f"converting to {cc.plan.name}", disable=not progress)
-    for i in bar:
-        h, ffn, record = convert_layer(cfg, model.layers[i], i, h, rope, cc, mesh,
-                                       done[i] if i < len(done) else None)
-        ffns.append(ffn)
-        records.append(record)
-        if i >= len(done) and on_layer is not None:
-            on_layer(i, record)
+    step = LayerConverter(cfg, cc, mesh, done or (), on_layer)
+    ffns = []
+
+    def finish(inputs, load):
+        ffns.append(inputs.ffn)
+        step.finish(inputs, load)
+
+    layer_pass(model.layers, h, rope, mesh, step, after_layer=finish,
+               desc=f"converting to {cc.plan.name}", progress=progress)
     cfg_moe = cfg.with_moe_layers([moe_spec(cfg, cc)] * cfg.num_layers)
-    return assemble(model, cfg_moe, ffns), records
+    return model.with_ffns(cfg_moe, ffns), step.records

@@ -1,5 +1,5 @@
 """Hierarchical CMoE conversion of an in-memory MoE model: every expert of every MoE layer
-carved into shared and routed sub-experts (`cmoe_jax.carving.hierarchical`), layer by layer on
+carved into shared and routed sub-experts (`cmoe_jax.methods.hierarchical.carve`), layer by layer on
 the activations the already-converted layers produce, as in the dense pipeline."""
 from __future__ import annotations
 
@@ -12,15 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
-from cmoe_jax.carving import LayerCarving
-from cmoe_jax.carving.hierarchical import (HOST_NAMES, TOP_ROUTER_NAMES, ExpertCarving,
+from cmoe_jax.methods.cmoe import LayerCarving
+from cmoe_jax.methods.hierarchical.carve import (HOST_NAMES, TOP_ROUTER_NAMES, ExpertCarving,
                                            carve_moe_layer, random_moe_layer)
-from cmoe_jax.convert.pipeline import ConversionError, ConvertConfig, assemble
+from cmoe_jax.methods.cmoe import ConversionError, ConvertConfig
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
-from cmoe_jax.profiling.layerwise import (calibration_mesh, ffn_residual_step, layer_ffn_input,
-                                          replicate, start_pass)
+from cmoe_jax.models.ffn import filled_ffn
+from cmoe_jax.profiling.layer_pass import LayerInput, calibration_mesh, layer_pass, start_pass
 
 def is_moe(cfg: ModelConfig) -> bool:
     return any(s is not None for s in cfg.moe_layers)
@@ -43,7 +42,7 @@ def validate_moe(cfg: ModelConfig, cc: ConvertConfig, min_tokens: int = 32) -> N
         except ValueError as e:
             raise ConversionError(f"{e} (the per-expert plan S'A'E' splits each expert of width "
                                   f"d_e={spec.expert_width})") from e
-        m = spec.expert_width // cc.plan.total
+        m = cc.plan.expert_width(spec.expert_width)
         if not 1 <= cc.router_neurons <= m:
             raise ConversionError(f"--router-neurons {cc.router_neurons} must be between 1 and the "
                                   f"sub-expert width {m}")
@@ -53,7 +52,7 @@ def hier_spec(spec: FFNSpec | None, cc: ConvertConfig) -> FFNSpec | None:
     if spec is None:
         return None
     plan = cc.plan
-    return dataclasses.replace(spec, expert_width=spec.expert_width // plan.total,
+    return dataclasses.replace(spec, expert_width=plan.expert_width(spec.expert_width),
                                sub_experts=plan.total, sub_shared=plan.shared,
                                sub_top_k=plan.active, sub_router_neurons=cc.router_neurons)
 
@@ -91,31 +90,56 @@ def _top_ids(graphdef, state, x):
     return nnx.merge(graphdef, state).route(x.reshape(-1, x.shape[-1]))[0]
 
 
-def build_hier_ffn(src, spec: FFNSpec, carved: dict, dtype) -> nnx.Module:
+def build_hier_ffn(cfg: ModelConfig, src, spec: FFNSpec, carved: dict, dtype) -> nnx.Module:
     """A `HierMoEFFN` holding the carved sub-experts and the source's top-level router and
-    host shared MLP, unchanged. Consumes `carved` (each array is dropped once placed, so
-    building needs about one tensor more than the carved layer)."""
-    from cmoe_jax.moe.hierarchical import HierMoEFFN
-
+    host shared MLP, unchanged. Consumes `carved` (`filled_ffn` drops each array once placed)."""
     values = carved
     for name in (*TOP_ROUTER_NAMES, *HOST_NAMES):
         if hasattr(src, name):
             values[TOP_ROUTER_NAMES.get(name, name)] = np.asarray(getattr(src, name)[...], np.float32)
-    ffn = nnx.eval_shape(lambda: HierMoEFFN(
-        src.d_model, spec.expert_width, spec.num_experts, spec.top_k, sub_experts=spec.sub_experts,
-        sub_shared=spec.sub_shared, sub_top_k=spec.sub_top_k,
-        sub_router_neurons=spec.sub_router_neurons, shared_width=spec.shared_width,
-        router=spec.router, norm_topk_prob=spec.norm_topk_prob, router_neurons=spec.router_neurons,
-        dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(ffn)
-    flat = nnx.to_flat_state(state)
-    for path, var in flat:
-        shape = var.get_value().shape
-        value = values.pop(path[-1])
-        if tuple(value.shape) != tuple(shape):
-            raise AssertionError(f"{path[-1]}: carved shape {value.shape} != layer shape {shape}")
-        var.set_value(jnp.asarray(value, dtype=var.get_value().dtype))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return filled_ffn(cfg, spec, values, dtype)
+
+
+def _expert_weights(src) -> dict:
+    return {k: np.asarray(getattr(src, k)[...], np.float32)
+            for k in ("expert_gate", "expert_up", "expert_down")}
+
+
+class ExpertCarver:
+    """The hierarchical step of the layer pass: carve every expert of MoE layer i on the
+    tokens its router sends it (dense layers pass through); resumed layers reuse their
+    carvings. `records` grows by one `HierLayerRecord` per layer."""
+
+    def __init__(self, cfg: ModelConfig, cc: ConvertConfig, min_tokens: int, dtype, done=(),
+                 on_layer: Callable[[int, HierLayerRecord], None] | None = None):
+        self.cfg, self.cc, self.min_tokens, self.dtype = cfg, cc, min_tokens, dtype
+        self.done, self.on_layer = list(done), on_layer
+        self.records: list[HierLayerRecord] = []
+        self._t_route = 0.0
+
+    def __call__(self, inputs: LayerInput) -> nnx.Module:
+        i, src, x = inputs.index, inputs.layer.mlp, inputs.ffn_input
+        seconds, experts, ffn = {"attention": inputs.seconds}, [], src
+        spec = self.cfg.ffn_spec(i)
+        if spec is not None:
+            t1 = time.perf_counter()
+            xf = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
+            top_ids = np.asarray(_top_ids(*nnx.split(src), jnp.asarray(xf)))
+            carved, experts = carve_moe_layer(
+                xf, top_ids, _expert_weights(src), self.cc.plan, self.cc, min_tokens=self.min_tokens,
+                done=self.done[i].experts if i < len(self.done) else None)
+            seconds["carve"] = time.perf_counter() - t1
+            ffn = build_hier_ffn(self.cfg, src, hier_spec(spec, self.cc), carved, self.dtype)
+        self.records.append(HierLayerRecord(experts, np.zeros(0), seconds))
+        self._t_route = time.perf_counter()
+        return ffn
+
+    def finish(self, inputs: LayerInput, load: np.ndarray) -> None:
+        record = self.records[inputs.index]
+        record.load = load
+        record.seconds["route_and_forward"] = time.perf_counter() - self._t_route
+        if inputs.index >= len(self.done) and self.on_layer is not None:
+            self.on_layer(inputs.index, record)
 
 
 def convert_moe_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *,
@@ -130,41 +154,19 @@ def convert_moe_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *,
     cfg = model.config
     validate_moe(cfg, cc, min_tokens)
     calib = np.asarray(calib, np.int32)
-    done = list(done or [])
     mesh = calibration_mesh(calib.shape[0], devices)
     h, rope = start_pass(model, calib, mesh)
-    records, ffns = [], []
-    bar = tqdm(range(cfg.num_layers), desc=f"carving experts ({cc.plan.name} each)", disable=not progress)
-    for i in bar:
-        layer = model.layers[i]
-        h_mid, x, t_attn = layer_ffn_input(layer, i, h, rope, mesh)
-        seconds = {"attention": t_attn}
-        spec = cfg.ffn_spec(i)
-        src = layer.mlp
-        if spec is None:
-            ffn, experts = src, []
-        else:
-            t1 = time.perf_counter()
-            xf = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
-            top_ids = np.asarray(_top_ids(*nnx.split(src), jnp.asarray(xf)))
-            weights = {k: np.asarray(getattr(src, k)[...], np.float32)
-                       for k in ("expert_gate", "expert_up", "expert_down")}
-            carved, experts = carve_moe_layer(xf, top_ids, weights, cc.plan, cc, min_tokens=min_tokens,
-                                              done=done[i].experts if i < len(done) else None)
-            seconds["carve"] = time.perf_counter() - t1
-            ffn = build_hier_ffn(src, hier_spec(spec, cc), carved, model.dtype)
-        t2 = time.perf_counter()
-        fg, fs = nnx.split(ffn)
-        h, load = ffn_residual_step(fg, replicate(fs, mesh), h_mid, x)
-        seconds["route_and_forward"] = time.perf_counter() - t2
-        record = HierLayerRecord(experts, np.asarray(load), seconds)
-        del h_mid, x
-        ffns.append(ffn)
-        records.append(record)
-        if i >= len(done) and on_layer is not None:
-            on_layer(i, record)
+    step = ExpertCarver(cfg, cc, min_tokens, model.dtype, done or (), on_layer)
+    ffns = []
+
+    def finish(inputs, load):
+        ffns.append(inputs.ffn)
+        step.finish(inputs, load)
+
+    layer_pass(model.layers, h, rope, mesh, step, after_layer=finish,
+               desc=f"carving experts ({cc.plan.name} each)", progress=progress)
     cfg_hier = cfg.with_moe_layers([hier_spec(cfg.ffn_spec(i), cc) for i in range(cfg.num_layers)])
-    return assemble(model, cfg_hier, ffns), records
+    return model.with_ffns(cfg_hier, ffns), step.records
 
 
 def random_hierarchical(model: Decoder, cc: ConvertConfig) -> Decoder:
@@ -176,13 +178,11 @@ def random_hierarchical(model: Decoder, cc: ConvertConfig) -> Decoder:
     for i, layer in enumerate(model.layers):
         spec, src = cfg.ffn_spec(i), layer.mlp
         if spec is not None:
-            weights = {k: np.asarray(getattr(src, k)[...], np.float32)
-                       for k in ("expert_gate", "expert_up", "expert_down")}
-            carved = random_moe_layer(weights, cc.plan, cc.router_neurons, cc.seed + i)
-            src = build_hier_ffn(src, hier_spec(spec, cc), carved, model.dtype)
+            carved = random_moe_layer(_expert_weights(src), cc.plan, cc.router_neurons, cc.seed + i)
+            src = build_hier_ffn(cfg, src, hier_spec(spec, cc), carved, model.dtype)
         ffns.append(src)
     cfg_hier = cfg.with_moe_layers([hier_spec(cfg.ffn_spec(i), cc) for i in range(cfg.num_layers)])
-    return assemble(model, cfg_hier, ffns)
+    return model.with_ffns(cfg_hier, ffns)
 
 
 def manifest_fields(cfg: ModelConfig, cc: ConvertConfig, records: list, min_tokens: int) -> dict:
@@ -195,7 +195,7 @@ def manifest_fields(cfg: ModelConfig, cc: ConvertConfig, records: list, min_toke
                                "expert_width": spec.expert_width, "router": spec.router,
                                "host_shared_width": spec.shared_width},
                  "sub_level": {"shared": plan.shared, "active": plan.active, "experts": plan.total,
-                               "expert_width": spec.expert_width // plan.total}},
+                               "expert_width": plan.expert_width(spec.expert_width)}},
         "min_expert_tokens": min_tokens,
         "layers": [r.to_json() for r in records],
     }

@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from cmoe_jax.moe.gmm_vjp import differentiable_gmm, varying_axes
+from cmoe_jax.moe.gmm.vjp import differentiable_gmm, varying_axes
 
 BLOCK = 256  # rows per full block: large enough for an efficient dot, measured on 2 cores
 TAIL = 32    # rows per block for the remainder of a group

@@ -1,7 +1,7 @@
 """Calibration statistics of an MoE model's routed experts, layer by layer.
 
 The original model runs on the calibration windows one layer at a time (as conversion does,
-`cmoe_jax.profiling.layerwise`); at each MoE layer the router picks every token's top-k set
+`cmoe_jax.profiling.layer_pass`); at each MoE layer the router picks every token's top-k set
 and gates, and every routed expert runs on every token, so one pass collects what ConMoE and
 all four baselines need:
 
@@ -23,10 +23,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
-from cmoe_jax.profiling.layerwise import (attention_step, calibration_mesh, embed_step,
-                                          ffn_residual_step, replicate, shard_batch)
+from cmoe_jax.moe import MoEFFN
+from cmoe_jax.moe.gmm import get_gmm
+from cmoe_jax.moe.hierarchical import sub_route
+from cmoe_jax.moe.routers import cmoe_scores
+from cmoe_jax.profiling.layer_pass import (
+    LayerInput,
+    calibration_mesh,
+    layer_pass,
+    start_pass,
+)
 
 
 @dataclasses.dataclass
@@ -47,7 +54,6 @@ class LayerStats:
 
 def router_logits(ffn, x):
     """float32 `[T, E]`: the scores the router ranks (linear logits or CMoE |h| scores)."""
-    from cmoe_jax.moe.routers import cmoe_scores
 
     if ffn.router == "linear":
         return x.astype(jnp.float32) @ ffn.router_kernel[...].astype(jnp.float32)
@@ -71,8 +77,6 @@ def all_expert_outputs(ffn, x):
     out = jnp.einsum("tem,emd->ted", h, wd)
     if not is_hierarchical(ffn):
         return out
-    from cmoe_jax.moe.gmm import get_gmm
-    from cmoe_jax.moe.hierarchical import sub_route
 
     t, n = x.shape[0], ffn.top_experts
     every = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (t, n))  # every family chosen
@@ -115,26 +119,22 @@ def collect_stats(model, windows: np.ndarray, *, done=None, on_layer=None, progr
 
     `done`: stats of layers finished by an interrupted run (resume: those layers only run
     forward); `on_layer(i, stats)` is called as each new layer finishes."""
-    from cmoe_jax.moe import MoEFFN
-
     done = dict(done or {})
     windows = np.asarray(windows, np.int32)
     mesh = calibration_mesh(windows.shape[0])
-    graphdef, state = nnx.split(model)
-    h = embed_step(graphdef, replicate(state, mesh), shard_batch(windows, mesh))
-    rope = replicate(model.rope(windows.shape[1]), mesh)
+    h, rope = start_pass(model, windows, mesh)
     stats = {}
-    for i in tqdm(range(len(model.layers)), desc="calibrating experts", disable=not progress):
-        layer = model.layers[i]
-        lg, ls = nnx.split(layer)
-        h_mid, x, _ = attention_step(lg, replicate(ls, mesh), h, rope)
-        if isinstance(layer.mlp, MoEFFN):
+
+    def measure(inputs: LayerInput):
+        i, mlp = inputs.index, inputs.layer.mlp
+        if isinstance(mlp, MoEFFN):
             if i in done:
                 stats[i] = done[i]
             else:
-                stats[i] = layer_stats(layer.mlp, x)
+                stats[i] = layer_stats(mlp, inputs.ffn_input)
                 if on_layer is not None:
                     on_layer(i, stats[i])
-        fg, fs = nnx.split(layer.mlp)
-        h, _ = ffn_residual_step(fg, replicate(fs, mesh), h_mid, x)
+        return mlp  # the layer runs on unchanged
+
+    layer_pass(model.layers, h, rope, mesh, measure, desc="calibrating experts", progress=progress)
     return stats

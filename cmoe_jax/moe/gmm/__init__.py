@@ -64,11 +64,11 @@ def get_gmm(backend: str | Callable = "auto") -> Callable:
         return backend
     backend = resolve_backend(backend)
     if backend == "cpu":
-        from cmoe_jax.moe.gmm_cpu import gmm as fn
+        from cmoe_jax.moe.gmm.cpu import gmm as fn
     elif backend == "pallas_gpu":
-        from cmoe_jax.moe.gmm_pallas_gpu import gmm as fn
+        from cmoe_jax.moe.gmm.pallas_gpu import gmm as fn
     elif backend == "megablox_tpu":
-        from cmoe_jax.moe.gmm_tpu import gmm as fn
+        from cmoe_jax.moe.gmm.tpu import gmm as fn
     elif backend == "ragged_dot":
         fn = gmm_ragged_dot
     else:

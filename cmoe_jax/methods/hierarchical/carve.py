@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cmoe_jax.carving.carve import LayerCarving, carve_layer, slice_ffn
-from cmoe_jax.carving.markers import profile_layer
-from cmoe_jax.carving.plan import MoEPlan
-from cmoe_jax.carving.router import router_fit_sums, scale_router_up
+from cmoe_jax.methods.cmoe import LayerCarving, carve_layer, slice_ffn
+from cmoe_jax.profiling.markers import profile_layer
+from cmoe_jax.methods.cmoe import MoEPlan
+from cmoe_jax.methods.cmoe import router_fit_sums, scale_router_up
 
 # top-level router variables of a source MoEFFN -> their names in a HierMoEFFN
 TOP_ROUTER_NAMES = {"router_kernel": "router_kernel", "router_gate": "top_gate",

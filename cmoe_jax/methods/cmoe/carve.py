@@ -8,9 +8,9 @@ import time
 import numpy as np
 
 from cmoe_jax.carving.kmeans import balanced_kmeans, markers_to_points
-from cmoe_jax.carving.plan import MoEPlan
-from cmoe_jax.carving.router import representative_neurons, router_weights
-from cmoe_jax.carving.shared import split_shared
+from cmoe_jax.methods.cmoe.plan import MoEPlan
+from cmoe_jax.methods.cmoe.router import representative_neurons, router_weights
+from cmoe_jax.methods.cmoe.shared import split_shared
 
 
 @dataclasses.dataclass

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cmoe_jax.compress.plan import PROJECTIONS, unit_weights
+from cmoe_jax.methods.conmoe.plan import PROJECTIONS, unit_weights
 from cmoe_jax.models import Decoder
-from cmoe_jax.models.stack import each_layer, layered_pure
+from cmoe_jax.models.stack import each_layer, layered_state
 
 
 def prototype_tables(model, plan) -> dict[str, np.ndarray]:
@@ -52,7 +52,7 @@ def compressed_config(cfg, plans):
 def apply_plans(model, plans) -> Decoder:
     """The compressed Decoder (prototype runtime) of `model` under `plans`."""
     cfg = compressed_config(model.config, plans)
-    state = layered_pure(model)
+    state = nnx.to_pure_dict(layered_state(model))
     for plan in plans:
         tables = prototype_tables(model, plan)
         for l in plan.layers:
@@ -70,7 +70,7 @@ def apply_plans(model, plans) -> Decoder:
 def materialize(model, plans) -> Decoder:
     """The copied checkpoint: the original architecture, slot e of layer l holding its
     prototype's weights (plans without pruned slots only)."""
-    state = layered_pure(model)
+    state = nnx.to_pure_dict(layered_state(model))
     for plan in plans:
         tables = prototype_tables(model, plan)
         for l in plan.layers:

@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from cmoe_jax.compress import scoring
+from cmoe_jax.methods.conmoe import scoring
 from cmoe_jax.models.stack import each_layer, layer_value
 
 PROJECTIONS = ("expert_gate", "expert_up", "expert_down")

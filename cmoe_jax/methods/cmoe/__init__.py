@@ -1,0 +1,19 @@
+"""CMoE: carve each dense SwiGLU FFN into shared and routed experts with an analytical router.
+
+`convert_model` converts a loaded model in memory; `convert_streamed` reads one layer at a
+time from the checkpoint. `MoEPlan` is the SxAyEz configuration.
+"""
+from cmoe_jax.methods.cmoe.carve import LayerCarving, carve_layer, slice_ffn
+from cmoe_jax.methods.cmoe.convert import (ConversionError, ConvertConfig, LayerRecord, check_router,
+                                           conversion_mesh, convert_model)
+from cmoe_jax.methods.cmoe.plan import MoEPlan
+from cmoe_jax.methods.cmoe.report import plot_expert_load, write_report
+from cmoe_jax.methods.cmoe.router import (representative_neurons, router_fit_sums, router_weights,
+                                          scale_router_up)
+from cmoe_jax.methods.cmoe.shared import split_shared
+from cmoe_jax.methods.cmoe.streamed import convert_streamed
+
+__all__ = ["LayerCarving", "carve_layer", "slice_ffn", "ConversionError", "ConvertConfig",
+           "LayerRecord", "convert_model", "MoEPlan", "representative_neurons", "router_weights",
+           "split_shared", "convert_streamed", "check_router", "conversion_mesh", "plot_expert_load",
+           "write_report", "router_fit_sums", "scale_router_up"]

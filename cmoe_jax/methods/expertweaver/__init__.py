@@ -1,0 +1,11 @@
+"""ExpertWeaver: GLU gate-activation profiles over calibration tasks, layer-adaptive shared
+experts from the coefficient of variation, a gate-centroid router; the training-free
+conversion (`weave_model`) and downcycling (`Downcycler`, softmax routers + balance loss)."""
+from cmoe_jax.methods.expertweaver.calib_tasks import arc_text, task_windows, wikitext_articles
+from cmoe_jax.methods.expertweaver.convert import WeaveConfig, layer_spec, validate, weave_model, woven_slices
+from cmoe_jax.methods.expertweaver.downcycle import Downcycler, checkpoint_manager, downcycle_loss
+from cmoe_jax.methods.expertweaver.weave import WovenLayer, gate_profiles, weave_layer
+
+__all__ = ["arc_text", "task_windows", "wikitext_articles", "WeaveConfig", "layer_spec", "validate",
+           "weave_model", "woven_slices", "Downcycler", "checkpoint_manager", "downcycle_loss",
+           "WovenLayer", "gate_profiles", "weave_layer"]

@@ -1,0 +1,1 @@
+"""Calibration passes: activation markers and the one layer-by-layer pass every method uses."""

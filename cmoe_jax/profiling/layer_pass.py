@@ -1,0 +1,162 @@
+"""The calibration pass: calibration windows through the model one decoder layer at a time.
+
+Every method (CMoE, hierarchical CMoE, ExpertWeaver, ConMoE's statistics) is a callback of
+`layer_pass`: it sees each layer's FFN input, returns the FFN that carries the stream on
+(a converted one, or the layer's own), and the pass runs it. So each layer is profiled on
+the activations the already-converted layers before it produce (as in the papers), and
+only one layer's activations live at a time.
+
+The batch [N, T, d] is sharded over the "data" axis of a mesh; parameters are replicated
+(or split over an "expert" axis). Each step is a pure function of (graphdef, state,
+activations), compiled once per distinct layer structure.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from cmoe_jax import distributed
+from cmoe_jax.errors import CmoeError
+from cmoe_jax.moe import MoEFFN
+from cmoe_jax.sharding import ShardingError, batch_axes, make_mesh, place_state, shardings_of
+
+
+class NonFiniteActivations(CmoeError):
+    """NaN or inf reached a layer's FFN input during a calibration pass."""
+
+
+def calibration_mesh(num_windows: int, devices=None, expert: int = 1) -> Mesh:
+    """A ("data"[, "expert"]) mesh over the most local devices whose data x expert count
+    divides the batch; `expert > 1` splits the converted layers' routed experts over that
+    many devices (expert parallelism, `cmoe_jax.moe.expert_parallel`)."""
+    devices = list(jax.local_devices() if devices is None else devices)
+    if expert < 1 or len(devices) % expert:
+        raise ShardingError(f"--expert-parallel {expert} must divide the {len(devices)} local devices")
+    if num_windows % expert:
+        raise ShardingError(f"--calib-samples {num_windows} must be a multiple of "
+                            f"--expert-parallel {expert} (the batch is split over the expert axis too)")
+    n = max(d for d in range(1, len(devices) // expert + 1) if num_windows % (d * expert) == 0)
+    return make_mesh(n, expert=expert, devices=devices)
+
+
+def shard_batch(x, mesh: Mesh):
+    return jax.device_put(x, NamedSharding(mesh, P(batch_axes(mesh))))
+
+
+def replicate(tree, mesh: Mesh):
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def embed_step(graphdef, state, tokens):
+    return nnx.merge(graphdef, state).embed_tokens(tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def attention_step(graphdef, state, h, rope):
+    """Residual stream after attention, the FFN input (post-attention RMSNorm) and whether
+    that input is all finite (checked in the same pass rather than a second sweep over it)."""
+    layer = nnx.merge(graphdef, state)
+    h_mid = layer.attention_block(h, rope)
+    x = layer.ffn_input(h_mid)
+    return h_mid, x, jnp.isfinite(x).all()
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def ffn_residual_step(graphdef, state, h_mid, x):
+    """h_mid + FFN(x) for a (converted) FFN module, plus its per-expert load if it has one."""
+    ffn = nnx.merge(graphdef, state)
+    if isinstance(ffn, MoEFFN):
+        y, load = ffn(x, return_load=True)
+    else:
+        y, load = ffn(x), jnp.zeros((0,), jnp.int32)
+    return h_mid + y, load
+
+
+
+def start_pass(model, tokens, mesh: Mesh):
+    """(residual stream after the embedding [N, T, d], RoPE tables) on `mesh`: the start of a
+    layer-by-layer pass over the calibration windows `tokens [N, T]`."""
+    graphdef, state = nnx.split(model)
+    h = embed_step(graphdef, replicate(state, mesh), shard_batch(tokens, mesh))
+    return h, replicate(model.rope(tokens.shape[1]), mesh)
+
+
+@dataclasses.dataclass
+class LayerInput:
+    """What the pass hands a method at decoder layer `index`: the layer and its FFN input.
+
+    The pass holds the layer only through this object, so a method that sets `layer` to
+    None frees it (a streamed conversion drops the dense FFN before saving its output)."""
+
+    index: int
+    layer: nnx.Module | None
+    ffn_input: jax.Array | None  # [N, T, d] sharded over the batch; None once the FFN ran
+    seconds: float  # the attention half of the layer
+    ffn: nnx.Module | None = None  # what `on_layer` returned
+
+
+def _ffn_input(layer, index: int, h, rope, mesh: Mesh):
+    """(residual after attention, FFN input, seconds) of decoder layer `index`; non-finite
+    FFN inputs stop the pass (on every process) with one clear error."""
+    t0 = time.perf_counter()
+    lg, ls = nnx.split(layer)
+    h_mid, x, finite = attention_step(lg, replicate(ls, mesh), h, rope)
+    failed = None if finite else NonFiniteActivations(
+        f"layer {index}: NaN or inf in the FFN input activations; check the weights and use "
+        "float32 for conversion")
+    distributed.all_ok(failed)  # a failure on any process stops them all
+    return h_mid, x, time.perf_counter() - t0
+
+
+def run_ffn(ffn, h_mid, x, mesh: Mesh):
+    """(h_mid + ffn(x), per-expert load); the FFN's variables placed by the sharding rules
+    (an "expert" axis in `mesh` makes an MoE FFN run expert-parallel)."""
+    fg, fs = nnx.split(ffn)
+    if "expert" in mesh.axis_names:  # the routed experts split over the expert axis
+        fs = place_state(fs, shardings_of(ffn, mesh))
+    else:  # calibration meshes split only the batch: every device holds the whole FFN
+        fs = replicate(fs, mesh)
+    with jax.set_mesh(mesh):
+        return ffn_residual_step(fg, fs, h_mid, x)
+
+
+def layer_pass(layers: Iterable[nnx.Module], h, rope, mesh: Mesh,
+               on_layer: Callable[[LayerInput], nnx.Module], *,
+               after_layer: Callable[[LayerInput, np.ndarray], None] | None = None,
+               num_layers: int | None = None, desc: str = "calibration pass",
+               progress: bool = True):
+    """Run the stream `h` (from `start_pass`) through `layers` in order -> h after the last.
+
+    At each layer `on_layer(inputs)` returns the FFN that carries the stream on (a
+    converted module, or `inputs.layer.mlp` to leave it as it is); the pass runs it and
+    calls `after_layer(inputs, load)` with its per-expert token counts (summed over
+    processes; empty for a dense FFN). `layers` may be a generator that reads each layer
+    only when the stream reaches it (a streamed conversion): no layer is referenced here
+    once its step is over, nor while the next one is read."""
+    total = len(layers) if num_layers is None else num_layers
+    source = iter(layers)
+    with tqdm(total=total, desc=desc, disable=not progress) as bar:
+        for index in range(total):
+            layer = next(source)
+            h_mid, x, seconds = _ffn_input(layer, index, h, rope, mesh)
+            inputs = LayerInput(index, layer, x, seconds)
+            del layer, x
+            inputs.ffn = on_layer(inputs)
+            h, load = run_ffn(inputs.ffn, h_mid, inputs.ffn_input, mesh)
+            inputs.ffn_input = h_mid = None
+            if after_layer is not None:
+                load = np.asarray(load)
+                after_layer(inputs, distributed.sum_across_processes(load).astype(load.dtype))
+            del inputs
+            bar.update()
+    return h
