@@ -25,10 +25,11 @@ TOKENS = jnp.asarray(np.random.default_rng(1).integers(0, 96, (2, 16)).astype(np
 def _randomise_sub_routers(model, seed=0):
     """Non-zero gate scales u and balancing biases, so copying them with a family matters."""
     rng = np.random.default_rng(seed)
-    for layer in model.layers:
+    for i, layer in enumerate(model.unstacked().layers):  # editable copies, written back below
         mlp = layer.mlp
         mlp.u[...] = jnp.asarray(rng.normal(size=mlp.u[...].shape), mlp.u[...].dtype)
         mlp.router_bias[...] = jnp.asarray(0.05 * rng.normal(size=mlp.router_bias[...].shape), jnp.float32)
+        model.set_layer(i, layer)
 
 
 @pytest.fixture(scope="module")

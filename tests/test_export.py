@@ -38,10 +38,11 @@ def converted_dir(save_tiny, tmp_path, family, plan="S2A2E8", trained=True):
     calib = np.random.default_rng(0).integers(0, 96, size=(4, 32)).astype(np.int32)
     moe, _ = convert_model(dense, calib, ConvertConfig(plan=MoEPlan.parse(plan), k_act=4), progress=False)
     if trained:
-        for layer in moe.layers:
+        for i, layer in enumerate(moe.unstacked().layers):  # editable copies, written back
             e = layer.mlp.num_experts
             layer.mlp.u[...] = jnp.linspace(-2.0, 2.0, e)
             layer.mlp.router_bias[...] = 0.05 * jnp.arange(e, dtype=jnp.float32)
+            moe.set_layer(i, layer)
     out = tmp_path / f"{family}_moe"
     save_converted(moe, {"source_model": "tiny", "method": "cmoe"}, out)
     save_tiny_tokenizer(out / "tokenizer")
