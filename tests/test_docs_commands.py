@@ -33,7 +33,7 @@ def command_lines(block: str) -> list[str]:
     lines = []
     for line in joined.splitlines():
         line = re.sub(r"(^|\s)#.*$", "", line).strip()
-        line = _PREFIX.sub("", line)
+        line = _PREFIX.sub("", " ".join(line.split()))
         if line:
             lines.append(line)
     return lines
