@@ -45,7 +45,7 @@ def cli_call(line: str):
     for i, word in enumerate(words):
         if word == "-m" and i + 1 < len(words) and words[i + 1] in MODULES:
             return MODULES[words[i + 1]], words[i + 2:]
-        if word == "cmoe-jax" and i + 1 < len(words):
+        if word == "cmoe-jax" and i + 1 < len(words) and not words[i + 1].startswith("-"):
             name = words[i + 1]
             return (COMMANDS[name][0] if name in COMMANDS else name), words[i + 2:]
     return None
