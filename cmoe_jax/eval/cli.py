@@ -27,9 +27,9 @@ def build_parser(prog: str = "python -m cmoe_jax.eval") -> Parser:
                      "all devices. Bad input exits with status 2 and one 'error: ...' line.",
                EXAMPLE.format(prog=prog))
     add_model(p)
-    p.add_argument("--task", "--tasks", dest="task", choices=sorted(TASKS),
-                   help="zero-shot multiple-choice task instead of perplexity; needs --data-path, "
-                        "the task's JSON-lines file")
+    p.add_argument("--task", "--tasks", dest="task", metavar="TASK",
+                   help=f"zero-shot multiple-choice task instead of perplexity ({', '.join(sorted(TASKS))}); "
+                        "needs --data-path, the task's JSON-lines file")
     data = add_data(p, None, "perplexity")
     data.add_argument("--source", default="auto", choices=["auto", "file", "datasets", "tfds"],
                       help="where the text comes from (auto: --data-path if given, else datasets, else tfds)")
