@@ -1,6 +1,6 @@
 """The README demo: dense vs CMoE perplexity of the embedded SmolLM2-135M on WikiText-2.
 
-    python -m cmoe_jax.demo [--windows 8] [--configs S3A3E8:energy,S2A2E16,S1A1E8]
+    python -m cmoe_jax.demo [--max-windows 8] [--configs S3A3E8:energy,S2A2E16,S1A1E8]
 
 After a config's name, colon-separated options choose the carving rules of that row (see
 `python -m cmoe_jax.convert --help`): `rate` or `energy` (--shared-by), `reps=centroid|energy`
@@ -8,15 +8,19 @@ After a config's name, colon-separated options choose the carving rules of that 
 (--paper-router). Without options a row uses the conversion defaults: shared experts by
 activation rate, 8 router neurons per expert chosen by output energy, fitted scales.
 
-Uses `../shared/data/wikitext-2/{valid,test}.txt` when present (this project's machines),
-otherwise downloads WikiText-2 with `datasets`.
+Data: --data-path (the WikiText-2 test file) and --calib-path (the validation file; found
+beside --data-path when left out); without them a `shared/data/wikitext-2/` folder beside
+the checkout when present, otherwise WikiText-2 downloaded with `datasets`.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 from pathlib import Path
+
+from cmoe_jax.methods.cmoe import MoEPlan
+from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data_path, add_model, add_output_json, add_seed,
+                               add_seqlen, add_windows, check_writable_file, parse_or_code)
+from cmoe_jax.errors import CmoeError, run_job
 
 
 DEFAULT_CONFIGS = "S3A3E8:energy,S2A2E16,S1A1E8"
@@ -58,63 +62,110 @@ def parse_config(spec: str) -> tuple[str, dict]:
     return name, kwargs
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cmoe_jax.demo", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--windows", type=int, default=8,
-                   help="test windows of --seqlen tokens (the README table uses 40)")
-    p.add_argument("--seqlen", type=int, default=2048)
+EXAMPLE = "{prog} --data-path wikitext-2/wiki.test.raw --max-windows 40"
+
+
+def build_parser(prog: str = "python -m cmoe_jax.demo") -> Parser:
+    p = Parser(prog, __doc__.split("\n")[0], EXAMPLE.format(prog=prog))
+    add_model(p, what="dense model")
+    data = p.add_argument_group("data", "WikiText-2: test text for perplexity, validation text for "
+                                        "calibration; local files, else downloaded with `datasets`")
+    add_data_path(data)
+    data.add_argument("--calib-path", metavar="FILE",
+                      help="local validation file for calibration (default: the validation file "
+                           "beside --data-path, valid.txt or wiki.valid.raw, if present)")
+    add_calib_samples(data, 8)
+    add_windows(p, 8)
+    add_seqlen(p, 2048)
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help="comma-separated SxAyEz[:option...] (default: %(default)s)")
-    p.add_argument("--calib-samples", type=int, default=8)
-    p.add_argument("--json", help="write the table as JSON here")
+                   help="comma-separated SxAyEz[:option...], one table row each")
+    add_seed(p)
+    add_output_json(p, "the table")
+    return p
+
+
+def parse_args(argv=None, prog: str = "python -m cmoe_jax.demo"):
+    p = build_parser(prog)
     args = p.parse_args(argv)
-    configs = [c for c in args.configs.split(",") if c]
-
-    from cmoe_jax.methods.cmoe import MoEPlan
-
     try:  # every row's plan and options are checked before the first (minutes-long) evaluation
-        parsed = [parse_config(c) for c in configs]
-        plans = [MoEPlan.parse(name) for name, _ in parsed]
+        args.rows = [(c, *parse_config(c)) for c in args.configs.split(",") if c]
+        for _, name, _ in args.rows:
+            MoEPlan.parse(name)
     except ValueError as e:
-        p.error(str(e))
+        p.error(f"--configs: {e}")
+    return args
+
+
+def data_files(args) -> tuple[str | None, str | None]:
+    """(test file, validation file): the flags, the files beside --data-path, or a local copy."""
+    test, valid = args.data_path, args.calib_path
+    if test:
+        if not Path(test).is_file():
+            raise CmoeError(f"--data-path {test} is not a file: give the WikiText-2 test text")
+        if valid is None:
+            here = Path(test)
+            beside = [here.with_name(here.name.replace("test", n)) for n in ("valid", "validation")]
+            valid = next((str(b) for b in beside if b != here and b.is_file()), None)
+    elif valid is None:
+        found = local_wikitext()
+        if found:
+            test, valid = str(found / "test.txt"), str(found / "valid.txt")
+    if valid is not None and not Path(valid).is_file():
+        raise CmoeError(f"--calib-path {valid} is not a file: give the WikiText-2 validation text")
+    return test, valid
+
+
+def run(args) -> list[dict]:
+    check_writable_file(args.out, "--out")
+    test_path, valid_path = data_files(args)
     from cmoe_jax.convert import convert
     from cmoe_jax.data import load_text_tokens, text_windows
     from cmoe_jax.eval import perplexity
-    from cmoe_jax.loading import load_model
+    from cmoe_jax.loading import load_config, load_model
 
-    data = local_wikitext()
-    test_path = str(data / "test.txt") if data else None
-    valid_path = str(data / "valid.txt") if data else None
-    print(f"data: {'local ' + str(data) if data else 'WikiText-2 via datasets'}")
-
+    load_config(args.model)  # a missing or unsupported model fails here, in one line
+    print(f"data: test {test_path or 'WikiText-2 via datasets'}, calibration "
+          f"{valid_path or 'WikiText-2 via datasets'}")
     dense = load_model(args.model, progress=False)
     tokens = load_text_tokens("wikitext2", dense.tokenizer, split="test", data_path=test_path)
-    windows = text_windows(tokens, args.seqlen, max_windows=args.windows)
+    windows = text_windows(tokens, args.seqlen, max_windows=args.max_windows)
     rows = []
     r = perplexity(dense.model, windows)
     rows.append({"model": "dense", "ppl": r["ppl"], "convert_s": None, "tokens_per_s": r["tokens_per_s"]})
     print(f"dense perplexity on {len(windows)} x {args.seqlen} tokens: {r['ppl']:.3f}")
     del dense
     with tempfile.TemporaryDirectory() as tmp:
-        for row, (name, plan, (_, options)) in enumerate(zip(configs, plans, parsed)):
+        for row, (spec, name, options) in enumerate(args.rows):
+            plan = MoEPlan.parse(name)
             out = Path(tmp) / f"{row}_{plan.name}"  # rows may share a plan with other options
             manifest = convert(args.model, plan, out=out, calib="wikitext2",
                                data_path=valid_path, calib_samples=args.calib_samples,
-                               seqlen=args.seqlen, seed=0, progress=False, **options)
+                               seqlen=args.seqlen, seed=args.seed, progress=False, **options)
             seconds = manifest["seconds"]["convert"]
             moe = load_model(str(out), progress=False)
             r = perplexity(moe.model, windows)
-            rows.append({"model": name, "ppl": r["ppl"], "convert_s": seconds,
+            rows.append({"model": spec, "ppl": r["ppl"], "convert_s": seconds,
                          "tokens_per_s": r["tokens_per_s"]})
-            print(f"{name}: perplexity {r['ppl']:.3f} (conversion {seconds:.1f} s)")
+            print(f"{spec}: perplexity {r['ppl']:.3f} (conversion {seconds:.1f} s)")
+    return rows
+
+
+def main(argv=None, prog: str = "python -m cmoe_jax.demo") -> int:
+    args, code = parse_or_code(parse_args, argv, prog)
+    if args is None:
+        return code
+    rows, code = run_job(run, args)
+    if code:
+        return code
     base = rows[0]["ppl"]
-    print(f"\n| model | WikiText-2 ppl | x dense | conversion (s) |\n|---|---|---|---|")
+    print("\n| model | WikiText-2 ppl | x dense | conversion (s) |\n|---|---|---|---|")
     for row in rows:
         conv = "-" if row["convert_s"] is None else f"{row['convert_s']:.1f}"
         print(f"| {row['model']} | {row['ppl']:.3f} | {row['ppl'] / base:.2f}x | {conv} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.out:
+        from cmoe_jax.checkpoint import write_json_atomic
+
+        write_json_atomic(Path(args.out).expanduser(), rows)
     return 0
 
 

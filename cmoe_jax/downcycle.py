@@ -1,46 +1,60 @@
 """`python -m cmoe_jax.downcycle ...`: weave a dense model into an E-A-S MoE with softmax
 routers (ExpertWeaver, a random neuron split, or random expert weights) and train all of it.
 
-    python -m cmoe_jax.downcycle --model smollm2 --init expertweaver --experts 64 \\
-        --active 16 --shared-experts 2 --data-path valid.txt --steps 200 --out DIR
-
 Work happens in `DIR.partial/` (Orbax checkpoints every --save-every steps; --resume continues
 from the latest); at the end DIR holds train_log.json, loss.png and the checkpoints.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
 
+from cmoe_jax.cli_args import (Parser, add_data_path, add_model, add_output_dir, add_seed, add_seqlen,
+                               check_writable_dir, nonneg_float, nonneg_int, parse_or_code, positive_float,
+                               positive_int)
 from cmoe_jax.errors import CmoeError, run_job
 
 INITS = ("expertweaver", "random-split", "random")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cmoe_jax.downcycle", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--init", choices=INITS, default="expertweaver")
-    p.add_argument("--experts", type=int, default=64, help="N_e (shared included)")
-    p.add_argument("--active", type=int, default=16, help="k experts per token, shared included")
-    p.add_argument("--shared-experts", type=int, default=2, help="N_se in every layer")
-    p.add_argument("--data-path", required=True, help="raw WikiText-2 file: calibration and training text")
-    p.add_argument("--calib-tasks", type=int, default=32)
-    p.add_argument("--layers", type=int, help="keep only the first N decoder layers (a small config for CPU runs)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--seqlen", type=int, default=256)
-    p.add_argument("--lr", type=float, default=4e-4)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--aux-coef", type=float, default=0.01, help="lambda of the load-balancing loss")
-    p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--overwrite", action="store_true")
+EXAMPLE = ("{prog} --model smollm2 --init expertweaver --experts 64 --active 16 --shared-experts 2 "
+           "--data-path wikitext-2/wiki.valid.raw --steps 200 --out out/downcycled")
+
+
+def build_parser(prog: str = "python -m cmoe_jax.downcycle") -> Parser:
+    p = Parser(prog, __doc__.split("\n")[0], EXAMPLE.format(prog=prog))
+    add_model(p, what="dense model to weave")
+    p.add_argument("--init", choices=INITS, default="expertweaver",
+                   help="expert weights: ExpertWeaver's partition, a random neuron split, or random")
+    moe = p.add_argument_group("experts", "every layer: --experts in all, --active of them per "
+                                          "token, --shared-experts of those always on")
+    moe.add_argument("--experts", type=positive_int, default=64, help="N_e, experts per layer (shared included)")
+    moe.add_argument("--active", type=positive_int, default=16,
+                     help="k, experts per token, shared included (unlike convert's --active, which "
+                          "counts routed experts only)")
+    moe.add_argument("--shared-experts", type=nonneg_int, default=2, help="N_se, shared experts per layer")
+    moe.add_argument("--layers", type=positive_int, help="keep only the first N decoder layers (a small "
+                                                         "config for CPU runs; default: all)")
+    data = p.add_argument_group("data", "WikiText-2 text for calibration tasks and training")
+    add_data_path(data, required=True)
+    data.add_argument("--calib-tasks", type=positive_int, default=32, help="WikiText-2 articles used as tasks")
+    add_seqlen(p, 256)
+    train = p.add_argument_group("training")
+    train.add_argument("--steps", type=positive_int, default=200, help="optimiser steps")
+    train.add_argument("--batch-size", type=positive_int, default=2, help="windows per step")
+    train.add_argument("--lr", type=positive_float, default=4e-4, help="peak learning rate")
+    train.add_argument("--warmup", type=nonneg_int, default=20, help="linear warm-up steps")
+    train.add_argument("--aux-coef", type=nonneg_float, default=0.01, help="lambda of the load-balancing loss")
+    train.add_argument("--save-every", type=positive_int, default=50, help="checkpoint every N steps")
+    add_seed(p)
+    add_output_dir(p, "train_log.json, loss.png and the checkpoints",
+                   "continue from the latest checkpoint in OUT.partial")
     return p
+
+
+def parse_args(argv=None, prog: str = "python -m cmoe_jax.downcycle"):
+    return build_parser(prog).parse_args(argv)
 
 
 def initial_model(args):
@@ -101,11 +115,11 @@ def run(args) -> dict:
     if not 0 <= args.shared_experts < args.active <= args.experts:
         raise CmoeError(f"need 0 <= --shared-experts ({args.shared_experts}) < --active ({args.active}) "
                         f"<= --experts ({args.experts})")
-    if args.steps < 1 or args.batch_size < 1:
-        raise CmoeError("--steps and --batch-size must be at least 1")
+    check_writable_dir(args.out)
     out = Path(args.out)
     staging = staging_dir(out)
-    settings = {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite", "save_every", "out")}
+    settings = {k: v for k, v in vars(args).items()
+                if k not in ("resume", "overwrite", "save_every", "out", "given")}
     if out.exists() and not args.overwrite:
         raise CmoeError(f"output directory {out} exists: pass --overwrite to replace it")
     if staging.exists():
@@ -139,8 +153,11 @@ def run(args) -> dict:
     return dict(summary, out=str(out))
 
 
-def main(argv=None) -> int:
-    result, code = run_job(run, build_parser().parse_args(argv))
+def main(argv=None, prog: str = "python -m cmoe_jax.downcycle") -> int:
+    args, code = parse_or_code(parse_args, argv, prog)
+    if args is None:
+        return code
+    result, code = run_job(run, args)
     if code:
         return code
     print(json.dumps({k: result[k] for k in ("out", "steps", "first_nll", "final_nll")}, indent=1))

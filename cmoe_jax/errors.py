@@ -25,7 +25,7 @@ def require(module: str, extra: str, purpose: str):
         return importlib.import_module(module)
     except ImportError:
         raise MissingDependencyError(f"{purpose} needs the Python package {module.split('.')[0]!r}, "
-                                     f"which is not installed: pip install 'cmoe_jax[{extra}]'") from None
+                                     f"which is not installed: pip install -e '.[{extra}]' (in the checkout)") from None
 
 
 EXIT_BAD_INPUT = 2

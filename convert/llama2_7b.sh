@@ -4,7 +4,8 @@
 # MODEL may be a local directory or a Hub id; calibration data comes from `datasets`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY="${VENV:-.venv}/bin/python"   # VENV=DIR picks the environment
 MODEL=${MODEL:-meta-llama/Llama-2-7b-hf}
-.venv/bin/python -m cmoe_jax.convert --model "$MODEL" --config "${CONFIG:-S3A3E16}" \
+"$PY" -m cmoe_jax.convert --model "$MODEL" --config "${CONFIG:-S3A3E16}" \
   --calib wikitext2 --calib-samples 8 --seqlen 2048 --k-act 10 --seed 0 \
   --out "runs/llama2-7b/${CONFIG:-S3A3E16}" --report "$@"

@@ -7,6 +7,7 @@
 # host's address and its own JAX_PROCESS_ID range). Needs `pip install -e '.[cuda]'`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY="${VENV:-.venv}/bin/python"   # VENV=DIR picks the environment
 MODEL=${MODEL:-meta-llama/Llama-2-7b-hf}
 CONFIG=${CONFIG:-S3A3E16}
 DATA=${DATA:-../shared/data/wikitext-2}       # valid.txt and test.txt (WikiText-2 raw release)
@@ -27,8 +28,8 @@ job() {  # run "$@" as one process per GPU; fail if any process fails
   for i in "${pids[@]}"; do wait "$i"; done
 }
 
-job .venv/bin/python -m cmoe_jax.convert --model "$MODEL" --config "$CONFIG" \
+job "$PY" -m cmoe_jax.convert --model "$MODEL" --config "$CONFIG" \
   --calib wikitext2 --data-path "$DATA/valid.txt" --calib-samples "$SAMPLES" --seqlen 2048 \
   --k-act 10 --seed 0 --out "$OUT" --overwrite "$@"
-job .venv/bin/python -m cmoe_jax.eval --model "$OUT" --dataset wikitext2 \
+job "$PY" -m cmoe_jax.eval --model "$OUT" --dataset wikitext2 \
   --data-path "$DATA/test.txt" --seqlen 2048 --no-progress --json "$OUT.ppl.json"

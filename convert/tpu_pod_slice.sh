@@ -12,6 +12,7 @@
 # there or a Hub id. Needs `pip install -e '.[tpu]'` on every host.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY="${VENV:-.venv}/bin/python"   # VENV=DIR picks the environment
 export CMOE_DISTRIBUTED=${CMOE_DISTRIBUTED:-auto}
 MODEL=${MODEL:-meta-llama/Llama-2-7b-hf}
 CONFIG=${CONFIG:-S3A3E16}
@@ -19,8 +20,8 @@ DATA=${DATA:-/mnt/shared/data/wikitext-2}     # valid.txt and test.txt (WikiText
 RUNS=${RUNS:-/mnt/shared/runs}
 SAMPLES=${SAMPLES:-64}                        # calibration windows over all hosts
 OUT="$RUNS/$(basename "$MODEL")/$CONFIG"
-.venv/bin/python -m cmoe_jax.convert --model "$MODEL" --config "$CONFIG" \
+"$PY" -m cmoe_jax.convert --model "$MODEL" --config "$CONFIG" \
   --calib wikitext2 --data-path "$DATA/valid.txt" --calib-samples "$SAMPLES" --seqlen 2048 \
   --k-act 10 --seed 0 --out "$OUT" --overwrite "$@"
-.venv/bin/python -m cmoe_jax.eval --model "$OUT" --dataset wikitext2 \
+"$PY" -m cmoe_jax.eval --model "$OUT" --dataset wikitext2 \
   --data-path "$DATA/test.txt" --seqlen 2048 --no-progress --json "$OUT.ppl.json"

@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
 export JAX_PLATFORMS=cpu TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec "${VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -128,7 +128,7 @@ def test_interrupted_streamed_conversion_resumes_identically(tiny_checkpoint, tm
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--method", "expertweaver", "--experts", "8"], "--stream is not supported with --method expertweaver"),
+    (["--method", "expertweaver", "--experts", "8"], "--stream does not apply to --method expertweaver"),
 ])
 def test_stream_refused_where_unsupported(tiny_checkpoint, tmp_path, capsys, extra, message):
     _, path, text = tiny_checkpoint

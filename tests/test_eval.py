@@ -204,7 +204,7 @@ def test_cli_errors(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # neither download library installed
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
     _expect_error(["--model", str(path), "--dataset", "c4", "--seqlen", "32"], capsys, out,
-                  "pip install 'cmoe_jax[datasets]'")
+                  "pip install -e '.[datasets]'")
     bad_json = tmp_path / "no_dir" / "r.json"
     assert eval_main(["--model", str(path)] + base + ["--json", str(bad_json), "--no-progress"]) == 2
     assert "does not exist" in capsys.readouterr().err

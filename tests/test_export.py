@@ -107,3 +107,17 @@ def test_bad_input_fails_before_writing(save_tiny, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error:") and message in err, err
         assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
+
+
+def test_exported_tokenizer_loads_without_remote_code(save_tiny, tmp_path):
+    """A script (no terminal to ask) loads the exported tokenizer with plain AutoTokenizer,
+    no trust_remote_code, and it encodes as the source tokenizer does; the tokenizer files
+    name their class, so transformers does not take it from the `cmoe_llama` config."""
+    _, src = converted_dir(save_tiny, tmp_path, "llama", trained=False)
+    export(str(src), out=tmp_path / "hf", calib_samples=0, progress=False)
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert config.get("tokenizer_class")
+    text = "w1 w2 w3 w17 w40"
+    ours = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    source = transformers.AutoTokenizer.from_pretrained(str(src / "tokenizer"))
+    assert ours(text)["input_ids"] == source(text)["input_ids"]

@@ -15,13 +15,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cmoe_jax"
 # sits below both `loading`, which reads it, and `convert` / `train`, which write it.
 LAYERS = [
     {"errors", "lora"},
-    {"distributed", "sharding", "moe"},
+    {"distributed", "sharding", "moe", "cli_args"},
     {"models", "data"},
     {"checkpoint", "profiling", "carving"},
     {"loading"},
     {"methods"},
     {"convert", "train", "eval", "export", "compress"},
-    {"demo", "__init__", "downcycle"},
+    {"demo", "__init__", "downcycle", "commands"},
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
 

@@ -9,15 +9,16 @@
 # Rerun with RESUME=--resume to continue an interrupted (or time-limited) run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY="${VENV:-.venv}/bin/python"   # VENV=DIR picks the environment
 DATA=${DATA:-../shared/data/wikitext-2}
 MODEL=${MODEL:-runs/smollm2/S1A1E8}
 if [ ! -d "$MODEL" ]; then
-  .venv/bin/python -m cmoe_jax.convert --model smollm2 --config S1A1E8 --calib wikitext2 \
+  "$PY" -m cmoe_jax.convert --model smollm2 --config S1A1E8 --calib wikitext2 \
     --data-path "$DATA/valid.txt" --calib-samples 8 --seqlen 2048 --k-act 10 --seed 0 --out "$MODEL"
 fi
-.venv/bin/python -m cmoe_jax.train --model "$MODEL" --dataset wikitext2 --data-path "$DATA/valid.txt" \
+"$PY" -m cmoe_jax.train --model "$MODEL" --dataset wikitext2 --data-path "$DATA/valid.txt" \
   --samples 1200 --seqlen 512 --batch-size 2 --lora-rank 8 --lora-alpha 32 --lr 5e-4 \
   --router-lr 1e-3 --bias-speed 1e-3 --epochs 1 --save-every 50 --max-minutes "${MINUTES:-30}" \
   --out runs/ft/s1a1e8 ${RESUME:-}
-.venv/bin/python -m cmoe_jax.eval --model runs/ft/s1a1e8 --dataset wikitext2 \
+"$PY" -m cmoe_jax.eval --model runs/ft/s1a1e8 --dataset wikitext2 \
   --data-path "$DATA/test.txt" --max-windows 40 --json runs/ft/s1a1e8/ppl.json

@@ -9,50 +9,69 @@ from __future__ import annotations
 import argparse
 import json
 
+from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir, add_progress,
+                               add_seed, add_seqlen, check_writable_dir, parse_or_code, share, positive_int)
 from cmoe_jax.compress.api import METHODS
 from cmoe_jax.methods.conmoe import SELECTIONS
 from cmoe_jax.errors import run_job
 
+CONMOE_ONLY = ("scope", "selection")
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cmoe_jax.compress", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="MoE checkpoint: converted dir, HF dir or Hub id")
-    p.add_argument("--method", required=True, choices=METHODS)
-    p.add_argument("--ratio", type=float, required=True,
-                   help="rho: share of the routed experts removed (0.25, 0.5)")
-    p.add_argument("--scope", type=int, default=1,
-                   help="conmoe: consecutive MoE layers sharing one prototype pool (1: layer-local)")
-    p.add_argument("--selection", default="adaptive", choices=SELECTIONS,
-                   help="conmoe prototype rule: adaptive (a*b score over the scope), fixed "
-                        "(per-layer budget), usage, reap (a only), distance (b only)")
-    p.add_argument("--calib", default="wikitext2", choices=["wikitext2", "c4"], help="calibration dataset")
-    p.add_argument("--calib-split", default="validation", help="dataset split for calibration")
-    p.add_argument("--data-path", help="local text file for the calibration data")
-    p.add_argument("--calib-samples", type=int, default=8)
-    p.add_argument("--seqlen", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="output directory of the compressed model")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted compression")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+
+EXAMPLE = ("{prog} --model out/s3a3e8 --method conmoe --ratio 0.25 "
+           "--data-path wikitext-2/wiki.valid.raw --out out/s3a3e8-conmoe25")
+
+
+def build_parser(prog: str = "python -m cmoe_jax.compress") -> Parser:
+    p = Parser(prog, __doc__.split("\n")[0], EXAMPLE.format(prog=prog))
+    add_model(p, None, "MoE checkpoint")
+    p.add_argument("--method", required=True, choices=METHODS,
+                   help="conmoe (expert-pool consolidation) or a baseline")
+    p.add_argument("--ratio", type=share, required=True,
+                   help="rho: share of the routed experts removed (e.g. 0.25, 0.5; 0 keeps the model)")
+    cm = p.add_argument_group("conmoe (with --method conmoe)")
+    cm.add_argument("--scope", type=positive_int, default=1,
+                    help="consecutive MoE layers sharing one prototype pool (1: layer-local)")
+    cm.add_argument("--selection", default="adaptive", choices=SELECTIONS,
+                    help="prototype rule: adaptive (a*b score over the scope), fixed "
+                         "(per-layer budget), usage, reap (a only), distance (b only)")
+    data = add_data(p, "validation", "calibration")
+    add_calib_samples(data, 8)
+    add_seqlen(p, 2048)
+    add_seed(p)
+    add_output_dir(p, "the compressed model", "continue an interrupted compression")
     p.add_argument("--report", action="store_true", help="write PNG plots and report.json")
-    return p.parse_args(argv)
+    add_progress(p)
+    return p
+
+
+def parse_args(argv=None, prog: str = "python -m cmoe_jax.compress") -> argparse.Namespace:
+    p = build_parser(prog)
+    args = p.parse_args(argv)
+    if args.method != "conmoe":
+        p.reject(args, CONMOE_ONLY, f"to --method {args.method} (ConMoE flags)")
+    return args
 
 
 def run(args) -> dict:
     from cmoe_jax import distributed
 
+    check_writable_dir(args.out)
     distributed.require_single_process("python -m cmoe_jax.compress")
     from cmoe_jax.compress.api import compress
 
     return compress(args.model, method=args.method, ratio=args.ratio, out=args.out,
-                    scope=args.scope, selection=args.selection, calib=args.calib,
-                    calib_split=args.calib_split, data_path=args.data_path,
+                    scope=args.scope, selection=args.selection, calib=args.dataset,
+                    calib_split=args.split, data_path=args.data_path,
                     calib_samples=args.calib_samples, seqlen=args.seqlen, seed=args.seed,
-                    resume=args.resume, overwrite=args.overwrite, report=args.report)
+                    resume=args.resume, overwrite=args.overwrite, report=args.report,
+                    progress=not args.no_progress)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str = "python -m cmoe_jax.compress") -> int:
+    args, code = parse_or_code(parse_args, argv, prog)
+    if args is None:
+        return code
     result, code = run_job(run, args)
     if code:
         return code

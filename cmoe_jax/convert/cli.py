@@ -11,76 +11,96 @@ import json
 import re
 from pathlib import Path
 
+from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir, add_seed,
+                               add_seqlen, check_writable_dir, nonneg_float, nonneg_int, parse_or_code,
+                               positive_float, positive_int, share)
 from cmoe_jax.methods.cmoe import ConvertConfig
 from cmoe_jax import distributed
 from cmoe_jax.errors import CmoeError, run_job
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cmoe_jax.convert", description=__doc__.split("\n")[0])
+CMOE_ONLY = ("config", "shared", "active", "dataset", "split", "calib_samples", "k_act", "kmeans_iters",
+             "no_normalize", "router_neurons", "no_router_scale", "paper_router", "router_fit_tokens",
+             "shared_by", "router_reps", "min_expert_tokens", "expert_parallel", "stream")
+EXPERTWEAVER_ONLY = ("sparsity", "alpha_min", "alpha_max", "tau", "assignment", "calib_tasks",
+                     "samples_per_task", "arc_path")
+EXAMPLE = ("{prog} --model smollm2 --config S3A3E8 --shared-by energy "
+           "--data-path wikitext-2/wiki.valid.raw --out out/s3a3e8")
+
+
+def build_parser(prog: str = "python -m cmoe_jax.convert") -> Parser:
+    p = Parser(prog, __doc__.split("\n")[0], EXAMPLE.format(prog=prog))
     p.add_argument("--method", choices=["cmoe", "expertweaver"], default="cmoe",
-                   help="cmoe (default) or expertweaver (paper 002: layer-adaptive shared experts, "
-                        "gate-centroid router; see the README's ExpertWeaver section)")
-    p.add_argument("--model", default="smollm2", help="dense checkpoint: HF dir, Hub id, .gguf, or "
-                   "'smollm2'; an MoE (converted dir, Qwen3-MoE, Mixtral) is carved hierarchically, "
-                   "--config then being the per-expert plan")
-    p.add_argument("--config", help="SxAyEz, e.g. S1A1E8 (x shared, y active routed, z total experts)")
-    p.add_argument("--shared", type=int, help="x (instead of --config)")
-    p.add_argument("--active", type=int, help="y (instead of --config)")
-    p.add_argument("--experts", type=int, help="z (instead of --config)")
-    p.add_argument("--calib", default="wikitext2", choices=["wikitext2", "c4"], help="calibration dataset")
-    p.add_argument("--calib-split", default="validation", help="dataset split for calibration")
-    p.add_argument("--data-path", help="local text file for the calibration data")
-    p.add_argument("--calib-samples", type=int, default=8)
-    p.add_argument("--seqlen", type=int, default=None,
-                   help="calibration window length (default 2048; expertweaver 256)")
-    p.add_argument("--k-act", type=int, default=10, help="K_a: markers per token (ATopK)")
-    p.add_argument("--kmeans-iters", type=int, default=None,
-                   help="balanced K-means iterations (default: to convergence; 1 = authors' code)")
-    p.add_argument("--no-normalize", action="store_true",
-                   help="profile unnormalised activations instead of the L2-normalised form")
-    p.add_argument("--router-neurons", type=int, default=None,
-                   help=f"representative neurons scoring each routed expert (default "
-                        f"{ConvertConfig.router_neurons}; 1 = the paper's router)")
-    p.add_argument("--no-router-scale", action="store_true",
-                   help="do not fit per-expert router score scales (the paper's raw |h| scores)")
-    p.add_argument("--paper-router", action="store_true",
-                   help="the CMoE paper's router: one representative neuron per expert, closest to "
-                        "the centroid, raw |h| scores (= --router-neurons 1 --router-reps centroid "
-                        "--no-router-scale)")
-    p.add_argument("--router-fit-tokens", type=int, default=2048,
-                   help="calibration tokens used to fit the router score scales")
-    p.add_argument("--shared-by", choices=["rate", "energy"], default="rate",
-                   help="shared-expert neurons: highest activation rate mu (default, the paper's "
-                        "rule) or highest output energy E[h^2]*||W_down row||^2")
-    p.add_argument("--router-reps", choices=["centroid", "energy"], default=None,
-                   help="router neurons of each expert: the members of highest output energy "
-                        "(default) or closest to the cluster centroid (the paper's rule)")
-    p.add_argument("--min-expert-tokens", type=int, default=32,
-                   help="MoE source (hierarchical CMoE): an expert reached by fewer calibration "
-                        "tokens is profiled on all tokens")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
-                   help="split each converted layer's routed experts over N devices (all-to-all "
-                        "token exchange) when it runs forward; the batch uses the rest (default 1)")
-    p.add_argument("--stream", action="store_true",
-                   help="read, convert and write one decoder layer at a time (peak host memory "
-                        "about one layer: models larger than the host's memory); dense sources")
-    ew = p.add_argument_group("expertweaver (with --method expertweaver; --experts is N_e, default 64)")
-    ew.add_argument("--sparsity", type=float, default=0.25, help="share of experts inactive per token")
-    ew.add_argument("--alpha-min", type=float, default=0.2)
-    ew.add_argument("--alpha-max", type=float, default=0.7)
-    ew.add_argument("--tau", type=float, default=0.6, help="CV threshold of a specialised neuron")
+                   help="cmoe (CMoE; hierarchical when --model is an MoE) or expertweaver "
+                        "(layer-adaptive shared experts, gate-centroid router)")
+    add_model(p, what="dense checkpoint (an MoE is carved hierarchically, --config then being the "
+                      "per-expert plan)")
+    plan = p.add_argument_group("plan", "SxAyEz: x shared, y active routed, z total experts "
+                                        "(--method expertweaver: only --experts, N_e)")
+    plan.add_argument("--config", help="SxAyEz, e.g. S1A1E8")
+    plan.add_argument("--shared", type=nonneg_int, help="x, shared experts (instead of --config)")
+    plan.add_argument("--active", type=positive_int, help="y, active routed experts per token (instead of --config)")
+    plan.add_argument("--experts", type=positive_int, help="z, total experts (instead of --config; "
+                                                           "expertweaver: N_e, default 64)")
+    data = add_data(p, "validation", "calibration")
+    add_calib_samples(data, 8)
+    add_seqlen(p, None, "calibration window length (default 2048; expertweaver 256)")
+    cm = p.add_argument_group("cmoe (with --method cmoe)")
+    cm.add_argument("--k-act", type=positive_int, default=10, help="K_a: markers per token (ATopK)")
+    cm.add_argument("--kmeans-iters", type=positive_int, default=None,
+                    help="balanced K-means iterations (default: to convergence; 1 = the authors' code)")
+    cm.add_argument("--no-normalize", action="store_true",
+                    help="profile unnormalised activations instead of the L2-normalised form")
+    cm.add_argument("--router-neurons", type=positive_int, default=None,
+                    help=f"representative neurons scoring each routed expert (default "
+                         f"{ConvertConfig.router_neurons}; 1 = the paper's router)")
+    cm.add_argument("--no-router-scale", action="store_true",
+                    help="do not fit per-expert router score scales (the paper's raw |h| scores)")
+    cm.add_argument("--paper-router", action="store_true",
+                    help="the CMoE paper's router: one representative neuron per expert, closest to "
+                         "the centroid, raw |h| scores (= --router-neurons 1 --router-reps centroid "
+                         "--no-router-scale)")
+    cm.add_argument("--router-fit-tokens", type=positive_int, default=2048,
+                    help="calibration tokens used to fit the router score scales")
+    cm.add_argument("--shared-by", choices=["rate", "energy"], default="rate",
+                    help="shared-expert neurons: highest activation rate mu (the paper's rule) or "
+                         "highest output energy E[h^2]*||W_down row||^2")
+    cm.add_argument("--router-reps", choices=["centroid", "energy"], default=None,
+                    help="router neurons of each expert: the members of highest output energy "
+                         "(default) or closest to the cluster centroid (the paper's rule)")
+    cm.add_argument("--min-expert-tokens", type=positive_int, default=32,
+                    help="MoE source (hierarchical CMoE): an expert reached by fewer calibration "
+                         "tokens is profiled on all tokens")
+    cm.add_argument("--expert-parallel", type=positive_int, default=1, metavar="N",
+                    help="split each converted layer's routed experts over N devices (all-to-all "
+                         "token exchange) when it runs forward; the batch uses the rest")
+    cm.add_argument("--stream", action="store_true",
+                    help="read, convert and write one decoder layer at a time (peak host memory "
+                         "about one layer: models larger than the host's memory); dense sources")
+    ew = p.add_argument_group("expertweaver (with --method expertweaver)")
+    ew.add_argument("--sparsity", type=share, default=0.25, help="share of experts inactive per token")
+    ew.add_argument("--alpha-min", type=nonneg_float, default=0.2, help="smallest share of shared neurons per layer")
+    ew.add_argument("--alpha-max", type=nonneg_float, default=0.7, help="largest share of shared neurons per layer")
+    ew.add_argument("--tau", type=positive_float, default=0.6, help="CV threshold of a specialised neuron")
     ew.add_argument("--assignment", choices=["greedy", "exact"], default="greedy",
                     help="balanced K-means assignment: the paper's greedy one or the exact one")
-    ew.add_argument("--calib-tasks", type=int, default=32, help="WikiText-2 articles used as tasks")
-    ew.add_argument("--samples-per-task", type=int, default=2)
+    ew.add_argument("--calib-tasks", type=positive_int, default=32, help="WikiText-2 articles used as tasks")
+    ew.add_argument("--samples-per-task", type=positive_int, default=2, help="windows per calibration task")
     ew.add_argument("--arc-path", help="ARC-Easy JSON lines: its questions form one more task")
-    p.add_argument("--out", required=True, help="output directory of the converted model")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    add_seed(p)
+    add_output_dir(p, "the converted model", "continue an interrupted conversion")
     p.add_argument("--report", action="store_true", help="write PNG plots and report.json")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None, prog: str = "python -m cmoe_jax.convert") -> argparse.Namespace:
+    p = build_parser(prog)
+    args = p.parse_args(argv)
+    if args.method == "expertweaver":
+        p.reject(args, CMOE_ONLY, "to --method expertweaver (it sizes experts by --experts and --sparsity)")
+    else:
+        p.reject(args, EXPERTWEAVER_ONLY, "to --method cmoe (ExpertWeaver flags)")
+    return args
 
 
 def plan_from_args(args):
@@ -103,8 +123,9 @@ def router_options(args) -> dict:
         if given:
             raise CmoeError(f"--paper-router sets the router itself: drop {', '.join(given)}")
         return dict(ConvertConfig.PAPER_ROUTER)
-    return {"router_neurons": args.router_neurons or ConvertConfig.router_neurons,
-            "router_reps": args.router_reps or ConvertConfig.router_reps,
+    neurons, reps = args.router_neurons, args.router_reps
+    return {"router_neurons": ConvertConfig.router_neurons if neurons is None else neurons,
+            "router_reps": ConvertConfig.router_reps if reps is None else reps,
             "router_scale": not args.no_router_scale}
 
 
@@ -112,31 +133,27 @@ def run_expertweaver(args) -> dict:
     from cmoe_jax.methods.expertweaver import WeaveConfig
     from cmoe_jax.convert.expertweaver_job import convert_expertweaver
 
-    if args.config or args.shared is not None or args.active is not None:
-        raise CmoeError("--method expertweaver sizes experts itself: give --experts and --sparsity, "
-                        "not --config/--shared/--active")
-    if args.expert_parallel != 1:
-        raise CmoeError("--expert-parallel is not supported with --method expertweaver yet: leave it at 1")
-    if args.stream:
-        raise CmoeError("--stream is not supported with --method expertweaver yet: drop --stream")
-    cc = WeaveConfig(experts=args.experts or 64, sparsity=args.sparsity, alpha_min=args.alpha_min,
-                     alpha_max=args.alpha_max, tau=args.tau, assignment=args.assignment, seed=args.seed)
+    cc = WeaveConfig(experts=64 if args.experts is None else args.experts, sparsity=args.sparsity,
+                     alpha_min=args.alpha_min, alpha_max=args.alpha_max, tau=args.tau, assignment=args.assignment, seed=args.seed)
     return convert_expertweaver(args.model, cc, out=Path(args.out), data_path=args.data_path,
                                 arc_path=args.arc_path, tasks=args.calib_tasks,
-                                samples_per_task=args.samples_per_task, seqlen=args.seqlen or 256,
+                                samples_per_task=args.samples_per_task,
+                                seqlen=256 if args.seqlen is None else args.seqlen,
                                 resume=args.resume, overwrite=args.overwrite, report=args.report)
 
 
 def run(args) -> dict:
     from cmoe_jax.convert.api import convert
 
+    check_writable_dir(args.out)
     distributed.initialize()
     distributed.refuse(**{"--method expertweaver": args.method == "expertweaver"})
     if args.method == "expertweaver":
         return run_expertweaver(args)
-    return convert(args.model, plan_from_args(args), out=Path(args.out), calib=args.calib,
-                   calib_split=args.calib_split, data_path=args.data_path,
-                   calib_samples=args.calib_samples, seqlen=args.seqlen or 2048, k_act=args.k_act,
+    return convert(args.model, plan_from_args(args), out=Path(args.out), calib=args.dataset,
+                   calib_split=args.split, data_path=args.data_path,
+                   calib_samples=args.calib_samples, k_act=args.k_act,
+                   seqlen=2048 if args.seqlen is None else args.seqlen,
                    kmeans_iters=args.kmeans_iters, normalize=not args.no_normalize,
                    seed=args.seed, router_fit_tokens=args.router_fit_tokens,
                    shared_by=args.shared_by, resume=args.resume, **router_options(args),
@@ -144,8 +161,10 @@ def run(args) -> dict:
                    overwrite=args.overwrite, report=args.report, stream=args.stream)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str = "python -m cmoe_jax.convert") -> int:
+    args, code = parse_or_code(parse_args, argv, prog)
+    if args is None:
+        return code
     result, code = run_job(run, args)
     if code:
         return code

@@ -14,8 +14,8 @@ C4 (`c4`, GPTQ's "c4-new")
     plain text with one document per line; its first 1100 documents are used.
 
 Sources, in order: a local file (`data_path`); the `datasets` library
-(``pip install 'cmoe_jax[datasets]'``); `tensorflow-datasets` (``pip install
-'cmoe_jax[tfds]'``). TFDS serves WikiText-2 only through its ``huggingface:`` community
+(a core dependency; ``pip install -e '.[datasets]'`` in a trimmed environment);
+`tensorflow-datasets` (``pip install -e '.[datasets,tfds]'``). TFDS serves WikiText-2 only through its ``huggingface:`` community
 namespace, which itself runs `datasets`; its native ``c4/en`` validation split holds the same
 corpus in a different document order, so its first 1100 documents are not GPTQ's and its
 perplexities are not comparable with the papers' C4 figures.
@@ -37,7 +37,11 @@ C4_WINDOWS = 256
 C4_SHARDS = {"validation": "en/c4-validation.00000-of-00008.json.gz",
              "train": "en/c4-train.00000-of-01024.json.gz"}
 TFDS_NAMES = {"wikitext2": "huggingface:wikitext/wikitext-2-raw-v1", "c4": "c4/en"}
-_INSTALL = {"datasets": "pip install 'cmoe_jax[datasets]'", "tfds": "pip install 'cmoe_jax[tfds]'"}
+# tfds serves WikiText-2 only through its huggingface: bridge, which runs `datasets`
+_INSTALL = {("datasets", "wikitext2"): "pip install -e '.[datasets]'",
+            ("datasets", "c4"): "pip install -e '.[datasets]'",
+            ("tfds", "wikitext2"): "pip install -e '.[datasets,tfds]'",
+            ("tfds", "c4"): "pip install -e '.[tfds]'"}
 
 
 class DataError(CmoeError, ValueError):
@@ -152,7 +156,7 @@ def load_items(dataset: str, split: str | None = None, data_path: str | None = N
             return loaders[name](dataset, split)
         except ImportError:
             continue
-    wanted = " or ".join(f"`{_INSTALL[n]}`" for n in (["datasets", "tfds"] if source == "auto" else [source]))
+    wanted = " or ".join(f"`{_INSTALL[n, dataset]}`" for n in (["datasets", "tfds"] if source == "auto" else [source]))
     raise DataError(f"{dataset} needs a download library that is not installed: {wanted}, "
                     f"or give a local file with --data-path FILE")
 

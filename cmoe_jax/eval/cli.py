@@ -3,66 +3,59 @@ multiple-choice accuracy (lm-eval conventions), of a dense, converted or fine-tu
 
 Arguments, data and the model's context are checked before any weight is loaded; a bad
 input prints one `error: ...` line on stderr and exits with status 2 without writing
-anything. The --json file is written only at the end (temporary file + rename).
+anything. The --out (--json) file is written only at the end (temporary file + rename).
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from cmoe_jax.cli_args import (Parser, add_data, add_model, add_output_json, add_progress, add_seqlen,
+                               add_windows, check_writable_file, parse_or_code, positive_int)
 from cmoe_jax.errors import CmoeError, run_job
+from cmoe_jax.eval.tasks import TASKS
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m cmoe_jax.eval",
-        description="Perplexity (GPTQ convention: non-overlapping windows, mean NLL of tokens[1:]) "
-                    "of a dense or converted model on WikiText-2 or C4, or with --task its zero-shot "
-                    "multiple-choice accuracy (lm-evaluation-harness conventions), data-parallel over all devices.",
-        epilog="examples: python -m cmoe_jax.eval --model smollm2 --dataset wikitext2 "
-               "--data-path ../shared/data/wikitext-2/test.txt --max-windows 40 --json ppl.json; "
-               "python -m cmoe_jax.eval --task arc_easy --data-path ../shared/data/arc-easy/test.jsonl "
-               "--json arc.json. Bad input exits with status 2 and one 'error: ...' line.")
-    p.add_argument("--model", default="smollm2",
-                   help="Hugging Face checkpoint dir, Hub id, .gguf file, converted cmoe_jax model dir, "
-                        "or 'smollm2' (the embedded SmolLM2-135M-Instruct; default)")
-    p.add_argument("--task", help="zero-shot multiple-choice task instead of perplexity "
-                                  "(arc_easy, arc_challenge); needs --data-path, a JSON-lines file")
-    p.add_argument("--limit", type=int, default=None, help="--task: score only the first N questions")
-    p.add_argument("--dataset", default="wikitext2", choices=["wikitext2", "c4"])
-    p.add_argument("--data-path", help="local text file instead of downloading the dataset "
-                                       "(WikiText-2: a release file; C4: JSON lines or one document per line)")
-    p.add_argument("--source", default="auto", choices=["auto", "file", "datasets", "tfds"],
-                   help="where the text comes from (auto: --data-path if given, else datasets, else tfds)")
-    p.add_argument("--split", default=None, help="dataset split (default: test for WikiText-2, validation for C4)")
-    p.add_argument("--seqlen", type=int, default=2048, help="tokens per window (default 2048)")
-    p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
-    p.add_argument("--batch-size", type=int, default=None,
+PERPLEXITY_ONLY = ("dataset", "split", "source", "seqlen", "max_windows")
+EXAMPLE = ("{prog} --model smollm2 --data-path wikitext-2/wiki.test.raw --max-windows 40 --out ppl.json\n"
+           "  {prog} --model out/s3a3e8 --task arc_easy --data-path arc-easy/test.jsonl --out arc.json")
+
+
+def build_parser(prog: str = "python -m cmoe_jax.eval") -> Parser:
+    p = Parser(prog, "Perplexity (GPTQ convention: non-overlapping windows, mean NLL of tokens[1:]) of a "
+                     "dense or converted model on WikiText-2 or C4, or with --task its zero-shot "
+                     "multiple-choice accuracy (lm-evaluation-harness conventions), data-parallel over "
+                     "all devices. Bad input exits with status 2 and one 'error: ...' line.",
+               EXAMPLE.format(prog=prog))
+    add_model(p)
+    p.add_argument("--task", "--tasks", dest="task", metavar="TASK",
+                   help=f"zero-shot multiple-choice task instead of perplexity ({', '.join(sorted(TASKS))}); "
+                        "needs --data-path, the task's JSON-lines file")
+    data = add_data(p, None, "perplexity")
+    data.add_argument("--source", default="auto", choices=["auto", "file", "datasets", "tfds"],
+                      help="where the text comes from (auto: --data-path if given, else datasets, else tfds)")
+    add_windows(p, limit=True)
+    add_seqlen(p, 2048)
+    p.add_argument("--batch-size", type=positive_int, default=None,
                    help="windows per step (--task: sequences per step, default 32), rounded up to a "
                         "multiple of the device count (default: one per device)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
-    p.add_argument("--json", help="write the result as JSON to this file")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_output_json(p)
+    add_progress(p)
     return p
 
 
-def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+def parse_args(argv=None, prog: str = "python -m cmoe_jax.eval"):
+    p = build_parser(prog)
+    args = p.parse_args(argv)
+    if args.task:
+        p.reject(args, PERPLEXITY_ONLY, "to --task (they choose perplexity windows)")
+    else:
+        p.reject(args, ("limit",), "without --task (use --max-windows for perplexity)")
+    return args
 
 
 def _validate_args(args) -> None:
-    if args.seqlen < 2:
-        raise CmoeError(f"--seqlen must be at least 2, got {args.seqlen}")
-    if args.max_windows is not None and args.max_windows < 1:
-        raise CmoeError(f"--max-windows must be at least 1, got {args.max_windows}")
-    if args.limit is not None and args.limit < 1:
-        raise CmoeError(f"--limit must be at least 1, got {args.limit}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise CmoeError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.json:
-        parent = Path(args.json).expanduser().resolve().parent
-        if not parent.is_dir():
-            raise CmoeError(f"--json: directory {parent} does not exist")
+    check_writable_file(args.out, "--out")
 
 
 def run(args) -> dict:
@@ -113,7 +106,7 @@ def run_task(args) -> dict:
     task = get_task(args.task)
     if not args.data_path:
         raise CmoeError(f"--task {args.task} needs --data-path, the task's JSON-lines file "
-                        "(e.g. ../shared/data/arc-easy/test.jsonl)")
+                        "(e.g. the ARC-Easy test split as JSON lines)")
     docs = load_documents(task, args.data_path, args.limit)
     _, _, tokenizer = _checked_tokenizer(args)
     import jax
@@ -128,8 +121,10 @@ def run_task(args) -> dict:
             "platform": jax.devices()[0].platform, **result}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str = "python -m cmoe_jax.eval") -> int:
+    args, code = parse_or_code(parse_args, argv, prog)
+    if args is None:
+        return code
     result, code = run_job(run, args)
     if code:
         return code
@@ -148,8 +143,8 @@ def main(argv=None) -> int:
               f"{result['windows']} windows x {result['seqlen']} ({result['tokens']} predicted tokens); "
               f"{result['tokens_per_s']:,.0f} tokens/s on {result['devices']} {result['platform']} device(s), "
               f"{result['seconds']:.1f} s + {result['compile_seconds']:.1f} s compile")
-    if args.json:
+    if args.out:
         from cmoe_jax.checkpoint import write_json_atomic
 
-        write_json_atomic(Path(args.json).expanduser(), result)
+        write_json_atomic(Path(args.out).expanduser(), result)
     return 0

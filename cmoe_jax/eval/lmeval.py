@@ -1,5 +1,6 @@
-"""lm-evaluation-harness backend `cmoe_jax` (needs `pip install 'cmoe_jax[lmeval]'`).
+"""lm-evaluation-harness backend `cmoe_jax` (needs `pip install -e '.[lmeval]'`).
 
+    python -m cmoe_jax.eval.lmeval --model DIR --tasks arc_easy
     python -m cmoe_jax.eval.lmeval --model cmoe_jax --model_args pretrained=DIR --tasks arc_easy
 
 is `lm_eval` with this backend registered (lm-eval 0.4.13 finds external models only once
@@ -135,14 +136,72 @@ class CmoeJaxLM(TemplateLM):
         return out
 
 
-def main(argv=None) -> None:
-    """`lm_eval`'s command line with the `cmoe_jax` backend registered."""
+# our shared spellings -> lm-eval's own (lm-eval writes its flags with underscores)
+_SPELLINGS = {"--task": "--tasks", "--backend": "--model", "--model-args": "--model_args",
+              "--batch-size": "--batch_size", "--output-path": "--output_path", "--out": "--output_path",
+              "--json": "--output_path"}
+HELP = """cmoe_jax additions (translated before lm-eval parses the command line):
+  --model PATH     a model path, Hub id or 'smollm2' (as in every cmoe_jax command) means
+                   --model cmoe_jax --model_args pretrained=PATH; an lm-eval backend name
+                   (cmoe_jax, hf, ...) keeps lm-eval's meaning
+  --backend NAME   the lm-eval backend (lm-eval's --model; default cmoe_jax)
+  --task, --out, --json, --output-path, --model-args, --batch-size: aliases of lm-eval's
+                   --tasks, --output_path, --model_args, --batch_size
+example:
+  python -m cmoe_jax.eval.lmeval --model out/s3a3e8 --tasks arc_easy --limit 100 --output-path arc/
+"""
+
+
+def translate_argv(argv: list[str]) -> list[str]:
+    """Our spellings and a model path after --model turned into lm-eval's command line."""
+    from lm_eval.api.registry import MODEL_REGISTRY
+
+    out, pretrained, backend = [], None, None
+    i = 0
+    while i < len(argv):
+        arg, value = argv[i], None
+        name, eq, inline = arg.partition("=")
+        if name in ("--model", "--backend", "-M"):
+            value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+            i += 1 if eq else 2
+            if value is None:
+                out.append(name)  # lm-eval reports the missing value
+            elif name == "--backend" or value in MODEL_REGISTRY:
+                backend = value
+            else:
+                pretrained = value
+            continue
+        out.append(_SPELLINGS.get(name, name) + (eq + inline if eq else ""))
+        i += 1
+    if pretrained is not None:
+        out += ["--model_args", f"pretrained={pretrained}"]
+    if backend is not None or pretrained is not None or not any(a in ("-h", "--help") for a in argv):
+        out = ["--model", backend or "cmoe_jax", *out]
+    return out
+
+
+def build_parser():
+    """lm-eval's `run` parser (for checking a command line without running it)."""
+    from lm_eval._cli import HarnessCLI
+
+    return HarnessCLI()._subparsers.choices["run"]
+
+
+def parse_args(argv=None, prog: str = "python -m cmoe_jax.eval.lmeval"):
+    return build_parser().parse_args(translate_argv(sys.argv[1:] if argv is None else list(argv)))
+
+
+def main(argv=None, prog: str = "python -m cmoe_jax.eval.lmeval") -> int:
+    """`lm_eval`'s command line with the `cmoe_jax` backend registered and our spellings accepted."""
     from lm_eval.__main__ import cli_evaluate
 
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(HELP)
+    sys.argv = [prog, *translate_argv(argv)]
     cli_evaluate()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -39,7 +39,7 @@ def compare_with_transformers(model, directory, windows: np.ndarray) -> dict:
         import torch
         from transformers import AutoModelForCausalLM
     except ImportError:
-        return {"skipped": "torch is not installed (pip install 'cmoe_jax[reference]')"}
+        return {"skipped": "torch is not installed (pip install -e '.[reference]')"}
     ref = AutoModelForCausalLM.from_pretrained(str(directory), trust_remote_code=True,
                                                dtype=torch.float32).eval()
     diff, nll_ours, nll_ref = 0.0, [], []

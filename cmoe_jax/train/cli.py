@@ -9,57 +9,67 @@ from __future__ import annotations
 import argparse
 import json
 
+from cmoe_jax.cli_args import (Parser, add_data, add_model, add_output_dir, add_progress, add_seed, add_seqlen,
+                               check_writable_dir, nonneg_float, parse_or_code, positive_float, positive_int)
 from cmoe_jax.errors import CmoeError, run_job
 from cmoe_jax.train.lora import DEFAULT_TARGETS
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m cmoe_jax.train",
-        description="LoRA fine-tuning (CMoE paper sec. 4: rank 8, alpha 32, Adam 0.9/0.95, "
-                    "lr 5.95e-5 for LoRA and 1e-3 for the router scales u, bias speed 1e-3) of a "
-                    "dense or converted model; saves the merged model, the adapters, Orbax "
-                    "checkpoints, a JSON log and a loss curve in --out.",
-        epilog="example: python -m cmoe_jax.train --model out/s1a1e8 --dataset wikitext2 "
-               "--data-path ../shared/data/wikitext-2/valid.txt --samples 64 --seqlen 2048 "
-               "--batch-size 1 --max-minutes 30 --out runs/ft")
-    p.add_argument("--model", required=True,
-                   help="converted cmoe_jax model dir, Hugging Face dir / Hub id, .gguf, or 'smollm2'")
-    p.add_argument("--dataset", default="wikitext2", choices=["wikitext2", "c4"])
-    p.add_argument("--data-path", help="local text file instead of downloading the dataset")
-    p.add_argument("--split", default="train", help="dataset split (default train)")
-    p.add_argument("--samples", type=int, default=2048, help="training windows (default 2048)")
-    p.add_argument("--seqlen", type=int, default=2048, help="tokens per window (default 2048)")
-    p.add_argument("--batch-size", type=int, default=1, help="windows per step (default 1)")
-    p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--lora-alpha", type=float, default=32.0)
-    p.add_argument("--dropout", type=float, default=0.0, help="LoRA input dropout (default 0)")
-    p.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
-                   help="comma-separated weights to adapt: q_proj,k_proj,v_proj,o_proj and "
-                        "gate_proj,up_proj,down_proj (dense, shared and routed experts), or exact "
-                        "names such as shared_up / expert_down (default: all seven)")
-    p.add_argument("--lr", type=float, default=5.95e-5, help="LoRA learning rate")
-    p.add_argument("--router-lr", type=float, default=1e-3, help="learning rate of the router scales u")
-    p.add_argument("--bias-speed", type=float, default=1e-3, help="load-balancing bias step gamma")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0, help="data sampling, order, init and dropout")
-    p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default 100)")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after N steps")
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="stop before a step would end past this wall-clock budget (whole job)")
-    p.add_argument("--mesh", default=None, metavar="DATAxMODEL",
-                   help="device mesh, e.g. 4x2 (default: all devices on the data axis)")
-    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
-                   help="split the MoE layers' routed experts over N devices (all-to-all token "
-                        "exchange); the mesh becomes data x N x model (default 1)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="dtype of the frozen weights (adapters are float32)")
-    p.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (less memory)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument("--overwrite", action="store_true", help="replace --out (or an interrupted run) if it exists")
-    p.add_argument("--no-progress", action="store_true")
+EXAMPLE = ("{prog} --model out/s1a1e8 --data-path wikitext-2/wiki.valid.raw --samples 64 "
+           "--seqlen 2048 --batch-size 1 --max-minutes 30 --out out/ft")
+
+
+def build_parser(prog: str = "python -m cmoe_jax.train") -> Parser:
+    p = Parser(prog, "LoRA fine-tuning (CMoE paper sec. 4: rank 8, alpha 32, Adam 0.9/0.95, "
+                     "lr 5.95e-5 for LoRA and 1e-3 for the router scales u, bias speed 1e-3) of a "
+                     "dense or converted model; saves the merged model, the adapters, Orbax "
+                     "checkpoints, a JSON log and a loss curve in --out.", EXAMPLE.format(prog=prog))
+    add_model(p, None, "model to fine-tune")
+    data = add_data(p, "train", "training")
+    data.add_argument("--samples", type=positive_int, default=2048, help="training windows")
+    add_seqlen(p, 2048)
+    p.add_argument("--batch-size", type=positive_int, default=1, help="windows per step")
+    lora = p.add_argument_group("LoRA and optimiser")
+    lora.add_argument("--lora-rank", type=positive_int, default=8, help="adapter rank r")
+    lora.add_argument("--lora-alpha", type=positive_float, default=32.0, help="adapter scale alpha (update alpha/r)")
+    lora.add_argument("--dropout", type=dropout_rate, default=0.0, help="LoRA input dropout")
+    lora.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
+                      help="comma-separated weights to adapt: q_proj,k_proj,v_proj,o_proj and "
+                           "gate_proj,up_proj,down_proj (dense, shared and routed experts), or exact "
+                           "names such as shared_up / expert_down")
+    lora.add_argument("--lr", type=positive_float, default=5.95e-5, help="LoRA learning rate")
+    lora.add_argument("--router-lr", type=nonneg_float, default=1e-3, help="learning rate of the router scales u")
+    lora.add_argument("--bias-speed", type=nonneg_float, default=1e-3, help="load-balancing bias step gamma")
+    lora.add_argument("--epochs", type=positive_int, default=1, help="passes over the --samples windows")
+    add_seed(p)
+    job = p.add_argument_group("run")
+    job.add_argument("--save-every", type=positive_int, default=100, help="checkpoint every N steps")
+    job.add_argument("--max-steps", type=positive_int, default=None, help="stop after N steps")
+    job.add_argument("--max-minutes", type=positive_float, default=None,
+                     help="stop before a step would end past this wall-clock budget (whole job)")
+    job.add_argument("--mesh", default=None, metavar="DATAxMODEL",
+                     help="device mesh, e.g. 4x2 (default: all devices on the data axis)")
+    job.add_argument("--expert-parallel", type=positive_int, default=1, metavar="N",
+                     help="split the MoE layers' routed experts over N devices (all-to-all token "
+                          "exchange); the mesh becomes data x N x model")
+    job.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                     help="dtype of the frozen weights (adapters are float32)")
+    job.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (less memory)")
+    add_output_dir(p, "merged model, adapters, checkpoints, log",
+                   "continue the run in --out from its last checkpoint")
+    add_progress(p)
     return p
+
+
+def dropout_rate(text: str) -> float:
+    value = nonneg_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be below 1, got {text}")
+    return value
+
+
+def parse_args(argv=None, prog: str = "python -m cmoe_jax.train"):
+    return build_parser(prog).parse_args(argv)
 
 
 def _mesh(text):
@@ -75,6 +85,7 @@ def _mesh(text):
 def run(args) -> dict:
     from cmoe_jax import distributed
 
+    check_writable_dir(args.out)
     distributed.initialize()  # a multi-process job trains data-parallel over all processes
     from cmoe_jax.train.api import finetune
 
@@ -90,8 +101,10 @@ def run(args) -> dict:
                     progress=not args.no_progress)
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv=None, prog: str = "python -m cmoe_jax.train") -> int:
+    args, code = parse_or_code(parse_args, argv, prog)
+    if args is None:
+        return code
     result, code = run_job(run, args)
     if code:
         return code
