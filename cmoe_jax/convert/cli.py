@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir, add_seed,
@@ -107,9 +106,7 @@ def plan_from_args(args):
     from cmoe_jax.methods.cmoe import MoEPlan
 
     if args.config:
-        if not re.fullmatch(r"S\d+A\d+E\d+", args.config):
-            raise CmoeError(f"--config {args.config!r} is not of the form SxAyEz (e.g. S1A1E8)")
-        return MoEPlan.parse(args.config)
+        return MoEPlan.parse(args.config, flag="--config")
     if None in (args.shared, args.active, args.experts):
         raise CmoeError("give --config SxAyEz, or all three of --shared, --active, --experts")
     return MoEPlan(args.shared, args.active, args.experts)
