@@ -4,17 +4,18 @@ routers (ExpertWeaver, a random neuron split, or random expert weights) and trai
     python -m cmoe_jax.downcycle --model smollm2 --init expertweaver --experts 64 \\
         --active 16 --shared-experts 2 --data-path valid.txt --steps 200 --out DIR
 
-Work happens in `DIR.partial/` (Orbax checkpoints every --save-every steps; --resume continues
-from the latest); at the end DIR holds train_log.json, loss.png and the checkpoints.
+Work happens in `DIR.partial/final/` (Orbax checkpoints every --save-every steps; --resume
+continues from the latest when the source and settings are unchanged); at the end it is
+renamed to DIR, which holds train_log.json, loss.png and the checkpoints.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 from cmoe_jax.errors import CmoeError, run_job
+from cmoe_jax.jobs import JobModel, OutputJob, check_output_free, fault_point, fingerprint
 
 INITS = ("expertweaver", "random-split", "random")
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def initial_model(args):
+def initial_model(args, source: JobModel):
     """The dense model woven per --init (every FFN a MoEFFN with a "linear" router)."""
     import jax
     import jax.numpy as jnp
@@ -51,9 +52,9 @@ def initial_model(args):
 
     from cmoe_jax.convert.expertweaver import WeaveConfig, weave_model
     from cmoe_jax.convert.expertweaver_job import calibration_tasks
-    from cmoe_jax.loading import load_model
 
-    lm = load_model(args.model, dtype=jnp.float32, progress=False)
+    source.require_tokenizer("the calibration and training text cannot be tokenized")
+    lm = source.load(dtype=jnp.float32, progress=False)
     dense = lm.model if args.layers is None else first_layers(lm.model, args.layers)
     cc = WeaveConfig(experts=args.experts, sparsity=1 - args.active / args.experts,
                      n_shared=args.shared_experts, router="linear", seed=args.seed,
@@ -89,9 +90,9 @@ def run(args) -> dict:
     from cmoe_jax import distributed
 
     distributed.require_single_process("python -m cmoe_jax.downcycle")
-    from cmoe_jax.checkpoint import publish, staging_dir
+    from tqdm.auto import tqdm
+
     from cmoe_jax.data import load_text_tokens
-    from cmoe_jax.train.checkpoint import check_run_config, write_run_config
     from cmoe_jax.train.data import BatchOrder, training_windows
     from cmoe_jax.train.downcycle import Downcycler, checkpoint_manager
     from cmoe_jax.train.report import plot_loss, write_log
@@ -102,38 +103,37 @@ def run(args) -> dict:
     if args.steps < 1 or args.batch_size < 1:
         raise CmoeError("--steps and --batch-size must be at least 1")
     out = Path(args.out)
-    staging = staging_dir(out)
     settings = {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite", "save_every", "out")}
-    if out.exists() and not args.overwrite:
-        raise CmoeError(f"output directory {out} exists: pass --overwrite to replace it")
-    if staging.exists():
-        if args.resume:
-            check_run_config(staging, settings)
-        else:
-            shutil.rmtree(staging)
-    staging.mkdir(parents=True, exist_ok=True)
-    write_run_config(staging, settings)
-    model, tokenizer = initial_model(args)
-    tokens = load_text_tokens("wikitext2", tokenizer, data_path=args.data_path)
-    samples = args.steps * args.batch_size
-    windows = training_windows(tokens, samples, args.seqlen, args.seed + 1)
-    order = BatchOrder(samples, args.batch_size, 1, args.seed)
-    trainer = Downcycler(model, steps=args.steps, lr=args.lr, warmup=args.warmup, aux_coef=args.aux_coef)
-    manager = checkpoint_manager(staging / "checkpoints")
-    log = trainer.restore(manager) if args.resume else []
-    from tqdm.auto import tqdm
-
-    bar = tqdm(range(len(log), args.steps), desc=f"downcycling ({args.init})")
-    for step in bar:
-        log.append(trainer.train_step(windows[order.indices(step)]))
-        bar.set_postfix(loss=f"{log[-1]['nll']:.3f}")
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            trainer.save(manager, log)
-    manager.close()
-    summary = dict(settings, steps=len(log), first_nll=log[0]["nll"], final_nll=log[-1]["nll"])
-    write_log(staging / "train_log.json", summary, log)
-    plot_loss(staging / "loss.png", [dict(s, loss=s["nll"]) for s in log], title=f"downcycling, {args.init} init")
-    publish(staging, out, args.overwrite)
+    check_output_free(out, args.overwrite)
+    source = JobModel(args.model)
+    with OutputJob(out, "downcycle", overwrite=args.overwrite, resume=args.resume,
+                   resumable=("final/checkpoints/[0-9]*",)) as job:
+        job.open(fingerprint("downcycle", settings, source.path))
+        work = job.staging.dir / "final"
+        work.mkdir(exist_ok=True)
+        model, tokenizer = initial_model(args, source)
+        tokens = load_text_tokens("wikitext2", tokenizer, data_path=args.data_path)
+        samples = args.steps * args.batch_size
+        windows = training_windows(tokens, samples, args.seqlen, args.seed + 1)
+        order = BatchOrder(samples, args.batch_size, 1, args.seed)
+        trainer = Downcycler(model, steps=args.steps, lr=args.lr, warmup=args.warmup,
+                             aux_coef=args.aux_coef)
+        manager = checkpoint_manager(work / "checkpoints")
+        log = trainer.restore(manager) if args.resume else []
+        bar = tqdm(range(len(log), args.steps), desc=f"downcycling ({args.init})")
+        for step in bar:
+            log.append(trainer.train_step(windows[order.indices(step)]))
+            bar.set_postfix(loss=f"{log[-1]['nll']:.3f}")
+            fault_point("step")
+            if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+                trainer.save(manager, log)
+                fault_point("checkpoint")
+        manager.close()
+        summary = dict(settings, steps=len(log), first_nll=log[0]["nll"], final_nll=log[-1]["nll"])
+        write_log(work / "train_log.json", summary, log)
+        plot_loss(work / "loss.png", [dict(s, loss=s["nll"]) for s in log],
+                  title=f"downcycling, {args.init} init")
+        job.publish(work)
     return dict(summary, out=str(out))
 
 

@@ -18,6 +18,7 @@ LAYERS = [
     {"models", "data"},
     {"checkpoint", "profiling", "carving"},
     {"loading"},
+    {"jobs"},  # job staging, lock, resume and publish: used by every output-writing job
     {"convert", "train", "eval", "export", "compress"},
     {"demo", "__init__", "downcycle"},
 ]
