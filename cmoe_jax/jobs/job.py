@@ -31,9 +31,10 @@ def check_output_free(out: Path, overwrite: bool, hint: str = "") -> None:
 
 class OutputJob:
     def __init__(self, out: Path, job: str, *, overwrite: bool = False, resume: bool = False,
-                 resumable: tuple[str, ...] = ()):
+                 resumable: tuple[str, ...] = (), out_may_exist: bool | None = None):
         self.out, self.job, self.overwrite, self.resume = Path(out), job, overwrite, resume
         self.resumable = resumable
+        self.out_may_exist = overwrite if out_may_exist is None else out_may_exist
         self.staging = Staging(self.out)
         self.main = distributed.is_main()
         self._lock = OutputLock(self.out)
@@ -44,7 +45,10 @@ class OutputJob:
         if self.main:
             try:
                 self._lock.acquire()
+                if not self.out_may_exist:  # again under the lock: a job may have published it
+                    check_output_free(self.out, False)
             except CmoeError as e:
+                self._lock.release()
                 error = e
         distributed.all_ok(error)
         return self

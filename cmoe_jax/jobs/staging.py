@@ -68,11 +68,12 @@ class Staging:
     def exists(self) -> bool:
         return self.dir.exists()
 
-    def open(self, fingerprint: dict, resume: bool) -> bool:
+    def open(self, fingerprint: dict, resume: bool, files: dict | None = None) -> bool:
         """Make the staging directory ready; True when it holds work to resume from.
 
         With `resume` an existing staging directory must carry the same fingerprint (else a
-        one-line error); without it, a staging directory of ours is started over."""
+        one-line error); without it, a staging directory of ours is started over. `files`
+        ({name: JSON object}) are written into a new staging directory before it appears."""
         self.recover()
         if self.dir.exists():
             saved = self.owner_record()
@@ -83,6 +84,8 @@ class Staging:
         self.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=self.parent, prefix=self._hidden("new")))
         write_json_atomic(tmp / OWNER, fingerprint)
+        for name, obj in (files or {}).items():
+            write_json_atomic(tmp / name, obj)
         os.chmod(tmp, 0o755)
         os.rename(tmp, self.dir)
         fault_point("staged")

@@ -29,7 +29,7 @@ from cmoe_jax import distributed
 from cmoe_jax.checkpoint import MANIFEST, save_converted
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.jobs import JobModel, OutputJob, Staging, fault_point, fingerprint
-from cmoe_jax.train.checkpoint import check_run_config, write_run_config
+from cmoe_jax.train.checkpoint import RUN_CONFIG, check_run_config
 from cmoe_jax.train.lora import DEFAULT_TARGETS, LoRAConfig, TrainError, parse_targets
 
 def _prepare_dirs(staging: Staging, fp: dict, settings: dict, resume: bool, overwrite: bool) -> bool:
@@ -40,9 +40,10 @@ def _prepare_dirs(staging: Staging, fp: dict, settings: dict, resume: bool, over
         return out.exists()
     if resume and (out / "checkpoints").exists():  # continue a finished (e.g. time-limited) run
         check_run_config(out, settings)
-        staging.open(fp, resume=False)
-        shutil.copytree(out / "checkpoints", staging.dir / "checkpoints")
-        shutil.copy(out / "run_config.json", staging.dir / "run_config.json")
+        staging.open(fp, resume=False, files={RUN_CONFIG: settings})
+        copy = staging.dir / ".checkpoints.copy"
+        shutil.copytree(out / "checkpoints", copy)
+        copy.rename(staging.dir / "checkpoints")  # whole or not at all
         return True
     if out.exists() and not overwrite:
         raise TrainError(f"output directory {out} exists: pass --overwrite to replace it "
@@ -50,8 +51,7 @@ def _prepare_dirs(staging: Staging, fp: dict, settings: dict, resume: bool, over
     if staging.exists() and not overwrite:
         raise TrainError(f"{staging.dir} holds an interrupted run: pass --resume to continue it "
                          "or --overwrite to start over")
-    staging.open(fp, resume=False)
-    write_run_config(staging.dir, settings)
+    staging.open(fp, resume=False, files={RUN_CONFIG: settings})
     return out.exists()
 
 
@@ -121,7 +121,7 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
         raise TrainError("the model shares prototype tables across layers (compressed with "
                          "--scope > 1): per-layer adapters cannot be merged into a shared table; "
                          "compress with --scope 1, or leave the routed experts out of --targets")
-    with OutputJob(out, "train", overwrite=overwrite, resume=resume,
+    with OutputJob(out, "train", overwrite=overwrite, resume=resume, out_may_exist=overwrite or resume,
                    resumable=("checkpoints/[0-9]*",)) as job:
         tokenizer = source.require_tokenizer("the training text cannot be tokenized")
         tokens = load_text_tokens(dataset, tokenizer, split=split, data_path=data_path)
