@@ -37,6 +37,7 @@ class Staging:
         self.out = Path(out)
         self.dir = staging_dir(self.out)
         self.parent = self.out.parent
+        self.owned = False  # set once the directory is known to be this job's (made or verified)
 
     def _hidden(self, tag: str) -> str:
         return f".{self.out.name}.{tag}-"
@@ -79,6 +80,7 @@ class Staging:
             saved = self.owner_record()
             if resume:
                 check_same(saved, fingerprint, self.dir)
+                self.owned = True
                 return True
             shutil.rmtree(self.dir)
         self.parent.mkdir(parents=True, exist_ok=True)
@@ -88,6 +90,7 @@ class Staging:
             write_json_atomic(tmp / name, obj)
         os.chmod(tmp, 0o755)
         os.rename(tmp, self.dir)
+        self.owned = True
         fault_point("staged")
         return False
 
@@ -110,4 +113,6 @@ class Staging:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def discard(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        """Remove the staging directory, only when it is this job's."""
+        if self.owned:
+            shutil.rmtree(self.dir, ignore_errors=True)

@@ -115,8 +115,10 @@ def _fill(source: TensorSource, cfg: ModelConfig, abstract: nnx.Module, prefix: 
                              for i in range(shape[0])])
         return read_parameter(source, cfg, path, shape, dtype)
 
-    state = place_state(state, shardings, read)
-    bar.close()
+    try:
+        state = place_state(state, shardings, read)
+    finally:
+        bar.close()  # also on an error: the bar's line is cleared before the error is printed
     return nnx.merge(graphdef, state)
 
 
