@@ -15,6 +15,11 @@ class CheckpointError(CmoeError):
     """A checkpoint file is missing, corrupted, truncated, or does not match its config."""
 
 
+class InputError(CmoeError, ValueError):
+    """A value given by the user (a plan, a request, a prompt) that cannot be used; still a
+    ValueError for callers of the library API that catch those."""
+
+
 class MissingDependencyError(CmoeError):
     """An optional dependency is not installed; the message names the extra that brings it."""
 

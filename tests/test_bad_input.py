@@ -119,6 +119,7 @@ CASES = [
     ("convert-wrong-shape-as-stored", _convert, [], lambda i, t: _copy_dense(i, t, {"intermediate_size": 128}),
      "down_proj.weight' has shape (32, 64) in the file but the config implies (32, 128)"),
     ("convert-index-outside-dir", _convert, [], _sharded_with_outside_path, "outside the model directory"),
+    ("convert-out-under-a-file", _convert, ["UNDER_FILE"], None, "choose a writable --out"),
     ("convert-typo-local-path", _convert, [], lambda i, t: "runs/typo", "it names a local path"),
     ("compress-bad-manifest", _compress, [], _broken_manifest, "cmoe_manifest.json is not valid JSON"),
     ("compress-dense-model", _compress, [], lambda i, t: i["dense"], "has no MoE layers"),
@@ -154,6 +155,9 @@ def test_bad_input_is_one_line_exit_2_nothing_written(inputs, tmp_path, capsys, 
             convert(str(inputs["dense"]), MoEPlan.parse("S1A1E8"), out=out, data_path=str(inputs["text"]),
                     calib_samples=2, seqlen=32, k_act=4, progress=False, stop_after_layers=1)
             staged = True
+        elif flag == "UNDER_FILE":
+            (tmp_path / "afile").write_text("x")
+            out = tmp_path / "afile" / "out"
         elif flag == "NONE":
             flags.append(str(tmp_path / "none.txt"))
         else:

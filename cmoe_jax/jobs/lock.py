@@ -23,6 +23,10 @@ class OutputBusyError(CmoeError):
     """Another job holds the lock of the same output directory."""
 
 
+class OutputPlaceError(CmoeError):
+    """The output's directory cannot be created or written."""
+
+
 def lock_path(out: Path) -> Path:
     out = Path(out)
     return out.with_name(out.name + ".lock")
@@ -49,14 +53,41 @@ class OutputLock:
         self.out = Path(out)
         self.path = lock_path(self.out)
         self._fd = None
+        self._made: list[Path] = []  # parent directories made here (removed again if left empty)
+
+    def _make_parents(self) -> None:
+        missing = [p for p in [self.out.parent, *self.out.parent.parents] if not p.exists()]
+        try:
+            for p in reversed(missing):
+                p.mkdir()
+                self._made.append(p)
+        except OSError as e:
+            self._remove_made()
+            raise OutputPlaceError(f"cannot create the directory of {self.out} ({e.strerror}): "
+                                   "choose a writable --out") from None
+
+    def _remove_made(self) -> None:
+        for p in reversed(self._made):
+            try:
+                p.rmdir()  # only while empty: a published output keeps its parents
+            except OSError:
+                break
+        self._made = []
 
     def acquire(self) -> "OutputLock":
+        self._make_parents()
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                self._remove_made()
+                raise OutputPlaceError(f"cannot write beside {self.out} ({e.strerror}): choose a "
+                                       "writable --out") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
+                self._remove_made()
                 raise OutputBusyError(
                     f"{self.out} is being written by another job ({_holder(self.path)}): wait for it "
                     "to finish or choose another --out") from None
@@ -81,6 +112,7 @@ class OutputLock:
         finally:
             os.close(self._fd)
             self._fd = None
+            self._remove_made()
 
     def __enter__(self):
         return self.acquire()

@@ -83,8 +83,11 @@ class Staging:
                 self.owned = True
                 return True
             shutil.rmtree(self.dir)
-        self.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=self.parent, prefix=self._hidden("new")))
+        try:
+            tmp = Path(tempfile.mkdtemp(dir=self.parent, prefix=self._hidden("new")))
+        except OSError as e:
+            raise StagingError(f"cannot create a staging directory beside {self.out} ({e.strerror}): "
+                               "choose a writable --out") from None
         write_json_atomic(tmp / OWNER, fingerprint)
         for name, obj in (files or {}).items():
             write_json_atomic(tmp / name, obj)
