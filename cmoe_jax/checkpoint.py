@@ -9,8 +9,8 @@ Layout of a converted (or fine-tuned) model directory:
                          directories hold one checkpoint of the whole state with its layers
                          per index, and still load
     tokenizer/           the source tokenizer (so `python -m cmoe_jax.eval` needs nothing else)
-Jobs write into `staging_dir(out)` and `publish` it at the end, so an interrupted run never
-leaves a half-written model at the output path. This module sits below both `loading`
+Jobs write into `staging_dir(out)` and publish it at the end (`cmoe_jax.jobs`), so an
+interrupted run never leaves a half-written model at the output path. This module sits below both `loading`
 (which reads these directories) and `convert` / `train` (which write them).
 """
 from __future__ import annotations
@@ -56,20 +56,6 @@ def staging_dir(out: Path) -> Path:
     """Where a job writing `out` works until it publishes: `out.partial`."""
     out = Path(out)
     return out.with_name(out.name + ".partial")
-
-
-def publish(staging: Path, out: Path, overwrite: bool) -> None:
-    """Move a finished staging directory to `out` (replacing it only with overwrite)."""
-    if out.exists():
-        if not overwrite:
-            raise CheckpointError(f"{out} exists: pass --overwrite to replace it")
-        trash = out.with_name(out.name + ".old")
-        shutil.rmtree(trash, ignore_errors=True)
-        os.replace(out, trash)
-        os.replace(staging, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(staging, out)
 
 
 def is_converted(path: Path) -> bool:
@@ -136,9 +122,17 @@ def read_manifest(directory: Path) -> dict:
     path = Path(directory) / MANIFEST
     if not path.exists():
         raise CheckpointError(f"{directory} is not a converted cmoe_jax model ({MANIFEST} missing)")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}): the model directory is damaged; "
+                              "write it again with the job that made it") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        manifest = manifest if isinstance(manifest, dict) else {}
         raise CheckpointError(f"{path}: unknown format {manifest.get('format')!r}, expected {FORMAT}")
+    if not isinstance(manifest.get("model_config"), dict):
+        raise CheckpointError(f"{path} has no model_config: the model directory is damaged; "
+                              "write it again with the job that made it")
     return manifest
 
 
@@ -164,8 +158,11 @@ def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None) -> Decoder:
         else:
             state = checkpointer.restore((directory / "state").absolute(), target)
     except Exception as e:
-        raise CheckpointError(f"cannot restore {directory / 'state'} ({e}): the checkpoint is "
-                              "corrupted or was written by another configuration") from e
+        raise CheckpointError(f"cannot restore {directory / 'state'} ({_first_line(e)}): the checkpoint "
+                              "is corrupted or incomplete, or was written by another configuration; "
+                              "write it again with the job that made it") from None
+    finally:
+        checkpointer.close()
     if jnp.dtype(dtype) != jnp.float32:
         # merge into a graph built for `dtype`, so every module (the MoE layers' compute dtype
         # included) runs in it, not only the parameters
@@ -174,6 +171,13 @@ def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None) -> Decoder:
         graphdef, _ = nnx.split(nnx.eval_shape(
             lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0), stack=False)))
     return stacked_on(nnx.merge(graphdef, state), mesh)
+
+
+def _first_line(error: Exception, limit: int = 160) -> str:
+    """The start of an exception's message: Orbax's can run to kilobytes over many lines."""
+    text = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {text[0] if text else ''}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def stacked_on(model: Decoder, mesh) -> Decoder:

@@ -1,19 +1,20 @@
 """`python -m cmoe_jax.downcycle ...`: weave a dense model into an E-A-S MoE with softmax
 routers (ExpertWeaver, a random neuron split, or random expert weights) and train all of it.
 
-Work happens in `DIR.partial/` (Orbax checkpoints every --save-every steps; --resume continues
-from the latest); at the end DIR holds train_log.json, loss.png and the checkpoints.
+Work happens in `DIR.partial/final/` (Orbax checkpoints every --save-every steps; --resume
+continues from the latest when the source and settings are unchanged); at the end it is
+renamed to DIR, which holds train_log.json, loss.png and the checkpoints.
 """
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from cmoe_jax.cli_args import (Parser, add_data_path, add_model, add_output_dir, add_seed, add_seqlen,
                                check_writable_dir, nonneg_float, nonneg_int, parse_or_code, positive_float,
                                positive_int)
 from cmoe_jax.errors import CmoeError, run_job
+from cmoe_jax.jobs import JobModel, OutputJob, check_output_free, fault_point, fingerprint
 
 INITS = ("expertweaver", "random-split", "random")
 
@@ -57,7 +58,7 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.downcycle"):
     return build_parser(prog).parse_args(argv)
 
 
-def initial_model(args):
+def initial_model(args, source: JobModel):
     """The dense model woven per --init (every FFN a MoEFFN with a "linear" router)."""
     import jax
     import jax.numpy as jnp
@@ -65,9 +66,9 @@ def initial_model(args):
 
     from cmoe_jax.methods.expertweaver import WeaveConfig, weave_model
     from cmoe_jax.convert.expertweaver_job import calibration_tasks
-    from cmoe_jax.loading import load_model
 
-    lm = load_model(args.model, dtype=jnp.float32, progress=False)
+    source.require_tokenizer("the calibration and training text cannot be tokenized")
+    lm = source.load(dtype=jnp.float32, progress=False)
     dense = lm.model if args.layers is None else first_layers(lm.model, args.layers)
     cc = WeaveConfig(experts=args.experts, sparsity=1 - args.active / args.experts,
                      n_shared=args.shared_experts, router="linear", seed=args.seed,
@@ -76,11 +77,12 @@ def initial_model(args):
     model, _ = weave_model(dense, windows, ids, cc, progress=False)
     if args.init == "random":  # same shapes, expert/shared/router weights drawn afresh
         key = jax.random.key(args.seed)
-        for i, layer in enumerate(model.layers):
+        for i, layer in enumerate(model.unstacked().layers):  # editable copies, written back
             for j, (_, var) in enumerate(nnx.to_flat_state(nnx.state(layer.mlp, nnx.Param))):
                 value = var.get_value()
                 var.set_value(0.02 * jax.random.normal(jax.random.fold_in(key, 1000 * i + j), value.shape,
                                                        value.dtype))
+            model.set_layer(i, layer)
     return model, lm.tokenizer
 
 
@@ -105,9 +107,9 @@ def run(args) -> dict:
     from cmoe_jax import distributed
 
     distributed.require_single_process("python -m cmoe_jax.downcycle")
-    from cmoe_jax.checkpoint import publish, staging_dir
+    from tqdm.auto import tqdm
+
     from cmoe_jax.data import load_text_tokens
-    from cmoe_jax.train.checkpoint import check_run_config, write_run_config
     from cmoe_jax.train.data import BatchOrder, training_windows
     from cmoe_jax.methods.expertweaver import Downcycler, checkpoint_manager
     from cmoe_jax.train.report import plot_loss, write_log
@@ -117,39 +119,38 @@ def run(args) -> dict:
                         f"<= --experts ({args.experts})")
     check_writable_dir(args.out)
     out = Path(args.out)
-    staging = staging_dir(out)
     settings = {k: v for k, v in vars(args).items()
                 if k not in ("resume", "overwrite", "save_every", "out", "given")}
-    if out.exists() and not args.overwrite:
-        raise CmoeError(f"output directory {out} exists: pass --overwrite to replace it")
-    if staging.exists():
-        if args.resume:
-            check_run_config(staging, settings)
-        else:
-            shutil.rmtree(staging)
-    staging.mkdir(parents=True, exist_ok=True)
-    write_run_config(staging, settings)
-    model, tokenizer = initial_model(args)
-    tokens = load_text_tokens("wikitext2", tokenizer, data_path=args.data_path)
-    samples = args.steps * args.batch_size
-    windows = training_windows(tokens, samples, args.seqlen, args.seed + 1)
-    order = BatchOrder(samples, args.batch_size, 1, args.seed)
-    trainer = Downcycler(model, steps=args.steps, lr=args.lr, warmup=args.warmup, aux_coef=args.aux_coef)
-    manager = checkpoint_manager(staging / "checkpoints")
-    log = trainer.restore(manager) if args.resume else []
-    from tqdm.auto import tqdm
-
-    bar = tqdm(range(len(log), args.steps), desc=f"downcycling ({args.init})")
-    for step in bar:
-        log.append(trainer.train_step(windows[order.indices(step)]))
-        bar.set_postfix(loss=f"{log[-1]['nll']:.3f}")
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            trainer.save(manager, log)
-    manager.close()
-    summary = dict(settings, steps=len(log), first_nll=log[0]["nll"], final_nll=log[-1]["nll"])
-    write_log(staging / "train_log.json", summary, log)
-    plot_loss(staging / "loss.png", [dict(s, loss=s["nll"]) for s in log], title=f"downcycling, {args.init} init")
-    publish(staging, out, args.overwrite)
+    check_output_free(out, args.overwrite)
+    source = JobModel(args.model)
+    with OutputJob(out, "downcycle", overwrite=args.overwrite, resume=args.resume,
+                   resumable=("final/checkpoints/[0-9]*",)) as job:
+        job.open(fingerprint("downcycle", settings, source.path))
+        work = job.staging.dir / "final"
+        work.mkdir(exist_ok=True)
+        model, tokenizer = initial_model(args, source)
+        tokens = load_text_tokens("wikitext2", tokenizer, data_path=args.data_path)
+        samples = args.steps * args.batch_size
+        windows = training_windows(tokens, samples, args.seqlen, args.seed + 1)
+        order = BatchOrder(samples, args.batch_size, 1, args.seed)
+        trainer = Downcycler(model, steps=args.steps, lr=args.lr, warmup=args.warmup,
+                             aux_coef=args.aux_coef)
+        manager = checkpoint_manager(work / "checkpoints")
+        log = trainer.restore(manager) if args.resume else []
+        bar = tqdm(range(len(log), args.steps), desc=f"downcycling ({args.init})")
+        for step in bar:
+            log.append(trainer.train_step(windows[order.indices(step)]))
+            bar.set_postfix(loss=f"{log[-1]['nll']:.3f}")
+            fault_point("step")
+            if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+                trainer.save(manager, log)
+                fault_point("checkpoint")
+        manager.close()
+        summary = dict(settings, steps=len(log), first_nll=log[0]["nll"], final_nll=log[-1]["nll"])
+        write_log(work / "train_log.json", summary, log)
+        plot_loss(work / "loss.png", [dict(s, loss=s["nll"]) for s in log],
+                  title=f"downcycling, {args.init} init")
+        job.publish(work)
     return dict(summary, out=str(out))
 
 

@@ -1,4 +1,6 @@
 """Errors users see: one class per kind of bad input, each message says what to do."""
+import importlib
+import sys
 
 
 class CmoeError(Exception):
@@ -13,14 +15,17 @@ class CheckpointError(CmoeError):
     """A checkpoint file is missing, corrupted, truncated, or does not match its config."""
 
 
+class InputError(CmoeError, ValueError):
+    """A value given by the user (a plan, a request, a prompt) that cannot be used; still a
+    ValueError for callers of the library API that catch those."""
+
+
 class MissingDependencyError(CmoeError):
     """An optional dependency is not installed; the message names the extra that brings it."""
 
 
 def require(module: str, extra: str, purpose: str):
     """Import an optional dependency, or raise a one-line error naming the extra to install."""
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -34,13 +39,13 @@ EXIT_BAD_INPUT = 2
 def run_job(job, args):
     """`(job(args), 0)`, or `(None, 2)` after printing a user error as one `error:` line.
 
-    The CLIs share this so every bad input reads the same way and exits non-zero.
+    The CLIs share this so every bad input reads the same way and exits non-zero. Only the
+    project's own errors (`CmoeError`) are bad input; anything else is a bug and keeps its
+    traceback.
     """
-    import sys
-
     try:
         return job(args), 0
-    except (CmoeError, ValueError, OSError) as e:
+    except CmoeError as e:
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"error: {message}", file=sys.stderr)
         return None, EXIT_BAD_INPUT

@@ -3,6 +3,11 @@ and a tiny full-parameter run that resumes to the same losses."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -43,16 +48,19 @@ def _args(path, text, out, *extra):
 
 
 def test_downcycle_trains_and_resumes_identically(tiny_checkpoint, tmp_path):
-    import shutil
-
     _, path, _ = tiny_checkpoint
     text = _articles(tmp_path / "a.txt")
     assert train_main(_args(path, text, tmp_path / "full", "--layers", "1")) == 0
     full = json.loads((tmp_path / "full" / "train_log.json").read_text())["steps"]
     assert len(full) == 4 and all(np.isfinite(s["loss"]) and s["aux"] > 0 for s in full)
-    # simulate a run killed after step 2: its staging dir holds the step-2 checkpoint
-    shutil.copytree(tmp_path / "full", tmp_path / "res.partial")
-    shutil.rmtree(tmp_path / "res.partial" / "checkpoints" / "4")
+    # a run killed (SIGKILL) right after its step-2 checkpoint
+    proc = subprocess.run([sys.executable, "-m", "cmoe_jax.downcycle",
+                           *_args(path, text, tmp_path / "res", "--layers", "1")],
+                          env=dict(os.environ, CMOE_FAULT_AT="checkpoint:1"),
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert not (tmp_path / "res").exists()
+    assert (tmp_path / "res.partial" / "final" / "checkpoints" / "2").is_dir()
     assert train_main(_args(path, text, tmp_path / "res", "--layers", "1", "--resume")) == 0
     res = json.loads((tmp_path / "res" / "train_log.json").read_text())["steps"]
     np.testing.assert_allclose([s["loss"] for s in res], [s["loss"] for s in full], rtol=1e-5)

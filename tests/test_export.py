@@ -83,7 +83,7 @@ def test_sharded_export_resumes_to_the_same_files(save_tiny, tmp_path):
     kw = dict(calib_samples=0, max_shard_mb=0.02, progress=False)
     stopped = export(str(src), out=tmp_path / "a", stop_after_shards=2, **kw)
     assert stopped["out"] is None and not (tmp_path / "a").exists()
-    first = sorted((tmp_path / "a.partial").glob("*.safetensors"))
+    first = sorted((tmp_path / "a.partial" / "final").glob("*.safetensors"))
     assert len(first) == 2
     stamps = {f.name: f.stat().st_mtime_ns for f in first}
     record = export(str(src), out=tmp_path / "a", resume=True, **kw)

@@ -20,6 +20,7 @@ LAYERS = [
     {"checkpoint", "profiling", "carving"},
     {"loading"},
     {"methods"},
+    {"jobs"},  # job staging, lock, resume and publish: used by every output-writing job
     {"convert", "train", "eval", "export", "compress"},
     {"demo", "__init__", "downcycle", "commands"},
 ]

@@ -12,14 +12,16 @@ import time
 from pathlib import Path
 
 import jax.numpy as jnp
-import numpy as np
 
-from cmoe_jax.checkpoint import MANIFEST, publish, save_converted, staging_dir, write_json_atomic
+from cmoe_jax.checkpoint import MANIFEST, save_converted, write_json_atomic
 from cmoe_jax.methods.conmoe import METHODS as BASELINES, baseline_plans
+from cmoe_jax.methods.conmoe import apply_plans, routed_bytes
 from cmoe_jax.methods.conmoe import LayerStats, collect_stats
 from cmoe_jax.methods.conmoe import conmoe_plans
 from cmoe_jax.methods.conmoe import SELECTIONS
+from cmoe_jax.data import calibration_windows, load_text_tokens
 from cmoe_jax.errors import CmoeError
+from cmoe_jax.jobs import JobModel, LayerLog, OutputJob, check_output_free, fingerprint
 
 METHODS = ("conmoe",) + BASELINES
 
@@ -52,20 +54,6 @@ def check_inputs(cfg, method, ratio, scope, selection, seqlen) -> list[int]:
     return [i for i, _ in specs]
 
 
-def _load_done(staging: Path, settings: dict, resume: bool) -> dict:
-    """Calibration statistics saved by an interrupted run with the same data (resume)."""
-    if staging.exists() and (not resume or not (staging / "progress.json").exists()):
-        shutil.rmtree(staging)
-    if not staging.exists():
-        return {}
-    saved = json.loads((staging / "progress.json").read_text())
-    if saved != settings:
-        diff = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
-        raise CmoeError(f"--resume: {staging} was started with different settings ({', '.join(diff)}); "
-                        "rerun without --resume to start over")
-    return {int(p.stem): LayerStats.from_npz(np.load(p)) for p in sorted((staging / "layers").glob("*.npz"))}
-
-
 def make_plans(model, stats, method, ratio, scope, selection):
     if method == "conmoe":
         return conmoe_plans(model, stats, ratio, scope, selection)
@@ -85,35 +73,42 @@ def compress(model: str, *, method: str, ratio: float, out, scope: int = 1,
 
     `stop_after_layers` exists for testing interruption (the job stops once that many
     layers' statistics are saved)."""
-    from cmoe_jax.methods.conmoe import apply_plans, routed_bytes
-    from cmoe_jax.data import calibration_windows, load_text_tokens
-    from cmoe_jax.loading import load_config, load_model, load_tokenizer
-
     t0 = time.perf_counter()
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise CmoeError(f"output directory {out} exists: pass --overwrite to replace it")
-    cfg, path = load_config(model)
-    check_inputs(cfg, method, ratio, scope, selection, seqlen)
-    tokenizer = load_tokenizer(path)
-    if tokenizer is None:
-        raise CmoeError(f"{path} has no tokenizer: calibration text cannot be tokenized")
-    windows = calibration_windows(load_text_tokens(calib, tokenizer, split=calib_split,
-                                                   data_path=data_path), calib_samples, seqlen, seed)
-    settings = {"model": str(model), "calib": calib, "calib_split": calib_split,
-                "data_path": data_path, "calib_samples": calib_samples, "seqlen": seqlen, "seed": seed}
-    staging = staging_dir(out)
-    done = _load_done(staging, settings, resume)
-    (staging / "layers").mkdir(parents=True, exist_ok=True)
-    write_json_atomic(staging / "progress.json", settings)
-    lm = load_model(model, dtype=jnp.float32, progress=progress)
+    check_output_free(out, overwrite)
+    source = JobModel(model)
+    check_inputs(source.config, method, ratio, scope, selection, seqlen)
+    with OutputJob(out, "compress", overwrite=overwrite, resume=resume,
+                   resumable=("layers/*.npz",)) as job:
+        tokenizer = source.require_tokenizer("calibration text cannot be tokenized")
+        windows = calibration_windows(load_text_tokens(calib, tokenizer, split=calib_split,
+                                                       data_path=data_path), calib_samples, seqlen, seed)
+        # the statistics depend on the data only; the method and ratio act after them
+        settings = {"model": str(model), "calib": calib, "calib_split": calib_split,
+                    "data_path": data_path, "calib_samples": calib_samples, "seqlen": seqlen,
+                    "seed": seed}
+        job.open(fingerprint("compress", settings, source.path))
+        return _compress(job, source, windows, method=method, ratio=ratio, scope=scope,
+                         selection=selection, calib=calib, calib_split=calib_split,
+                         data_path=data_path, calib_samples=calib_samples, seqlen=seqlen, seed=seed,
+                         report=report, progress=progress, stop_after_layers=stop_after_layers, t0=t0)
+
+
+def _compress(job: OutputJob, source: JobModel, windows, *, method, ratio, scope, selection, calib,
+              calib_split, data_path, calib_samples, seqlen, seed, report, progress,
+              stop_after_layers, t0) -> dict:
+    """The compression once the output is locked and staged: calibrate, plan, save, publish."""
+    model, out, staging = source.name, job.out, job.staging.dir
+    layers = LayerLog(staging / "layers")
+    done = layers.arrays(LayerStats.from_npz)
+    lm = source.load(dtype=jnp.float32, progress=progress)
 
     class _Stop(Exception):
         pass
 
     def on_layer(i, st):
-        np.savez(staging / "layers" / f"{i:04d}.npz", **st.to_npz())
-        if stop_after_layers is not None and len(list((staging / "layers").glob("*.npz"))) >= stop_after_layers:
+        layers.save_arrays(i, st.to_npz())
+        if stop_after_layers is not None and layers.count() >= stop_after_layers:
             raise _Stop()
 
     try:
@@ -144,7 +139,7 @@ def compress(model: str, *, method: str, ratio: float, out, scope: int = 1,
     shutil.rmtree(final, ignore_errors=True)
     save_converted(compressed, manifest, final, tokenizer=lm.tokenizer)
     if report:
-        from cmoe_jax.methods.conmoe import write_report
+        from cmoe_jax.methods.conmoe import write_report  # matplotlib: only with --report
 
         write_report(plans, stats, manifest["compression"], final / "report")
     seconds = {"calibrate": t_cal - t0, "total": time.perf_counter() - t0}
@@ -152,6 +147,5 @@ def compress(model: str, *, method: str, ratio: float, out, scope: int = 1,
     manifest["seconds"] = seconds
     write_json_atomic(final / MANIFEST, dict(json.loads((final / MANIFEST).read_text()),
                                              compression=manifest["compression"], seconds=seconds))
-    publish(final, out, overwrite)
-    shutil.rmtree(staging, ignore_errors=True)
+    job.publish(final)
     return dict(manifest, out=str(out))

@@ -9,34 +9,15 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from cmoe_jax import distributed
-from cmoe_jax.checkpoint import (MANIFEST, PER_LAYER, publish, save_converted, staging_dir,
-                                 write_json_atomic, write_manifest)
+from cmoe_jax.checkpoint import MANIFEST, PER_LAYER, save_converted, write_json_atomic, write_manifest
+from cmoe_jax.methods import hierarchical
 from cmoe_jax.methods.cmoe import (ConversionError, ConvertConfig, LayerRecord, check_router,
                                        conversion_mesh, convert_model)
+from cmoe_jax.methods.cmoe import convert_streamed
+from cmoe_jax.data import calibration_windows, load_text_tokens
 from cmoe_jax.errors import CmoeError
-
-
-def _load_done(staging: Path, settings: dict, resume: bool, parse=LayerRecord.from_json) -> list:
-    """Layers finished by an interrupted run with the same settings (only with resume), each
-    read by `parse` from its JSON."""
-    progress = staging / "progress.json"
-    if not staging.exists():
-        return []
-    if not resume:
-        shutil.rmtree(staging)
-        return []
-    if not progress.exists():
-        shutil.rmtree(staging)
-        return []
-    saved = json.loads(progress.read_text())
-    if saved != settings:
-        diff = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
-        raise CmoeError(f"--resume: {staging} was started with different settings ({', '.join(diff)}); "
-                        "rerun without --resume to start over")
-    done = []
-    while (staging / "layers" / f"{len(done):04d}.json").exists():
-        done.append(parse(json.loads((staging / "layers" / f"{len(done):04d}.json").read_text())))
-    return done
+from cmoe_jax.jobs import JobModel, LayerLog, OutputJob, check_output_free, fingerprint
+from cmoe_jax.loading import open_source
 
 
 def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str = "validation",
@@ -62,16 +43,11 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     `stream`: read, convert and write one decoder layer at a time (`cmoe_jax.methods.cmoe.streamed`:
     peak host memory about one layer, for models larger than one host); dense sources only.
     """
-    from cmoe_jax.methods import hierarchical
-    from cmoe_jax.data import calibration_windows, load_text_tokens
-    from cmoe_jax.methods.cmoe import convert_streamed
-    from cmoe_jax.loading import load_config, load_model, load_tokenizer, open_source
-
     t_start = time.perf_counter()
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise CmoeError(f"output directory {out} exists: pass --overwrite to replace it")
-    cfg, path = load_config(model)
+    check_output_free(out, overwrite)
+    source = JobModel(model)
+    cfg, path = source.config, source.path
     cc = ConvertConfig(plan=plan, k_act=k_act, normalize=normalize, kmeans_iters=kmeans_iters,
                        seed=seed, router_neurons=router_neurons, router_scale=router_scale,
                        router_fit_tokens=router_fit_tokens, shared_by=shared_by,
@@ -99,29 +75,45 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     if seqlen > cfg.max_position_embeddings:
         raise CmoeError(f"--seqlen {seqlen} exceeds the model's context "
                         f"({cfg.max_position_embeddings} positions)")
-    tokenizer = load_tokenizer(path)
-    if tokenizer is None:
-        raise CmoeError(f"{path} has no tokenizer: calibration text cannot be tokenized")
+    with OutputJob(out, "convert", overwrite=overwrite, resume=resume,
+                   resumable=("layers/*.json",)) as job:
+        return _convert(job, source, plan, cc, hier, calib=calib, calib_split=calib_split,
+                        data_path=data_path, calib_samples=calib_samples, seqlen=seqlen, k_act=k_act,
+                        kmeans_iters=kmeans_iters, normalize=normalize, seed=seed,
+                        router_neurons=router_neurons, router_scale=router_scale,
+                        router_fit_tokens=router_fit_tokens, shared_by=shared_by,
+                        router_reps=router_reps, expert_parallel=expert_parallel,
+                        min_expert_tokens=min_expert_tokens, report=report, stream=stream,
+                        progress=progress, stop_after_layers=stop_after_layers, t_start=t_start)
+
+
+def _convert(job: OutputJob, source: JobModel, plan, cc: ConvertConfig, hier: bool, *, calib,
+             calib_split, data_path, calib_samples, seqlen, k_act, kmeans_iters, normalize, seed,
+             router_neurons, router_scale, router_fit_tokens, shared_by, router_reps,
+             expert_parallel, min_expert_tokens, report, stream, progress, stop_after_layers,
+             t_start) -> dict:
+    """The conversion once the output is locked: stage, convert layer by layer, publish."""
+    model, cfg, path, out = source.name, source.config, source.path, job.out
+    tokenizer = source.require_tokenizer("calibration text cannot be tokenized")
     tokens = load_text_tokens(calib, tokenizer, split=calib_split, data_path=data_path)
     windows = distributed.split_for_process(calibration_windows(tokens, calib_samples, seqlen, seed))
     settings = {"model": str(model), **cc.to_dict(), "calib": calib, "calib_split": calib_split,
                 "data_path": data_path, "calib_samples": calib_samples, "seqlen": seqlen}
     if hier:
         settings["min_expert_tokens"] = min_expert_tokens
-    staging = staging_dir(out)
+    job.open(fingerprint("convert", settings, path))
+    staging = job.staging.dir
     final = staging / "final"
     main = distributed.is_main()  # the one process that writes files besides Orbax's state
+    layers = LayerLog(staging / "layers")
     done = []
     if main:
-        done = _load_done(staging, settings, resume,
-                          (hierarchical.HierLayerRecord if hier else LayerRecord).from_json)
-        (staging / "layers").mkdir(parents=True, exist_ok=True)
-        write_json_atomic(staging / "progress.json", settings)
+        done = layers.records((hierarchical.HierLayerRecord if hier else LayerRecord).from_json)
         shutil.rmtree(final, ignore_errors=True)
     distributed.barrier("convert:staging")
     t_load = time.perf_counter()
     if not stream:
-        lm = load_model(model, dtype=jnp.float32, progress=progress)
+        lm = source.load(dtype=jnp.float32, progress=progress)
     t_conv = time.perf_counter()
 
     class _Stop(Exception):
@@ -129,7 +121,7 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
 
     def on_layer(i, record):
         if main:
-            write_json_atomic(staging / "layers" / f"{i:04d}.json", record.to_json())
+            layers.save_json(i, record.to_json())
         if stop_after_layers is not None and i + 1 >= stop_after_layers:
             raise _Stop()
 
@@ -141,7 +133,7 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
         elif stream:
             moe_model = None
             moe_config, records = convert_streamed(
-                open_source(path), cfg, windows, cc, final, progress=progress, done=done,
+                source.source or open_source(path), cfg, windows, cc, final, progress=progress, done=done,
                 on_layer=on_layer, expert_parallel=expert_parallel)
         else:
             moe_model, records = convert_model(lm.model, windows, cc, progress=progress, done=done,
@@ -177,9 +169,9 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     if stream:
         write_manifest(final, moe_config, dict(manifest, state_layout=PER_LAYER), tokenizer)
     else:
-        save_converted(moe_model, manifest, final, tokenizer=lm.tokenizer)
+        save_converted(moe_model, manifest, final, tokenizer=tokenizer)
     if report and hier and main:
-        from cmoe_jax.methods.hierarchical import write_hier_report
+        from cmoe_jax.methods.hierarchical import write_hier_report  # matplotlib: only with --report
 
         write_hier_report(records, plan.name, stage_seconds, final / "report")
     elif report and main:
@@ -191,7 +183,6 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
     if main:
         write_json_atomic(final / MANIFEST,
                           dict(json.loads((final / MANIFEST).read_text()), seconds=stage_seconds))
-        publish(final, out, overwrite)
-        shutil.rmtree(staging, ignore_errors=True)
+    job.publish(final)
     distributed.barrier("convert:published")
     return dict(manifest, out=str(out))

@@ -11,10 +11,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from cmoe_jax.checkpoint import MANIFEST, publish, save_converted, staging_dir, write_json_atomic
-from cmoe_jax.convert.api import _load_done
+from cmoe_jax.checkpoint import MANIFEST, save_converted, write_json_atomic
 from cmoe_jax.methods.expertweaver import WeaveConfig, validate, weave_model
 from cmoe_jax.errors import CmoeError
+from cmoe_jax.jobs import JobModel, LayerLog, OutputJob, check_output_free, fingerprint
 
 
 def calibration_tasks(tokenizer, data_path: str, arc_path: str | None, tasks: int,
@@ -70,38 +70,47 @@ def convert_expertweaver(model: str, cc: WeaveConfig, *, out, data_path: str | N
                          report: bool = False, progress: bool = True,
                          stop_after_layers: int | None = None) -> dict:
     """Weave a dense checkpoint into an ExpertWeaver MoE saved at `out`; returns the manifest."""
-    from cmoe_jax.loading import load_config, load_model, load_tokenizer
-
     t_start = time.perf_counter()
     out = Path(out)
     if not data_path:
         raise CmoeError("--method expertweaver needs --data-path: the raw WikiText-2 validation file "
                         "(its articles are the calibration tasks)")
-    if out.exists() and not overwrite:
-        raise CmoeError(f"output directory {out} exists: pass --overwrite to replace it")
-    cfg, path = load_config(model)
+    check_output_free(out, overwrite)
+    source = JobModel(model)
+    cfg = source.config
     validate(cfg, cc)
     if seqlen > cfg.max_position_embeddings:
         raise CmoeError(f"--seqlen {seqlen} exceeds the model's context ({cfg.max_position_embeddings})")
-    tokenizer = load_tokenizer(path)
-    if tokenizer is None:
-        raise CmoeError(f"{path} has no tokenizer: calibration text cannot be tokenized")
-    windows, task_ids, names = calibration_tasks(tokenizer, data_path, arc_path, tasks,
-                                                 samples_per_task, seqlen)
-    settings = {"model": str(model), **cc.to_dict(), "data_path": data_path, "arc_path": arc_path,
-                "tasks": tasks, "samples_per_task": samples_per_task, "seqlen": seqlen}
-    staging = staging_dir(out)
-    done = _load_done(staging, settings, resume, parse=dict)
-    (staging / "layers").mkdir(parents=True, exist_ok=True)
-    write_json_atomic(staging / "progress.json", settings)
-    lm = load_model(model, dtype=jnp.float32, progress=progress)
+    with OutputJob(out, "convert-expertweaver", overwrite=overwrite, resume=resume,
+                   resumable=("layers/*.json",)) as job:
+        tokenizer = source.require_tokenizer("calibration text cannot be tokenized")
+        windows, task_ids, names = calibration_tasks(tokenizer, data_path, arc_path, tasks,
+                                                     samples_per_task, seqlen)
+        settings = {"model": str(model), **cc.to_dict(), "data_path": data_path,
+                    "arc_path": arc_path, "tasks": tasks, "samples_per_task": samples_per_task,
+                    "seqlen": seqlen}
+        job.open(fingerprint("convert-expertweaver", settings, source.path))
+        return _weave(job, source, cc, windows, task_ids, names, data_path=data_path,
+                      arc_path=arc_path, samples_per_task=samples_per_task, seqlen=seqlen,
+                      report=report, progress=progress, stop_after_layers=stop_after_layers,
+                      t_start=t_start)
+
+
+def _weave(job: OutputJob, source: JobModel, cc: WeaveConfig, windows, task_ids, names, *,
+           data_path, arc_path, samples_per_task, seqlen, report, progress, stop_after_layers,
+           t_start) -> dict:
+    """The weaving once the output is locked and staged: weave layer by layer, save, publish."""
+    model, cfg, out, staging = source.name, source.config, job.out, job.staging.dir
+    layers = LayerLog(staging / "layers")
+    done = layers.records(dict)
+    lm = source.load(dtype=jnp.float32, progress=progress)
     t_conv = time.perf_counter()
 
     class _Stop(Exception):
         pass
 
     def on_layer(i, record):
-        write_json_atomic(staging / "layers" / f"{i:04d}.json", record)
+        layers.save_json(i, record)
         if stop_after_layers is not None and i + 1 >= stop_after_layers:
             raise _Stop()
 
@@ -129,6 +138,5 @@ def convert_expertweaver(model: str, cc: WeaveConfig, *, out, data_path: str | N
         write_report(records, cc.name, final / "report")
     seconds["save"] = time.perf_counter() - t_save
     write_json_atomic(final / MANIFEST, dict(json.loads((final / MANIFEST).read_text()), seconds=seconds))
-    publish(final, out, overwrite)
-    shutil.rmtree(staging, ignore_errors=True)
+    job.publish(final)
     return dict(manifest, out=str(out), seconds=seconds)

@@ -59,7 +59,7 @@ def _validate_args(args) -> None:
 
 
 def run(args) -> dict:
-    """Evaluate; raises CmoeError / ValueError / OSError on bad input."""
+    """Evaluate; raises CmoeError on bad input."""
     from cmoe_jax import distributed
 
     distributed.initialize()  # a multi-process job splits the windows / questions

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from cmoe_jax.errors import InputError
 from cmoe_jax.eval.loglikelihood import length_bucket
 from cmoe_jax.sharding import make_mesh, placed_split
 
@@ -46,7 +47,7 @@ def greedy_generate(model, prompts, max_new_tokens: int, stop: Callable[[list[in
     keep = max(1, max_length - max_new_tokens)
     prompts = [list(p)[-keep:] for p in prompts]
     if any(not p for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+        raise InputError("every prompt needs at least one token")
     graphdef, state = placed_split(model, mesh)
     sharding = NamedSharding(mesh, P("data"))
     outputs: list[list[int]] = [[] for _ in prompts]

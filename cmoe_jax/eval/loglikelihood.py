@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from cmoe_jax.errors import InputError
 from cmoe_jax.sharding import make_mesh, placed_split
 
 _HEAD_ROWS = 256  # scored positions per LM-head tile
@@ -46,7 +47,7 @@ def encode_pair(encode, context: str, continuation: str, prefix_token: int | Non
     if context == "":
         cont = list(encode(continuation))
         if prefix_token is None:
-            raise ValueError("an empty context needs a prefix token (BOS or EOS) to condition on")
+            raise InputError("an empty context needs a prefix token (BOS or EOS) to condition on")
         return ([prefix_token], cont) if not cont or cont[0] != prefix_token else (cont[:1], cont[1:])
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
@@ -104,11 +105,11 @@ def _prepare(requests, max_length: int):
     for i, (context, continuation) in enumerate(requests):
         context, continuation = list(context), list(continuation)
         if len(continuation) > max_length:
-            raise ValueError(f"request {i}: continuation of {len(continuation)} tokens exceeds "
+            raise InputError(f"request {i}: continuation of {len(continuation)} tokens exceeds "
                              f"the model's context of {max_length}")
         seq = (context + continuation)[-(max_length + 1):]
         if continuation and len(seq) <= len(continuation):
-            raise ValueError(f"request {i}: needs at least one context token before the continuation")
+            raise InputError(f"request {i}: needs at least one context token before the continuation")
         prepared.append((tuple(seq[:len(seq) - len(continuation)]), continuation))
     return prepared
 

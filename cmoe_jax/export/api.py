@@ -2,9 +2,12 @@
 Hugging Face directory: sharded safetensors, `config.json`, the tokenizer, and for carved MoE
 layers the remote code `modeling_cmoe.py`.
 
-Written into `OUT.partial/` one shard at a time (finished shards are recorded, so `--resume`
-skips them) and renamed to `OUT` at the end. With torch installed, the exported directory is
-then loaded with transformers and its logits on the verification windows compared to ours.
+Written into `OUT.partial/final/` one shard at a time (each finished shard is recorded with
+its sha256, so `--resume` keeps it only when the file still matches and the source model and
+settings are the ones the export started from) and renamed to `OUT` at the end. With torch
+installed, the exported directory is then loaded with transformers and its logits on the
+verification windows compared to ours: beyond `verify.LOGIT_TOLERANCE` the export fails and
+nothing is published.
 """
 from __future__ import annotations
 
@@ -14,10 +17,19 @@ import time
 from pathlib import Path
 
 import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from tqdm.auto import tqdm
 
-from cmoe_jax.checkpoint import publish, staging_dir, write_json_atomic
+from cmoe_jax.checkpoint import write_json_atomic
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.export.hf_config import REMOTE_CODE, ExportError, hf_config, keeps_original_architecture
+from cmoe_jax.export.hf_weights import hf_tensors
+from cmoe_jax.export.verify import compare_with_transformers, require_match, verification_windows
+from cmoe_jax.jobs import (JobModel, OutputJob, check_output_free, fault_point, file_digest,
+                           fingerprint)
+from cmoe_jax.models.stack import layered_state
 
 EXPORT_MANIFEST = "cmoe_export.json"
 FORMATS = ("hf",)
@@ -25,8 +37,6 @@ FORMATS = ("hf",)
 
 def _shard_plan(cfg, state, max_shard_bytes: int) -> list[list[tuple]]:
     """Parameter paths grouped into shards of at most `max_shard_bytes` (one big tensor alone)."""
-    from flax import nnx
-
     shards, current, size = [], [], 0
     for path, var in nnx.to_flat_state(state):
         value = var.get_value()
@@ -41,10 +51,6 @@ def _shard_plan(cfg, state, max_shard_bytes: int) -> list[list[tuple]]:
 
 def _write_shard(cfg, values: dict, paths, file: Path) -> dict:
     """Write one safetensors shard; returns {tensor name: file name}."""
-    from safetensors.numpy import save_file
-
-    from cmoe_jax.export.hf_weights import hf_tensors
-
     tensors = {}
     for path in paths:
         for name, array in hf_tensors(cfg, path, np.asarray(values[path], np.float32)):
@@ -64,87 +70,91 @@ def export(model: str, *, out, fmt: str = "hf", calib: str = "wikitext2",
     `calib*`, `seqlen`, `seed`: the windows the exported model is checked on against ours
     (`calib_samples=0`: no check). `stop_after_shards` exists for testing interruption.
     """
-    from flax import nnx
-    from tqdm.auto import tqdm
-
-    from cmoe_jax.loading import load_config, load_model
-    from cmoe_jax.models.stack import layered_state
-
     t0 = time.perf_counter()
     out = Path(out)
     if fmt not in FORMATS:
         raise CmoeError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
-    if out.exists() and not overwrite:
-        raise CmoeError(f"output directory {out} exists: pass --overwrite to replace it")
+    check_output_free(out, overwrite)
     if max_shard_mb <= 0 or calib_samples < 0 or seqlen < 2:
         raise CmoeError("--max-shard-mb must be positive, --calib-samples >= 0 and --seqlen >= 2")
-    cfg, _ = load_config(model)
-    config_json = hf_config(cfg)  # a model the format cannot hold fails here, before any work
-    windows = None
-    if calib_samples:
-        from cmoe_jax.export.verify import verification_windows
+    source = JobModel(model)
+    config_json = hf_config(source.config)  # a model the format cannot hold fails here, before any work
+    with OutputJob(out, "export", overwrite=overwrite, resume=resume,
+                   resumable=(SHARD_RECORD,)) as job:
+        windows = None
+        if calib_samples:
+            windows = verification_windows(source, calib, calib_split, data_path, calib_samples,
+                                           seqlen, seed)
+        settings = {"model": str(model), "format": fmt, "max_shard_mb": max_shard_mb}
+        job.open(fingerprint("export", settings, source.path))
+        record = _export(job, source, config_json, windows, fmt, max_shard_mb, progress,
+                         stop_after_shards)
+        if record is None:
+            return {"out": None, "interrupted_after": stop_after_shards}
+        record["seconds"] = time.perf_counter() - t0
+        final = job.staging.dir / "final"
+        write_json_atomic(final / EXPORT_MANIFEST, record)
+        job.publish(final)
+    return dict(record, out=str(out))
 
-        windows = verification_windows(model, calib, calib_split, data_path, calib_samples, seqlen, seed)
-    settings = {"model": str(model), "format": fmt, "max_shard_mb": max_shard_mb}
-    staging = staging_dir(out)
-    done = _resume_state(staging, settings, resume)
-    write_json_atomic(staging / "progress.json", {"settings": settings, "shards": done})
 
-    lm = load_model(model, progress=progress)
+SHARD_RECORD = "shards.json"  # in the staging directory: {shard file name: sha256}
+
+
+def _staged_shards(staging: Path, final: Path) -> dict:
+    """Shards an interrupted export finished: each file must still have its recorded digest."""
+    path = staging / SHARD_RECORD
+    done = json.loads(path.read_text()) if path.exists() else {}
+    for name, digest in done.items():
+        if (final / name).exists() and file_digest(final / name) != digest:
+            raise ExportError(f"--resume: the staged shard {final / name} differs from the one "
+                              "recorded when it was written; rerun without --resume to start over")
+    return {n: d for n, d in done.items() if (final / n).exists()}
+
+
+def _export(job: OutputJob, source: JobModel, config_json: dict, windows, fmt: str,
+            max_shard_mb: float, progress: bool, stop_after_shards) -> dict | None:
+    """Shards, config, tokenizer and the check into the staging directory; the record."""
+    staging = job.staging.dir
+    final = staging / "final"
+    final.mkdir(exist_ok=True)
+    done = _staged_shards(staging, final)
+    lm = source.load(progress=progress)
+    cfg = lm.config
     state = layered_state(lm.model)  # tensors per layer, as Hugging Face names them
     values = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(state)}
     plan = _shard_plan(cfg, state, int(max_shard_mb * 2**20))
     weight_map: dict[str, str] = {}
     for k, paths in enumerate(tqdm(plan, desc="writing shards", disable=not progress)):
-        file = staging / f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors"
-        if file.name in done and file.exists():
-            from safetensors import safe_open
-
+        file = final / f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors"
+        if file.name in done:
             with safe_open(str(file), "np") as f:
                 weight_map.update({name: file.name for name in f.keys()})
             continue
         weight_map.update(_write_shard(cfg, values, paths, file))
-        done[file.name] = True
-        write_json_atomic(staging / "progress.json", {"settings": settings, "shards": done})
+        done[file.name] = file_digest(file)
+        write_json_atomic(staging / SHARD_RECORD, done)
+        fault_point("shard")
         if stop_after_shards is not None and len(done) >= stop_after_shards:
-            return {"out": None, "interrupted_after": len(done)}
+            return None
     if len(plan) == 1:
-        (staging / next(iter(done))).replace(staging / "model.safetensors")
+        (final / next(iter(done))).replace(final / "model.safetensors")
     else:
         total = sum(int(np.prod(v.shape)) * 4 for v in values.values())
-        write_json_atomic(staging / "model.safetensors.index.json",
+        write_json_atomic(final / "model.safetensors.index.json",
                           {"metadata": {"total_size": total}, "weight_map": weight_map})
-    write_json_atomic(staging / "config.json", config_json)
+    write_json_atomic(final / "config.json", config_json)
     if not keeps_original_architecture(cfg):
-        shutil.copy(Path(__file__).parent / "hf_remote" / REMOTE_CODE, staging / REMOTE_CODE)
+        shutil.copy(Path(__file__).parent / "hf_remote" / REMOTE_CODE, final / REMOTE_CODE)
     if lm.tokenizer is not None:
-        lm.tokenizer.hf.save_pretrained(str(staging))
-    (staging / "progress.json").unlink()
-    record = {"source_model": str(model), "format": fmt, "architecture": config_json["architectures"][0],
+        lm.tokenizer.hf.save_pretrained(str(final))
+    record = {"source_model": source.name, "format": fmt,
+              "architecture": config_json["architectures"][0],
               "remote_code": not keeps_original_architecture(cfg), "shards": len(plan),
               "tensors": len(weight_map)}
     if windows is not None:
-        from cmoe_jax.export.verify import compare_with_transformers
-
-        record["verification"] = compare_with_transformers(lm.model, staging, windows)
-    record["seconds"] = time.perf_counter() - t0
-    write_json_atomic(staging / EXPORT_MANIFEST, record)
-    publish(staging, out, overwrite)
-    return dict(record, out=str(out))
-
-
-def _resume_state(staging: Path, settings: dict, resume: bool) -> dict:
-    """Shards finished by an interrupted export with the same settings (only with resume)."""
-    progress = staging / "progress.json"
-    if resume and progress.exists():
-        saved = json.loads(progress.read_text())
-        if saved["settings"] != settings:
-            raise CmoeError(f"--resume: {staging} was started with other settings; rerun "
-                            "without --resume to start over")
-        return dict(saved["shards"])
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    return {}
+        record["verification"] = require_match(compare_with_transformers(lm.model, final, windows))
+    return record
 
 
 __all__ = ["export", "ExportError", "EXPORT_MANIFEST"]

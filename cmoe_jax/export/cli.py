@@ -2,6 +2,9 @@
 
 The data flags (as `convert`'s) choose the windows on which the exported model, read back by
 transformers when torch is installed, is compared with ours (`--calib-samples 0`: no check).
+Logits differing by more than 1e-3 of the logits' scale (max |logit|, at least 1) fail the
+export: exit 2, nothing published. `--resume` keeps only staged shards whose sha256 still
+matches and only when the source model and settings are unchanged.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from cmoe_jax.checkpoint import MANIFEST, is_converted, restore_model
+from cmoe_jax.checkpoint import is_converted, read_manifest, restore_model
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.loading import hf_names
 from cmoe_jax.loading.sources import GGUFSource, TensorSource, open_source
@@ -36,14 +36,25 @@ class LoadedModel:
     path: Path
 
 
-def load_config(name_or_path: str) -> tuple[ModelConfig, Path]:
-    """Config only (no weights): lets callers validate arguments before any heavy work."""
+def open_model(name_or_path: str) -> tuple[ModelConfig, Path, TensorSource | None]:
+    """(config, local path, the parsed GGUF source or None): what `load_model` needs besides
+    the weights, read once (a GGUF file is parsed here and reused)."""
     path = resolve(name_or_path)
     if is_converted(path):
-        manifest = json.loads((path / MANIFEST).read_text())
-        return ModelConfig.from_dict(manifest["model_config"]), path
+        return ModelConfig.from_dict(read_manifest(path)["model_config"]), path, None
     if path.is_file() and path.suffix == ".gguf":
-        return ModelConfig.from_hf(GGUFSource(path).hf_config()), path
+        source = GGUFSource(path)
+        return ModelConfig.from_hf(source.hf_config()), path, source
+    return _hf_config(path), path, None
+
+
+def load_config(name_or_path: str) -> tuple[ModelConfig, Path]:
+    """Config only (no weights): lets callers validate arguments before any heavy work."""
+    cfg, path, _ = open_model(name_or_path)
+    return cfg, path
+
+
+def _hf_config(path: Path) -> ModelConfig:
     if path.is_file():
         raise CheckpointError(f"{path} is a file but not a .gguf: give the checkpoint directory")
     cfg_file = path / "config.json"
@@ -54,7 +65,7 @@ def load_config(name_or_path: str) -> tuple[ModelConfig, Path]:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON ({e})") from e
-    return ModelConfig.from_hf(raw), path
+    return ModelConfig.from_hf(raw)
 
 
 def _to_dtype(a: np.ndarray, dtype) -> np.ndarray:
@@ -70,9 +81,22 @@ def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected
     else:
         name, arr = hf_names.fetch(source, path, cfg.tie_word_embeddings)
     if tuple(arr.shape) != tuple(expected):
-        raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)} but the config "
-                              f"implies {tuple(expected)}: config.json does not match the weights")
+        held, implied = _as_in_file(source, name, arr.shape, expected)
+        raise CheckpointError(f"tensor {name!r} has shape {held} in the file but the config "
+                              f"implies {implied}: config.json does not match the weights")
     return _to_dtype(arr, dtype)
+
+
+def _as_in_file(source: TensorSource, name: str, got: tuple, expected: tuple) -> tuple[tuple, tuple]:
+    """(shape held, shape the config implies), both in the file's layout: projections are
+    stored [out, in] ([in, out] here), expert stacks one [out, in] tensor per expert."""
+    got, expected = tuple(got), tuple(expected)
+    if "*" in name:  # per-expert tensors: the shape of one expert as stored
+        return got[1:][::-1], expected[1:][::-1]
+    stored = tuple(source.get(name).shape)
+    if stored == got:
+        return got, expected
+    return stored, expected[::-1]
 
 
 def _fill(source: TensorSource, cfg: ModelConfig, abstract: nnx.Module, prefix: tuple, *, dtype,
@@ -91,8 +115,10 @@ def _fill(source: TensorSource, cfg: ModelConfig, abstract: nnx.Module, prefix: 
                              for i in range(shape[0])])
         return read_parameter(source, cfg, path, shape, dtype)
 
-    state = place_state(state, shardings, read)
-    bar.close()
+    try:
+        state = place_state(state, shardings, read)
+    finally:
+        bar.close()  # also on an error: the bar's line is cleared before the error is printed
     return nnx.merge(graphdef, state)
 
 
@@ -126,20 +152,28 @@ def load_converted(directory: Path, *, dtype=jnp.float32, mesh=None) -> LoadedMo
     """A converted model directory as a `LoadedModel`, restored directly onto its shardings."""
     directory = Path(directory)
     model = restore_model(directory, dtype=dtype, mesh=mesh)
-    tokenizer = load_tokenizer(directory)
-    return LoadedModel(model, model.config, tokenizer, str(directory), directory)
+    return LoadedModel(model, model.config, load_tokenizer(directory), str(directory), directory)
+
+
+_UNSET = object()
 
 
 def load_model(name_or_path: str = "smollm2", *, dtype=jnp.float32, mesh=None,
-               progress: bool = True) -> LoadedModel:
-    """Load a Hugging Face directory / Hub id / GGUF file / converted cmoe_jax model."""
-    cfg, path = load_config(name_or_path)
+               progress: bool = True, tokenizer=_UNSET, opened=None) -> LoadedModel:
+    """Load a Hugging Face directory / Hub id / GGUF file / converted cmoe_jax model.
+
+    `tokenizer` (when given) and `opened` (what `open_model` returned) spare a job that has
+    them already a second read of the tokenizer and a second parse of a GGUF file."""
+    cfg, path, source = opened if opened is not None else open_model(name_or_path)
     if is_converted(path):
-        return load_converted(path, dtype=dtype, mesh=mesh)
-    source = open_source(path)
+        model = restore_model(path, dtype=dtype, mesh=mesh)
+        if tokenizer is _UNSET:
+            tokenizer = load_tokenizer(path)
+        return LoadedModel(model, model.config, tokenizer, str(path), path)
+    source = source if source is not None else open_source(path)
     model = load_weights(source, cfg, dtype=dtype, mesh=mesh, progress=progress)
-    if isinstance(source, GGUFSource):  # reuse the parsed file: reading it again costs seconds
+    if tokenizer is _UNSET and isinstance(source, GGUFSource):  # reuse the parsed file
         tokenizer = load_tokenizer(source.path, gguf_reader=source.reader)
-    else:
+    elif tokenizer is _UNSET:
         tokenizer = load_tokenizer(path)
     return LoadedModel(model, cfg, tokenizer, str(name_or_path), path)

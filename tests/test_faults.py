@@ -1,0 +1,49 @@
+"""Jobs killed with SIGKILL at seeded random points never leave a broken output, and resume
+to the uninterrupted result; two jobs on one `--out` give one output and one error line.
+
+The runs are children of one fork server (`benchmarks/fault_campaign.py`), killed by the
+job layer's `CMOE_FAULT_AT` hook; a larger campaign is `python benchmarks/faults.py`.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from benchmarks.fault_campaign import ForkServer, campaign, jobs, make_inputs, race, reference
+
+KILLS = 10
+JOBS = ["convert", "convert-stream", "compress", "export", "train"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    work = tmp_path_factory.mktemp("faults")
+    inputs = make_inputs(work / "inputs")
+    with ForkServer(work / "jax-cache") as server:
+        specs = jobs(inputs, work / "ref-convert")
+        refs = {"convert": reference(server, specs["convert"], work / "ref-convert")}
+        yield server, specs, refs, work
+
+
+def _reference(setup, name):
+    server, specs, refs, work = setup
+    if name not in refs:
+        refs[name] = reference(server, specs[name], work / f"ref-{name}")
+    return refs[name]
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_killed_job_leaves_nothing_broken_and_resumes_identically(setup, name):
+    server, specs, _, work = setup
+    ref = _reference(setup, name)
+    tally = campaign(server, specs[name], ref, work, KILLS, seed=JOBS.index(name))
+    assert tally.kills == KILLS and tally.broken == 0, tally.notes
+    assert tally.identical == tally.finished >= 1, tally
+
+
+def test_two_jobs_on_one_output_give_one_output_and_one_error(setup):
+    server, specs, refs, work = setup
+    rng = random.Random(7)
+    offsets = [0.0] + [rng.uniform(0.0, 3.0) for _ in range(9)]
+    assert race(server, specs["convert"], refs["convert"], work, offsets) == []
