@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cmoe_jax.models.config import FFNSpec, ModelConfig
+from cmoe_jax.models.kv_cache import KVCache
 from cmoe_jax.models.layers import Attention, RMSNorm, SwiGLU, _param, rope_tables
 from cmoe_jax.models.stack import LayerStack, layered_state, stackable
 
@@ -52,17 +53,23 @@ class DecoderLayer(nnx.Module):
         """What the FFN sees: the post-attention RMSNorm of the residual stream."""
         return self.post_attn_norm(h)
 
-    def __call__(self, h: jax.Array, rope, key=None, segments=None):
+    def __call__(self, h: jax.Array, rope, key=None, segments=None, cache=None):
         """(new residual stream, FFN input, expert loads int32 [E] or None for a dense FFN).
 
         `key` drives the LoRA adapters' dropout (None: none); `segments`: prefix-shared
-        packing, see `causal_attention`."""
-        h = self.attention_block(h, rope, key, segments)
-        x = self.ffn_input(h)
+        packing, see `causal_attention`. With `cache` (a `LayerCache`, incremental
+        decoding) the second item is the step's new keys and values instead of the FFN input."""
+        if cache is None:
+            h = self.attention_block(h, rope, key, segments)
+            x = out = self.ffn_input(h)
+        else:
+            a, out = self.attn(self.input_norm(h), *rope, key=key, cache=cache)
+            h = h + a
+            x = self.ffn_input(h)
         if isinstance(self.mlp, SwiGLU):
-            return h + self.mlp(x, key), x, None
+            return h + self.mlp(x, key), out, None
         y, load = self.mlp(x, return_load=True, key=key)
-        return h + y, x, load
+        return h + y, out, load
 
 
 class Decoder(nnx.Module):
@@ -175,6 +182,23 @@ class Decoder(nnx.Module):
             if load is not None:
                 loads[str(i)] = load
         return h, inputs, loads
+
+    def run_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, slot):
+        """(residual stream [B, T, d], the cache with the step written): the forward of
+        `run_layers` for T new tokens at cache slots `slot...` and RoPE `positions [B, T]`,
+        attending over the cache (`cache.valid` must already mark the new slots)."""
+        rope = self.rope(tokens.shape[-1], positions)
+        h = self.embed_tokens(tokens)
+        slot = jnp.asarray(slot, jnp.int32)
+        if isinstance(self.layers, LayerStack):
+            h, (k_new, v_new), _ = self.layers.scan(h, rope, cache=cache, slot=slot)
+        else:
+            news = []
+            for i, layer in enumerate(self.layers):
+                h, kv, _ = layer(h, rope, cache=cache.layer(i, slot))
+                news.append(kv)
+            k_new, v_new = (jnp.stack([kv[j] for kv in news]) for j in (0, 1))
+        return h, cache.write(k_new, v_new, slot)
 
     def hidden_states(self, tokens: jax.Array, positions=None, segments=None) -> jax.Array:
         """Residual stream after the last layer (before the final norm)."""
