@@ -19,7 +19,7 @@ LAYERS = [
     {"checkpoint", "profiling", "carving"},
     {"loading"},
     {"convert", "train", "eval", "export", "compress"},
-    {"demo", "__init__", "downcycle"},
+    {"demo", "__init__", "downcycle", "generate"},
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
 

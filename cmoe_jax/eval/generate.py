@@ -179,10 +179,3 @@ class _Batch:
                                     slot, jax.random.fold_in(key, step))
             position, slot = position + 1, slot + 1
 
-
-def greedy_generate(model, prompts, max_new_tokens: int, stop: Callable[[list[int]], bool],
-                    batch_size: int = 8, mesh: Mesh | None = None, max_length: int | None = None,
-                    progress: bool = True) -> list[list[int]]:
-    """Greedy continuations of each prompt, ended by `stop(generated)` or `max_new_tokens`."""
-    return generate(model, prompts, max_new_tokens, stop=stop, batch_size=batch_size, mesh=mesh,
-                    max_length=max_length, progress=progress)
