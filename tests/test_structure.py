@@ -22,7 +22,7 @@ LAYERS = [
     {"methods"},
     {"jobs"},  # job staging, lock, resume and publish: used by every output-writing job
     {"convert", "train", "eval", "export", "compress"},
-    {"demo", "__init__", "downcycle", "commands"},
+    {"demo", "__init__", "downcycle", "generate", "commands"},
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
 

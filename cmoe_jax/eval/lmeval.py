@@ -32,7 +32,7 @@ from lm_eval import utils  # noqa: E402
 from lm_eval.api.model import TemplateLM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 
-from cmoe_jax.eval.generate import greedy_generate  # noqa: E402
+from cmoe_jax.eval.generate import generate  # noqa: E402
 from cmoe_jax.eval.loglikelihood import score_requests  # noqa: E402
 
 
@@ -114,25 +114,32 @@ class CmoeJaxLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations, cut at the first `until` string (sampling is not supported)."""
-        out = []
-        for req in requests:  # one generation per request: each may have its own stop strings
-            context, kwargs = req.args
-            kwargs = dict(kwargs or {})
+        """Greedy continuations, cut at the first `until` string (sampling is not supported).
+        Requests sharing their stop strings and length are generated together, in batches of
+        `batch_size`, with the KV cache (`cmoe_jax.eval.generate`)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, req in enumerate(requests):
+            kwargs = dict(req.args[1] or {})
             if kwargs.get("do_sample") or kwargs.get("temperature", 0.0) not in (0, 0.0, None):
                 raise ValueError("the cmoe_jax backend generates greedily only (do_sample=False, temperature=0)")
             until = kwargs.get("until") or [self.tok_decode([self.eot_token_id])]
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
-            eot = self.eot_token_id
-            stop = lambda ids: ids[-1] == eot or any(u in self.tok_decode(ids) for u in until)
-            ids = greedy_generate(self.lm.model, [self.tok_encode(context)], max_new, stop,
-                                  batch_size=1, max_length=self.max_length, progress=False)[0]
-            text = self.tok_decode([t for t in ids if t != eot])
-            for u in until:
-                text = text.split(u)[0]
-            out.append(text)
-            self.cache_hook.add_partial("generate_until", (context, kwargs), text)
+            until = (until,) if isinstance(until, str) else tuple(until)
+            groups.setdefault((until, int(kwargs.get("max_gen_toks", self.max_gen_toks))), []).append(i)
+        eot = self.eot_token_id
+        out: list[str] = [""] * len(requests)
+        for (until, max_new), members in groups.items():
+            stop = lambda ids, until=until: any(u in self.tok_decode(ids) for u in until)
+            contexts = [self.tok_encode(requests[i].args[0]) for i in members]
+            generated = generate(self.lm.model, contexts, max_new, stop=stop, stop_tokens=[eot],
+                                 batch_size=self.batch_size, max_length=self.max_length,
+                                 progress=self.progress and not disable_tqdm)
+            for i, ids in zip(members, generated):
+                text = self.tok_decode([t for t in ids if t != eot])
+                for u in until:
+                    text = text.split(u)[0]
+                out[i] = text
+        for req, text in zip(requests, out):
+            self.cache_hook.add_partial("generate_until", req.args, text)
         return out
 
 

@@ -13,6 +13,7 @@ from flax import nnx, traverse_util
 
 from cmoe_jax.models.config import ModelConfig
 from cmoe_jax.models.ffn import make_ffn
+from cmoe_jax.models.kv_cache import KVCache
 from cmoe_jax.models.layers import Attention, RMSNorm, SwiGLU, _param, rope_tables
 from cmoe_jax.models.stack import STACKED, LayerStack, layered_state, stackable
 
@@ -29,11 +30,12 @@ def _stack_consuming(modules: list) -> dict:
 
 
 class LayerOutput(NamedTuple):
-    """What a decoder layer returns (a tuple, so `h, x, load = layer(...)` reads it too)."""
+    """What a decoder layer returns; read it by name (`out.h`, `out.load`)."""
 
     h: jax.Array  # the residual stream after the layer
     ffn_input: jax.Array  # what its FFN saw (the post-attention RMSNorm)
     load: jax.Array | None  # tokens per routed expert, int32 [E]; None for a dense FFN
+    kv: tuple | None = None  # with a cache: the step's new (keys, values); else None
 
 
 class DecoderLayer(nnx.Module):
@@ -51,17 +53,23 @@ class DecoderLayer(nnx.Module):
         """What the FFN sees: the post-attention RMSNorm of the residual stream."""
         return self.post_attn_norm(h)
 
-    def __call__(self, h: jax.Array, rope, key=None, segments=None) -> LayerOutput:
-        """The layer's `LayerOutput`: new residual stream, FFN input, expert loads.
+    def __call__(self, h: jax.Array, rope, key=None, segments=None, cache=None) -> LayerOutput:
+        """The layer's `LayerOutput`: new residual stream, FFN input, expert loads, and with
+        `cache` the step's new keys and values.
 
         `key` drives the LoRA adapters' dropout (None: none); `segments`: prefix-shared
-        packing, see `causal_attention`."""
-        h = self.attention_block(h, rope, key, segments)
+        packing, see `causal_attention`; `cache`: a `LayerCache` (incremental decoding)."""
+        kv = None
+        if cache is None:
+            h = self.attention_block(h, rope, key, segments)
+        else:
+            a, kv = self.attn(self.input_norm(h), *rope, key=key, cache=cache)
+            h = h + a
         x = self.ffn_input(h)
         if isinstance(self.mlp, SwiGLU):
-            return LayerOutput(h + self.mlp(x, key), x, None)
+            return LayerOutput(h + self.mlp(x, key), x, None, kv)
         y, load = self.mlp(x, return_load=True, key=key)
-        return LayerOutput(h + y, x, load)
+        return LayerOutput(h + y, x, load, kv)
 
 
 class Decoder(nnx.Module):
@@ -197,15 +205,34 @@ class Decoder(nnx.Module):
             k = None if key is None else jax.random.fold_in(key, i)
             if remat:
                 graphdef, state = nnx.split(layer)
-                h, x, load = jax.checkpoint(
+                out = jax.checkpoint(
                     lambda st, h, k, g=graphdef: nnx.merge(g, st)(h, rope, k, segments))(state, h, k)
             else:
-                h, x, load = layer(h, rope, k, segments)
+                out = layer(h, rope, k, segments)
+            h = out.h
             if capture:
-                inputs.append(x)
-            if load is not None:
-                loads[str(i)] = load
+                inputs.append(out.ffn_input)
+            if out.load is not None:
+                loads[str(i)] = out.load
         return h, inputs, loads
+
+    def run_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, slot):
+        """(residual stream [B, T, d], the cache with the step written): the forward of
+        `run_layers` for T new tokens at cache slots `slot...` and RoPE `positions [B, T]`,
+        attending over the cache (`cache.valid` must already mark the new slots)."""
+        rope = self.rope(tokens.shape[-1], positions)
+        h = self.embed_tokens(tokens)
+        slot = jnp.asarray(slot, jnp.int32)
+        if isinstance(self.layers, LayerStack):
+            h, (k_new, v_new), _ = self.layers.scan(h, rope, cache=cache, slot=slot)
+        else:
+            news = []
+            for i, layer in enumerate(self.layers):
+                out = layer(h, rope, cache=cache.layer(i, slot))
+                h = out.h
+                news.append(out.kv)
+            k_new, v_new = (jnp.stack([kv[j] for kv in news]) for j in (0, 1))
+        return h, cache.write(k_new, v_new, slot)
 
     def hidden_states(self, tokens: jax.Array, positions=None, segments=None) -> jax.Array:
         """Residual stream after the last layer (before the final norm)."""

@@ -11,6 +11,7 @@ from flax import nnx
 
 from cmoe_jax.lora import project
 from cmoe_jax.models.config import ModelConfig, rope_inv_freq
+from cmoe_jax.models.kv_cache import cached_attention
 
 _init = nnx.initializers.normal(0.02)
 
@@ -76,10 +77,11 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, key=None,
-                 segments: jax.Array | None = None) -> jax.Array:
+                 segments: jax.Array | None = None, cache=None):
         """Self-attention of x [B, T, d]; q/k/v/o add their LoRA adapters when they have
         some (`key`: the adapters' dropout key, None for no dropout). `segments`: see
-        `causal_attention`."""
+        `causal_attention`. With `cache` (a `cmoe_jax.models.kv_cache.LayerCache`) the
+        tokens attend over the cached ones too, and the result is (output, new (k, v))."""
         b, t, _ = x.shape
         q = project(self, "q_proj", x, self.q_proj[...], key)
         k = project(self, "k_proj", x, self.k_proj[...], key)
@@ -92,6 +94,10 @@ class Attention(nnx.Module):
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            out, new_kv = cached_attention(q, k, v, cache)
+            out = out.reshape(b, t, self.num_heads * self.head_dim)
+            return project(self, "o_proj", out, self.o_proj[...], key), new_kv
         out = causal_attention(q, k, v, segments=segments).reshape(b, t, self.num_heads * self.head_dim)
         return project(self, "o_proj", out, self.o_proj[...], key)
 

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cmoe_jax.models.kv_cache import LayerCache
+
 STACKED = "stacked"  # LayerStack's attribute holding the stacked layer; a state path key
 
 
@@ -70,20 +72,26 @@ class LayerStack(nnx.Module):
     def __iter__(self):
         return (self[i] for i in range(self.size))
 
-    def scan(self, h, rope, *, key=None, segments=None, remat=False, capture=False):
+    def scan(self, h, rope, *, key=None, segments=None, remat=False, capture=False, cache=None,
+             slot=None):
         """(h after the last layer, FFN inputs [L, ...] or None, expert loads [L, E] or None).
 
-        Layer i's dropout key is `fold_in(key, i)`, as in the unrolled forward."""
+        Layer i's dropout key is `fold_in(key, i)`, as in the unrolled forward. With `cache`
+        (a `KVCache`, the step's tokens at slots `slot...`) the second item is the new keys
+        and values `([L, B, T, K, H], same)` instead of the FFN inputs."""
         graphdef, state = nnx.split(self.stacked)
+        cached = cache is not None
+        kv = (cache.k, cache.v) if cached else (None, None)
 
         def step(h, xs):
-            weights, i = xs
+            weights, i, k_layer, v_layer = xs
             k = None if key is None else jax.random.fold_in(key, i)
-            h, x, load = nnx.merge(graphdef, weights)(h, rope, k, segments)
-            return h, (x if capture else None, load)
+            view = LayerCache(k_layer, v_layer, cache.valid, slot) if cached else None
+            out = nnx.merge(graphdef, weights)(h, rope, k, segments, view)
+            return out.h, (out.kv if cached else out.ffn_input if capture else None, out.load)
 
         step = jax.checkpoint(step) if remat else step
-        h, (inputs, loads) = jax.lax.scan(step, h, (state, jnp.arange(self.size)))
+        h, (inputs, loads) = jax.lax.scan(step, h, (state, jnp.arange(self.size), *kv))
         return h, inputs, loads
 
 

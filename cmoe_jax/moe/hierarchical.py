@@ -32,7 +32,7 @@ from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.dispatch import plan
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, tokens_sharded
 from cmoe_jax.moe.gmm import get_gmm
-from cmoe_jax.moe.layer import MoEFFN, _init
+from cmoe_jax.moe.layer import MoEFFN, _init, few_tokens
 from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
 from cmoe_jax.moe.routers import cmoe_route, linear_route
 
@@ -47,11 +47,16 @@ def sub_route(x, top_ids, top_w, sub_gate, sub_up, u, bias, sub_shared: int, sub
     n_top, _, cols = sub_gate.shape
     n_routed = u.shape[1]
     n_sub = sub_shared + n_routed
-    d = plan(top_ids, n_top)
-    rows = x[d.order // top_k].astype(jnp.float32)
-    h = jax.nn.silu(gmm(rows, sub_gate.astype(jnp.float32), d.group_sizes)) * gmm(
-        rows, sub_up.astype(jnp.float32), d.group_sizes)
-    scores = jnp.abs(h)[d.inverse].reshape(num_tokens, top_k, n_routed, cols // n_routed).sum(-1)
+    if few_tokens(top_ids, n_top):  # a decoding step: read only the chosen sub-routers
+        rows, flat = jnp.repeat(x.astype(jnp.float32), top_k, axis=0), top_ids.reshape(-1)
+        mm = lambda w: jnp.einsum("rd,rdc->rc", rows, jnp.take(w, flat, axis=0).astype(jnp.float32))
+        h = jax.nn.silu(mm(sub_gate)) * mm(sub_up)
+    else:
+        d = plan(top_ids, n_top)
+        rows = x[d.order // top_k].astype(jnp.float32)
+        h = (jax.nn.silu(gmm(rows, sub_gate.astype(jnp.float32), d.group_sizes))
+             * gmm(rows, sub_up.astype(jnp.float32), d.group_sizes))[d.inverse]
+    scores = jnp.abs(h).reshape(num_tokens, top_k, n_routed, cols // n_routed).sum(-1)
     probs = jax.nn.softmax(scores, axis=-1)                          # s' [T, k, N'_r]
     b = jax.lax.stop_gradient(bias.astype(jnp.float32))[top_ids]     # b_i [T, k, N'_r]
     _, picked = jax.lax.top_k(probs + b, sub_top_k)                  # [T, k, N'_k]

@@ -186,6 +186,8 @@ class MoEFFN(nnx.Module):
             return lambda name, rows, sizes: (grouped_delta(self, "expert_" + name, rows, sizes, gmm,
                                                             key, ab=ad[name]) if name in ad else None)
 
+        if not adapters and not self._expert_parallel() and few_tokens(ids, weights[0].shape[0]):
+            return gathered_experts(x, ids, gates, *weights)
         return routed_swiglu_experts(x, ids, gates, weights, gmm, expert_axis=self.expert_axis,
                                      adapters=adapters or None, make_lora=make_lora)
 
@@ -194,3 +196,26 @@ class MoEFFN(nnx.Module):
         if self.router != "cmoe":
             raise ValueError(f"only the cmoe router has a balancing bias (router={self.router!r})")
         self.router_bias[...] = update_router_bias(self.router_bias, counts, gamma)
+
+
+def few_tokens(ids: jax.Array, num_experts: int) -> bool:
+    """Whether a step's `ids [T, k]` are few enough (T*k <= E, e.g. one decoding step) that
+    reading only the chosen experts' weights beats sorting tokens into every expert's group."""
+    return ids.size <= num_experts
+
+
+def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
+                     w_up: jax.Array, w_down: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`routed_experts` for few tokens: each (token, slot) pair multiplies its own expert's
+    weights, gathered from the stacked `[E, ...]` tensors, so only the chosen experts are
+    read. Same products, dtypes and float32 combine as the sort dispatch."""
+    num_tokens, top_k = ids.shape
+    flat = ids.reshape(-1)
+    rows = jnp.repeat(x, top_k, axis=0)                                   # [T*k, d]
+    mm = lambda a, w, spec: jnp.einsum(spec, a, jnp.take(w, flat, axis=0),
+                                       preferred_element_type=jnp.float32).astype(a.dtype)
+    h = jax.nn.silu(mm(rows, w_gate, "rd,rdm->rm")) * mm(rows, w_up, "rd,rdm->rm")
+    ys = mm(h.astype(rows.dtype), w_down, "rm,rmd->rd")
+    y = jnp.einsum("tkd,tk->td", ys.astype(jnp.float32).reshape(num_tokens, top_k, -1),
+                   gates.astype(jnp.float32))
+    return y, jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)

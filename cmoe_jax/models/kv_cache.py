@@ -1,0 +1,105 @@
+"""A static-shape key/value cache for incremental decoding, and the attention that reads it.
+
+The cache holds every layer's keys and values, `k/v [L, B, S, K, H]` (L layers, B rows, S
+slots, K kv heads), and which slots hold a real token, `valid [B, S]`. All rows write the
+same slots at the same step (`slot`), so a batch of prompts is left-padded to one length:
+a padded slot is never valid, and each row's RoPE positions count only its real tokens
+(`prompt_positions`), as `transformers` does with an attention mask. S is fixed for a jitted
+step; `grow` pads it to the next length when it fills, so a long generation compiles a few
+shapes only.
+
+The decoder layers run the same modules with a `LayerCache` (`Attention.__call__`'s `cache`
+argument): they attend over the cached slots plus their own new ones and hand back the new
+keys and values, which `KVCache.write` stores in place (one update of the whole cache).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+    """One layer's view of the cache for a step of T new tokens written at slots
+    `slot .. slot+T-1`: `k/v [B, S, K, H]` the cached slots, `valid [B, S]` (the new slots
+    included), `slot` int32 scalar."""
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    slot: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of every layer `[L, B, S, K, H]` and the valid slots `[B, S]`."""
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+
+    @classmethod
+    def empty(cls, cfg, batch: int, length: int, dtype) -> "KVCache":
+        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, length), bool))
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+    def grow(self, length: int) -> "KVCache":
+        """The same cache with `length` slots (the new ones empty)."""
+        pad = length - self.length
+        if pad <= 0:
+            return self
+        kv_pad = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
+        return KVCache(jnp.pad(self.k, kv_pad), jnp.pad(self.v, kv_pad),
+                       jnp.pad(self.valid, ((0, 0), (0, pad))))
+
+    def mark(self, real: jax.Array, slot) -> "KVCache":
+        """The cache with slots `slot .. slot+T-1` valid where `real [B, T]` is true."""
+        valid = jax.lax.dynamic_update_slice_in_dim(self.valid, real.astype(bool), slot, axis=1)
+        return KVCache(self.k, self.v, valid)
+
+    def layer(self, i, slot) -> LayerCache:
+        return LayerCache(self.k[i], self.v[i], self.valid, jnp.asarray(slot, jnp.int32))
+
+    def write(self, k_new: jax.Array, v_new: jax.Array, slot) -> "KVCache":
+        """Store every layer's new keys and values `[L, B, T, K, H]` at slots `slot...`."""
+        at = (0, 0, slot, 0, 0)
+        return KVCache(jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), at),
+                       jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), at),
+                       self.valid)
+
+
+def prompt_positions(real: jax.Array) -> jax.Array:
+    """RoPE positions int32 [B, T] of left-padded rows (`real [B, T]` marks the tokens): each
+    real token's index among its row's real tokens (pads get 0, they are never attended)."""
+    return jnp.maximum(jnp.cumsum(real.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache):
+    """GQA attention of the new queries `q [B, T, N, H]` (slots `slot..slot+T-1`) over the
+    cache with the new keys/values `k/v [B, T, K, H]` written in: (output [B, T, N, H], the
+    new (k, v)). A query sees the valid slots up to its own and always itself (so a pad
+    query has a finite softmax). Scores and softmax in float32, as `causal_attention`."""
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    keys = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), cache.slot, axis=1)
+    values = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), cache.slot, axis=1)
+    s = keys.shape[1]
+    qg = q.reshape(b, t, kv, n // kv, h) * (h ** -0.5)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, keys.astype(q.dtype),
+                        preferred_element_type=jnp.float32)
+    q_slot = cache.slot + jnp.arange(t)[:, None]
+    k_slot = jnp.arange(s)[None, :]
+    seen = ((k_slot <= q_slot)[None] & cache.valid[:, None, :]) | (k_slot == q_slot)[None]
+    scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
+    p = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskh->btkgh", p.astype(values.dtype), values,
+                     preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(b, t, n, h), (k, v)
