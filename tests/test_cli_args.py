@@ -164,3 +164,19 @@ def test_demo_with_a_missing_model_is_one_line(capsys):
     assert demo_main(["--model", "/nonexistent"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "/nonexistent" in err[0]
+
+
+def test_lmeval_takes_a_model_path_or_a_backend_name():
+    """`--model PATH` as in every command; lm-eval's backend names and spellings still work."""
+    pytest.importorskip("lm_eval")
+    from cmoe_jax.eval.lmeval import parse_args
+
+    ours = parse_args(["--model", "out/s3a3e8", "--task", "arc_easy", "--output-path", "r.json"])
+    theirs = parse_args(["--model", "cmoe_jax", "--model_args", "pretrained=out/s3a3e8",
+                         "--tasks", "arc_easy", "--output_path", "r.json"])
+    for args in (ours, theirs):
+        assert (args.model, args.model_args, args.tasks, args.output_path) == (
+            "cmoe_jax", {"pretrained": "out/s3a3e8"}, ["arc_easy"], "r.json")
+    hf = parse_args(["--backend", "hf", "--model_args", "pretrained=gpt2", "--tasks", "arc_easy"])
+    assert (hf.model, hf.model_args) == ("hf", {"pretrained": "gpt2"})
+    assert parse_args(["--model", "hf", "--tasks", "arc_easy"]).model == "hf"

@@ -163,6 +163,9 @@ def translate_argv(argv: list[str]) -> list[str]:
     """Our spellings and a model path after --model turned into lm-eval's command line."""
     from lm_eval.api.registry import MODEL_REGISTRY
 
+    if argv and argv[0] in ("run", "ls", "validate"):  # lm-eval's subcommands stay first
+        rest = translate_argv(argv[1:]) if argv[0] == "run" else argv[1:]
+        return [argv[0], *rest]
     out, pretrained, backend = [], None, None
     i = 0
     while i < len(argv):
@@ -195,7 +198,8 @@ def build_parser():
 
 
 def parse_args(argv=None, prog: str = "python -m cmoe_jax.eval.lmeval"):
-    return build_parser().parse_args(translate_argv(sys.argv[1:] if argv is None else list(argv)))
+    argv = translate_argv(sys.argv[1:] if argv is None else list(argv))
+    return build_parser().parse_args(argv[1:] if argv[:1] == ["run"] else argv)
 
 
 def main(argv=None, prog: str = "python -m cmoe_jax.eval.lmeval") -> int:
@@ -205,6 +209,7 @@ def main(argv=None, prog: str = "python -m cmoe_jax.eval.lmeval") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in argv):
         print(HELP)
+        argv = ["run", "--help"]  # lm-eval's evaluation flags, not its list of subcommands
     sys.argv = [prog, *translate_argv(argv)]
     cli_evaluate()
     return 0
