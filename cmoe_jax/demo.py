@@ -17,11 +17,25 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from cmoe_jax.methods.cmoe import MoEPlan
-from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data_path, add_model, add_output_json, add_seed,
-                               add_seqlen, add_windows, check_writable_file, parse_or_code)
+from cmoe_jax.checkpoint import write_json_atomic
+from cmoe_jax.cli_args import (
+    Parser,
+    add_calib_samples,
+    add_data_path,
+    add_model,
+    add_output_json,
+    add_seed,
+    add_seqlen,
+    add_windows,
+    check_writable_file,
+    parse_or_code,
+)
+from cmoe_jax.convert import convert
+from cmoe_jax.data import load_text_tokens, text_windows
 from cmoe_jax.errors import CmoeError, run_job
-
+from cmoe_jax.eval import perplexity
+from cmoe_jax.loading import load_config, load_model
+from cmoe_jax.methods.cmoe import ConvertConfig, MoEPlan
 
 DEFAULT_CONFIGS = "S3A3E8:energy,S2A2E16,S1A1E8"
 
@@ -47,8 +61,6 @@ def parse_config(spec: str) -> tuple[str, dict]:
         if not eq and key in ("rate", "energy"):
             kwargs["shared_by"] = key
         elif not eq and key == "paper":
-            from cmoe_jax.methods.cmoe import ConvertConfig
-
             kwargs.update(ConvertConfig.PAPER_ROUTER)
         elif eq and key in _OPTIONS:
             arg, kind = _OPTIONS[key]
@@ -118,10 +130,6 @@ def data_files(args) -> tuple[str | None, str | None]:
 def run(args) -> list[dict]:
     check_writable_file(args.out, "--out")
     test_path, valid_path = data_files(args)
-    from cmoe_jax.convert import convert
-    from cmoe_jax.data import load_text_tokens, text_windows
-    from cmoe_jax.eval import perplexity
-    from cmoe_jax.loading import load_config, load_model
 
     load_config(args.model)  # a missing or unsupported model fails here, in one line
     print(f"data: test {test_path or 'WikiText-2 via datasets'}, calibration "
@@ -163,8 +171,6 @@ def main(argv=None, prog: str = "python -m cmoe_jax.demo") -> int:
         conv = "-" if row["convert_s"] is None else f"{row['convert_s']:.1f}"
         print(f"| {row['model']} | {row['ppl']:.3f} | {row['ppl'] / base:.2f}x | {conv} |")
     if args.out:
-        from cmoe_jax.checkpoint import write_json_atomic
-
         write_json_atomic(Path(args.out).expanduser(), rows)
     return 0
 

@@ -9,11 +9,24 @@ from __future__ import annotations
 import argparse
 import json
 
-from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir, add_progress,
-                               add_seed, add_seqlen, check_writable_dir, parse_or_code, share, positive_int)
-from cmoe_jax.compress.api import METHODS
-from cmoe_jax.methods.conmoe import SELECTIONS
+from cmoe_jax import distributed
+from cmoe_jax.cli_args import (
+    Parser,
+    add_calib_samples,
+    add_data,
+    add_model,
+    add_output_dir,
+    add_progress,
+    add_seed,
+    add_seqlen,
+    check_writable_dir,
+    parse_or_code,
+    positive_int,
+    share,
+)
+from cmoe_jax.compress.api import METHODS, compress
 from cmoe_jax.errors import run_job
+from cmoe_jax.methods.conmoe import SELECTIONS
 
 CONMOE_ONLY = ("scope", "selection")
 
@@ -54,11 +67,8 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.compress") -> argparse
 
 
 def run(args) -> dict:
-    from cmoe_jax import distributed
-
     check_writable_dir(args.out)
     distributed.require_single_process("python -m cmoe_jax.compress")
-    from cmoe_jax.compress.api import compress
 
     return compress(args.model, method=args.method, ratio=args.ratio, out=args.out,
                     scope=args.scope, selection=args.selection, calib=args.dataset,

@@ -10,13 +10,28 @@ import argparse
 import json
 from pathlib import Path
 
-from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir, add_seed,
-                               add_seqlen, check_writable_dir, nonneg_float, nonneg_int, parse_or_code,
-                               positive_float, positive_int, share)
-from cmoe_jax.methods.cmoe import ConvertConfig
 from cmoe_jax import distributed
+from cmoe_jax.cli_args import (
+    Parser,
+    add_calib_samples,
+    add_data,
+    add_model,
+    add_output_dir,
+    add_seed,
+    add_seqlen,
+    check_writable_dir,
+    nonneg_float,
+    nonneg_int,
+    parse_or_code,
+    positive_float,
+    positive_int,
+    share,
+)
+from cmoe_jax.convert.api import convert
+from cmoe_jax.convert.expertweaver_job import convert_expertweaver
 from cmoe_jax.errors import CmoeError, run_job
-
+from cmoe_jax.methods.cmoe import ConvertConfig, MoEPlan
+from cmoe_jax.methods.expertweaver import WeaveConfig
 
 CMOE_ONLY = ("config", "shared", "active", "dataset", "split", "calib_samples", "k_act", "kmeans_iters",
              "no_normalize", "router_neurons", "no_router_scale", "paper_router", "router_fit_tokens",
@@ -103,8 +118,6 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.convert") -> argparse.
 
 
 def plan_from_args(args):
-    from cmoe_jax.methods.cmoe import MoEPlan
-
     if args.config:
         return MoEPlan.parse(args.config, flag="--config")
     if None in (args.shared, args.active, args.experts):
@@ -127,8 +140,6 @@ def router_options(args) -> dict:
 
 
 def run_expertweaver(args) -> dict:
-    from cmoe_jax.methods.expertweaver import WeaveConfig
-    from cmoe_jax.convert.expertweaver_job import convert_expertweaver
 
     cc = WeaveConfig(experts=64 if args.experts is None else args.experts, sparsity=args.sparsity,
                      alpha_min=args.alpha_min, alpha_max=args.alpha_max, tau=args.tau, assignment=args.assignment, seed=args.seed)
@@ -140,8 +151,6 @@ def run_expertweaver(args) -> dict:
 
 
 def run(args) -> dict:
-    from cmoe_jax.convert.api import convert
-
     check_writable_dir(args.out)
     distributed.initialize()
     distributed.refuse(**{"--method expertweaver": args.method == "expertweaver"})

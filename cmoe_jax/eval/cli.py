@@ -9,11 +9,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cmoe_jax.cli_args import (Parser, add_data, add_model, add_output_json, add_progress, add_seqlen,
-                               add_windows, check_writable_file, parse_or_code, positive_int)
-from cmoe_jax.errors import CmoeError, run_job
-from cmoe_jax.eval.tasks import TASKS
+import jax
+import jax.numpy as jnp
 
+from cmoe_jax import distributed
+from cmoe_jax.checkpoint import write_json_atomic
+from cmoe_jax.cli_args import (
+    Parser,
+    add_data,
+    add_model,
+    add_output_json,
+    add_progress,
+    add_seqlen,
+    add_windows,
+    check_writable_file,
+    parse_or_code,
+    positive_int,
+)
+from cmoe_jax.data import default_split, eval_windows, load_text_tokens
+from cmoe_jax.errors import CmoeError, run_job
+from cmoe_jax.eval.perplexity import perplexity
+from cmoe_jax.eval.tasks import TASKS, evaluate_task, get_task, load_documents
+from cmoe_jax.loading import load_config, load_model, load_tokenizer
 
 PERPLEXITY_ONLY = ("dataset", "split", "source", "seqlen", "max_windows")
 EXAMPLE = ("{prog} --model smollm2 --data-path wikitext-2/wiki.test.raw --max-windows 40 --out ppl.json\n"
@@ -60,18 +77,12 @@ def _validate_args(args) -> None:
 
 def run(args) -> dict:
     """Evaluate; raises CmoeError on bad input."""
-    from cmoe_jax import distributed
 
     distributed.initialize()  # a multi-process job splits the windows / questions
     _validate_args(args)
     if args.task:
         return run_task(args)
-    import jax
-    import jax.numpy as jnp
 
-    from cmoe_jax.data import default_split, eval_windows, load_text_tokens
-    from cmoe_jax.eval.perplexity import perplexity
-    from cmoe_jax.loading import load_model
 
     cfg, path, tokenizer = _checked_tokenizer(args)
     if args.seqlen > cfg.max_position_embeddings:
@@ -89,8 +100,6 @@ def run(args) -> dict:
 
 
 def _checked_tokenizer(args):
-    from cmoe_jax.loading import load_config, load_tokenizer
-
     cfg, path = load_config(args.model)  # cheap: validates the path, architecture and context
     tokenizer = load_tokenizer(path)
     if tokenizer is None:
@@ -101,7 +110,6 @@ def _checked_tokenizer(args):
 
 def run_task(args) -> dict:
     """Zero-shot multiple-choice accuracy; task, data file and model are checked before loading."""
-    from cmoe_jax.eval.tasks import evaluate_task, get_task, load_documents
 
     task = get_task(args.task)
     if not args.data_path:
@@ -109,10 +117,7 @@ def run_task(args) -> dict:
                         "(e.g. the ARC-Easy test split as JSON lines)")
     docs = load_documents(task, args.data_path, args.limit)
     _, _, tokenizer = _checked_tokenizer(args)
-    import jax
-    import jax.numpy as jnp
 
-    from cmoe_jax.loading import load_model
 
     lm = load_model(args.model, dtype=getattr(jnp, args.dtype), progress=not args.no_progress)
     result = evaluate_task(lm.model, tokenizer.encode, task, docs, batch_size=args.batch_size or 32,
@@ -128,7 +133,6 @@ def main(argv=None, prog: str = "python -m cmoe_jax.eval") -> int:
     result, code = run_job(run, args)
     if code:
         return code
-    from cmoe_jax import distributed
 
     if not distributed.is_main():
         return 0
@@ -144,7 +148,5 @@ def main(argv=None, prog: str = "python -m cmoe_jax.eval") -> int:
               f"{result['tokens_per_s']:,.0f} tokens/s on {result['devices']} {result['platform']} device(s), "
               f"{result['seconds']:.1f} s + {result['compile_seconds']:.1f} s compile")
     if args.out:
-        from cmoe_jax.checkpoint import write_json_atomic
-
         write_json_atomic(Path(args.out).expanduser(), result)
     return 0

@@ -21,7 +21,9 @@ from typing import Callable
 
 import numpy as np
 
+from cmoe_jax import distributed
 from cmoe_jax.errors import CmoeError
+from cmoe_jax.eval.loglikelihood import encode_pair, score_requests
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,6 @@ def score_documents(docs, loglikelihoods) -> dict:
 
 def task_requests(task: MultipleChoiceTask, docs, encode):
     """(context_ids, continuation_ids) for every choice of every document, document-major."""
-    from cmoe_jax.eval.loglikelihood import encode_pair
 
     return [encode_pair(encode, doc["_context"], task.delimiter + choice)
             for doc in docs for choice in doc["_choices"]]
@@ -129,9 +130,7 @@ def task_requests(task: MultipleChoiceTask, docs, encode):
 def evaluate_task(model, encode, task: MultipleChoiceTask, docs, batch_size: int = 32,
                   mesh=None, progress: bool = True) -> dict:
     """Zero-shot accuracy of `model` on checked `docs`; `encode(text) -> ids` (no special tokens)."""
-    from cmoe_jax.eval.loglikelihood import score_requests
 
-    from cmoe_jax import distributed
 
     all_docs, docs = docs, distributed.split_for_process(docs)  # this process's share
     t0 = time.perf_counter()

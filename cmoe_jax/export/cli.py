@@ -12,10 +12,22 @@ import argparse
 import json
 from pathlib import Path
 
-from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir, add_progress,
-                               add_seed, add_seqlen, check_writable_dir, parse_or_code, positive_float)
+from cmoe_jax import distributed
+from cmoe_jax.cli_args import (
+    Parser,
+    add_calib_samples,
+    add_data,
+    add_model,
+    add_output_dir,
+    add_progress,
+    add_seed,
+    add_seqlen,
+    check_writable_dir,
+    parse_or_code,
+    positive_float,
+)
 from cmoe_jax.errors import run_job
-
+from cmoe_jax.export.api import export
 
 EXAMPLE = "{prog} --model out/s3a3e8 --data-path wikitext-2/wiki.valid.raw --out hf/s3a3e8"
 
@@ -40,11 +52,8 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.export") -> argparse.N
 
 
 def run(args) -> dict:
-    from cmoe_jax import distributed
-
     check_writable_dir(args.out)
     distributed.require_single_process("python -m cmoe_jax.export")
-    from cmoe_jax.export.api import export
 
     return export(args.model, out=Path(args.out), fmt=args.format, calib=args.dataset,
                   calib_split=args.split, data_path=args.data_path,

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import abc
 import json
+import mmap
 import os
 from pathlib import Path
 from typing import Iterable
 
+import gguf
+import ml_dtypes
 import numpy as np
+from gguf.quants import dequantize
+from safetensors import safe_open
 
-from cmoe_jax.errors import CheckpointError
+from cmoe_jax.errors import CheckpointError, UnsupportedModelError, require
 
 
 class TensorSource(abc.ABC):
@@ -69,8 +74,6 @@ class SafetensorsSource(TensorSource):
     """`model.safetensors`, or shards listed in `model.safetensors.index.json`."""
 
     def __init__(self, directory: Path):
-        from safetensors import safe_open
-
         index = directory / "model.safetensors.index.json"
         if index.exists():
             files = index_files(directory, index)
@@ -86,7 +89,6 @@ class SafetensorsSource(TensorSource):
 
     def release(self):
         """(Re)open every shard: closing a `safe_open` handle unmaps its file."""
-        from safetensors import safe_open
 
         self._handles = {}
         for f in self._files:
@@ -118,8 +120,6 @@ class TorchBinSource(_InMemoryIndex):
     """`pytorch_model.bin` (and its sharded index), memory-mapped so tensors load one by one."""
 
     def __init__(self, directory: Path):
-        from cmoe_jax.errors import require
-
         torch = require("torch", "torch", "reading pytorch_model.bin")
         index = directory / "pytorch_model.bin.index.json"
         files = index_files(directory, index) if index.exists() else ["pytorch_model.bin"]
@@ -137,8 +137,6 @@ class TorchBinSource(_InMemoryIndex):
 
         t = self._tensors[name]
         if t.dtype == torch.bfloat16:
-            import ml_dtypes
-
             return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return t.numpy()
 
@@ -164,8 +162,6 @@ class GGUFSource(_InMemoryIndex):
     """
 
     def __init__(self, path: Path):
-        import gguf
-
         try:
             self.reader = gguf.GGUFReader(str(path))
         except Exception as e:
@@ -173,8 +169,6 @@ class GGUFSource(_InMemoryIndex):
         self.path = Path(path)
         self.arch = self.field("general.architecture")
         if self.arch not in GGUF_ARCHS:
-            from cmoe_jax.errors import UnsupportedModelError
-
             raise UnsupportedModelError(f"unsupported GGUF architecture {self.arch!r}: cmoe_jax "
                                         f"reads GGUF files of {', '.join(GGUF_ARCHS)}")
         self._tensors = {}
@@ -189,7 +183,6 @@ class GGUFSource(_InMemoryIndex):
     def release(self):
         """Advise the kernel that the mapped file's pages are not needed now (they are read
         back from the page cache or disk when touched again)."""
-        import mmap
 
         mapped = getattr(self.reader.data, "_mmap", None)
         if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
@@ -240,13 +233,10 @@ class GGUFSource(_InMemoryIndex):
         Both become per-frequency divisors ("freq_factors"), which is exactly how llama.cpp
         applies them, so any mix of the two is reproduced.
         """
-        from gguf.quants import dequantize
 
         a = self.arch
         kind = self.field(f"{a}.rope.scaling.type")
         if kind not in (None, "none", "linear"):
-            from cmoe_jax.errors import UnsupportedModelError
-
             raise UnsupportedModelError(f"{self.path}: GGUF RoPE scaling {kind!r} is not supported "
                                         "(supported: linear, and Llama-3 rope_freqs factors)")
         linear = float(self.field(f"{a}.rope.scaling.factor", 1.0) or 1.0) if kind == "linear" else 1.0
@@ -257,8 +247,6 @@ class GGUFSource(_InMemoryIndex):
         return {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
 
     def get(self, name):
-        from gguf.quants import dequantize
-
         t = self._tensors[name]
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = w.reshape(tuple(int(s) for s in reversed(t.shape)))

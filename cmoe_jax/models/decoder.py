@@ -16,6 +16,7 @@ from cmoe_jax.models.ffn import make_ffn
 from cmoe_jax.models.kv_cache import KVCache
 from cmoe_jax.models.layers import Attention, RMSNorm, SwiGLU, _param, rope_tables
 from cmoe_jax.models.stack import STACKED, LayerStack, layered_state, stackable
+from cmoe_jax.moe.prototypes import tie_prototype_tables
 
 
 def _stack_consuming(modules: list) -> dict:
@@ -88,8 +89,6 @@ class Decoder(nnx.Module):
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
         layers = [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
         if any(s is not None and s.prototype_owner >= 0 for s in cfg.moe_layers):
-            from cmoe_jax.moe.prototypes import tie_prototype_tables  # ConMoE scopes
-
             tie_prototype_tables(layers, cfg.moe_layers)
         self.layers = self._store(layers) if stack else nnx.List(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)

@@ -6,17 +6,27 @@ dense, shared and routed-expert MLPs), `with_adapters` (the adapters as variable
 model, run by its own forward), `lora_loss` / `lora_logits`, `init_state` /
 `make_train_step` (Optax, sharding, one jitted step).
 """
-from cmoe_jax.train.checkpoint import load_adapters
-from cmoe_jax.train.lora import (DEFAULT_TARGETS, LoRAConfig, TrainError, adapted_weights,
-                                 init_adapters, lora_hidden, lora_logits, lora_loss,
-                                 merge_adapters, parse_targets, router_params, with_adapters)
 from cmoe_jax.sharding import make_mesh
+from cmoe_jax.train.api import finetune as _finetune
+from cmoe_jax.train.checkpoint import load_adapters
+from cmoe_jax.train.lora import (
+    DEFAULT_TARGETS,
+    LoRAConfig,
+    TrainError,
+    adapted_weights,
+    init_adapters,
+    lora_hidden,
+    lora_logits,
+    lora_loss,
+    merge_adapters,
+    parse_targets,
+    router_params,
+    with_adapters,
+)
 from cmoe_jax.train.step import OptimConfig, init_state, make_train_step, split_frozen
 
 
 def finetune(*args, **kwargs):
-    from cmoe_jax.train.api import finetune as _finetune
-
     return _finetune(*args, **kwargs)
 
 

@@ -9,11 +9,24 @@ from __future__ import annotations
 import argparse
 import json
 
-from cmoe_jax.cli_args import (Parser, add_data, add_model, add_output_dir, add_progress, add_seed, add_seqlen,
-                               check_writable_dir, nonneg_float, parse_or_code, positive_float, positive_int)
+from cmoe_jax import distributed
+from cmoe_jax.cli_args import (
+    Parser,
+    add_data,
+    add_model,
+    add_output_dir,
+    add_progress,
+    add_seed,
+    add_seqlen,
+    check_writable_dir,
+    nonneg_float,
+    parse_or_code,
+    positive_float,
+    positive_int,
+)
 from cmoe_jax.errors import CmoeError, run_job
+from cmoe_jax.train.api import finetune
 from cmoe_jax.train.lora import DEFAULT_TARGETS
-
 
 EXAMPLE = ("{prog} --model out/s1a1e8 --data-path wikitext-2/wiki.valid.raw --samples 64 "
            "--seqlen 2048 --batch-size 1 --max-minutes 30 --out out/ft")
@@ -83,11 +96,8 @@ def _mesh(text):
 
 
 def run(args) -> dict:
-    from cmoe_jax import distributed
-
     check_writable_dir(args.out)
     distributed.initialize()  # a multi-process job trains data-parallel over all processes
-    from cmoe_jax.train.api import finetune
 
     return finetune(args.model, out=args.out, dataset=args.dataset, data_path=args.data_path,
                     split=args.split, samples=args.samples, seqlen=args.seqlen,
@@ -108,7 +118,6 @@ def main(argv=None, prog: str = "python -m cmoe_jax.train") -> int:
     result, code = run_job(run, args)
     if code:
         return code
-    from cmoe_jax import distributed
 
     if not distributed.is_main():
         return 0

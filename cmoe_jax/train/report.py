@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+
 from cmoe_jax.checkpoint import write_json_atomic
 
 
@@ -11,10 +14,7 @@ def write_log(path: Path, summary: dict, steps: list[dict]) -> None:
 
 
 def plot_loss(path: Path, steps: list[dict], title: str = "") -> None:
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = [s["step"] for s in steps]
