@@ -49,7 +49,7 @@ def test_cache_growth_and_small_batches_give_the_same_tokens(tmp_path):
     hf = tiny_hf_model("llama", max_position_embeddings=256)
     hf.save_pretrained(tmp_path)
     model = load_model(str(tmp_path), progress=False).model
-    prompts = _prompts(lengths=(20, 3, 11))
+    prompts = _prompts(lengths=(140, 3, 11, 20))  # 140: a prefill of two query blocks
     expected = _hf_greedy(hf, prompts, 60)
     assert generate(model, prompts, 60, batch_size=2) == expected
     assert generate(model, prompts[:1], 60, batch_size=1) == expected[:1]

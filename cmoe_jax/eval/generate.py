@@ -63,7 +63,7 @@ def choose(logits: jax.Array, key, temperature, top_k, top_p, greedy: bool) -> j
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     ranked = jnp.where(jnp.arange(vocab) < k, ranked, -jnp.inf)           # top-k
     probs = jax.nn.softmax(ranked, axis=-1)
-    kept = (jnp.cumsum(probs, axis=-1) - probs) < top_p                   # top-p; keeps the first
+    kept = ((jnp.cumsum(probs, axis=-1) - probs) < top_p) | (top_p >= 1)  # top-p; keeps the first
     floor = jnp.min(jnp.where(kept & (ranked > -jnp.inf), ranked, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits >= floor, logits, -jnp.inf)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

@@ -82,24 +82,27 @@ def prompt_positions(real: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(real.astype(jnp.int32), axis=1) - 1, 0)
 
 
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache):
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache, block: int = 128):
     """GQA attention of the new queries `q [B, T, N, H]` (slots `slot..slot+T-1`) over the
     cache with the new keys/values `k/v [B, T, K, H]` written in: (output [B, T, N, H], the
     new (k, v)). A query sees the valid slots up to its own and always itself (so a pad
-    query has a finite softmax). Scores and softmax in float32, as `causal_attention`."""
+    query has a finite softmax). Queries go in blocks of `block`, so a long prefill's score
+    tiles stay `[block, S]`; scores and softmax in float32, as `causal_attention`."""
     b, t, n, h = q.shape
     kv = k.shape[2]
     keys = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), cache.slot, axis=1)
     values = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), cache.slot, axis=1)
-    s = keys.shape[1]
+    k_slot = jnp.arange(keys.shape[1])[None, :]
     qg = q.reshape(b, t, kv, n // kv, h) * (h ** -0.5)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, keys.astype(q.dtype),
-                        preferred_element_type=jnp.float32)
-    q_slot = cache.slot + jnp.arange(t)[:, None]
-    k_slot = jnp.arange(s)[None, :]
-    seen = ((k_slot <= q_slot)[None] & cache.valid[:, None, :]) | (k_slot == q_slot)[None]
-    scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
-    p = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskh->btkgh", p.astype(values.dtype), values,
-                     preferred_element_type=jnp.float32)
+    outs = []
+    for start in range(0, t, block):
+        end = min(t, start + block)
+        scores = jnp.einsum("btkgh,bskh->bkgts", qg[:, start:end], keys.astype(q.dtype),
+                            preferred_element_type=jnp.float32)
+        q_slot = cache.slot + jnp.arange(start, end)[:, None]
+        seen = ((k_slot <= q_slot)[None] & cache.valid[:, None, :]) | (k_slot == q_slot)[None]
+        p = jax.nn.softmax(jnp.where(seen[:, None, None], scores, -jnp.inf), axis=-1)
+        outs.append(jnp.einsum("bkgts,bskh->btkgh", p.astype(values.dtype), values,
+                               preferred_element_type=jnp.float32))
+    out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
     return out.astype(q.dtype).reshape(b, t, n, h), (k, v)
