@@ -8,39 +8,44 @@ one `error: ...` line on stderr and exits with status 2.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
+from cmoe_jax.cli_args import (Parser, add_model, add_seed, nonneg_float, nonneg_int, parse_or_code,
+                               positive_int)
 from cmoe_jax.errors import CmoeError, run_job
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m cmoe_jax.generate",
-        description="Generate text with a dense or converted model (KV cache, batched).",
-        epilog="example: python -m cmoe_jax.generate --chat --prompt 'What is the capital of "
-               "France?' --max-new-tokens 64. Bad input exits with status 2 and one 'error: ...' line.")
-    p.add_argument("--model", default="smollm2",
-                   help="Hugging Face checkpoint dir, Hub id, .gguf file, converted cmoe_jax model dir, "
-                        "or 'smollm2' (the embedded SmolLM2-135M-Instruct; default)")
-    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", help="a text file of prompts, one a line (blank lines skipped)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampling")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample among the smallest set of tokens of "
-                                                             "probability >= p (1: all)")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable): the answer "
-                                                               "ends before its first occurrence")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat "
+EXAMPLE = "{prog} --chat --prompt 'What is the capital of France?' --max-new-tokens 64"
+
+
+def build_parser(prog: str = "python -m cmoe_jax.generate") -> Parser:
+    p = Parser(prog, "Generate text with a dense or converted model (KV cache, batched).",
+               EXAMPLE.format(prog=prog))
+    add_model(p, what="model to generate with")
+    g = p.add_argument_group("prompts", "give --prompt (repeatable) or --prompts-file")
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    g.add_argument("--prompts-file", metavar="FILE", help="a text file of prompts, one a line (blank lines skipped)")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat "
                                                        "template as a user message")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
+    s = p.add_argument_group("generation")
+    s.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most")
+    s.add_argument("--temperature", type=nonneg_float, default=0.0, help="0: greedy; > 0: sampling")
+    s.add_argument("--top-k", type=nonneg_int, default=0, help="sample among the k most likely tokens (0: all)")
+    s.add_argument("--top-p", type=float, default=1.0, help="sample among the smallest set of tokens of "
+                                                             "probability >= p, in (0, 1] (1: all)")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable): the answer "
+                                                               "ends before its first occurrence")
+    s.add_argument("--batch-size", type=positive_int, default=8, help="prompts generated together")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
+    add_seed(p)
     return p
+
+
+def parse_args(argv=None, prog: str = "python -m cmoe_jax.generate"):
+    return build_parser(prog).parse_args(argv)
 
 
 def _prompts(args) -> list[str]:
@@ -182,8 +187,10 @@ def _stopped_by_string(tokenizer, stops, ids) -> bool:
     return any(s in text for s in stops)
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv=None, prog: str = "python -m cmoe_jax.generate") -> int:
+    args, code = parse_or_code(parse_args, argv, prog)
+    if args is None:
+        return code
     _, code = run_job(run, args)
     return code
 
