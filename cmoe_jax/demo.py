@@ -30,7 +30,7 @@ from cmoe_jax.cli_args import (
     check_writable_file,
     parse_or_code,
 )
-from cmoe_jax.convert import convert
+from cmoe_jax.convert import Calibration, ConvertJob, convert
 from cmoe_jax.data import load_text_tokens, text_windows
 from cmoe_jax.errors import CmoeError, run_job
 from cmoe_jax.eval import perplexity
@@ -53,7 +53,7 @@ _OPTIONS = {"reps": ("router_reps", str), "r": ("router_neurons", int),
 
 
 def parse_config(spec: str) -> tuple[str, dict]:
-    """`S3A3E8:energy:reps=energy:r=8` -> ("S3A3E8", convert() keyword arguments)."""
+    """`S3A3E8:energy:reps=energy:r=8` -> ("S3A3E8", `ConvertConfig` keyword arguments)."""
     name, *opts = spec.split(":")
     kwargs = {}
     for opt in opts:
@@ -146,9 +146,10 @@ def run(args) -> list[dict]:
         for row, (spec, name, options) in enumerate(args.rows):
             plan = MoEPlan.parse(name)
             out = Path(tmp) / f"{row}_{plan.name}"  # rows may share a plan with other options
-            manifest = convert(args.model, plan, out=out, calib="wikitext2",
-                               data_path=valid_path, calib_samples=args.calib_samples,
-                               seqlen=args.seqlen, seed=args.seed, progress=False, **options)
+            job = ConvertJob(ConvertConfig(plan=plan, seed=args.seed, **options),
+                             Calibration(data_path=valid_path, samples=args.calib_samples,
+                                         seqlen=args.seqlen))
+            manifest = convert(args.model, job, out=out, progress=False)
             seconds = manifest["seconds"]["convert"]
             moe = load_model(str(out), progress=False)
             r = perplexity(moe.model, windows)

@@ -17,7 +17,7 @@ import pytest
 
 from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.compress.cli import main as compress_main
-from cmoe_jax.convert import convert
+from cmoe_jax.convert import Calibration, ConvertConfig, ConvertJob, convert
 from cmoe_jax.convert.cli import main as convert_main
 from cmoe_jax.errors import run_job
 from cmoe_jax.export import ExportError, export
@@ -32,6 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
+
+def _tiny_job(text) -> ConvertJob:
+    """S1A1E8 on two 32-token windows of `text`: the smallest conversion the table needs."""
+    return ConvertJob(ConvertConfig(plan=MoEPlan.parse("S1A1E8"), k_act=4),
+                      Calibration(data_path=str(text), samples=2, seqlen=32))
+
 def inputs(tmp_path_factory):
     """A tiny dense Llama with a tokenizer, a text file, and its S1A1E8 conversion."""
     root = tmp_path_factory.mktemp("bad_input")
@@ -40,8 +46,7 @@ def inputs(tmp_path_factory):
     save_tiny_tokenizer(dense)
     text = write_random_text(root / "calib.txt", 3000)
     converted = root / "converted"
-    convert(str(dense), MoEPlan.parse("S1A1E8"), out=converted, data_path=str(text), calib_samples=2,
-            seqlen=32, k_act=4, progress=False)
+    convert(str(dense), _tiny_job(text), out=converted, progress=False)
     return {"dense": dense, "text": text, "converted": converted, "root": root}
 
 
@@ -152,8 +157,8 @@ def test_bad_input_is_one_line_exit_2_nothing_written(inputs, tmp_path, capsys, 
             (tmp_path / "out.partial").mkdir()
             (tmp_path / "out.partial" / "user_file").write_text("keep me")
         elif flag == "STAGED":
-            convert(str(inputs["dense"]), MoEPlan.parse("S1A1E8"), out=out, data_path=str(inputs["text"]),
-                    calib_samples=2, seqlen=32, k_act=4, progress=False, stop_after_layers=1)
+            convert(str(inputs["dense"]), _tiny_job(inputs["text"]), out=out, progress=False,
+                    stop_after_layers=1)
             staged = True
         elif flag == "UNDER_FILE":
             (tmp_path / "afile").write_text("x")

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from cmoe_jax.methods.cmoe import MoEPlan
-from cmoe_jax.convert import ConvertConfig, convert, convert_model
+from cmoe_jax.convert import Calibration, ConvertConfig, ConvertJob, convert, convert_model
 from cmoe_jax.convert.cli import main as convert_main
 from cmoe_jax.loading import load_model
 
@@ -313,16 +313,15 @@ def test_cli_converts_and_eval_loads(tiny_checkpoint, tmp_path):
 
 def test_interrupted_conversion_resumes_identically(tiny_checkpoint, tmp_path):
     _, path, text = tiny_checkpoint
-    kw = dict(calib="wikitext2", data_path=str(text), calib_samples=2, seqlen=32, k_act=4,
-              progress=False)
-    plan = MoEPlan.parse("S1A2E8")
+    job = ConvertJob(ConvertConfig(plan=MoEPlan.parse("S1A2E8"), k_act=4),
+                     Calibration(data_path=str(text), samples=2, seqlen=32))
     full = tmp_path / "full"
-    convert(str(path), plan, out=full, **kw)
+    convert(str(path), job, out=full, progress=False)
     out = tmp_path / "resumed"
-    r = convert(str(path), plan, out=out, stop_after_layers=1, **kw)
+    r = convert(str(path), job, out=out, stop_after_layers=1, progress=False)
     assert r["out"] is None and not out.exists()  # no partial checkpoint at the output path
     assert (tmp_path / "resumed.partial" / "layers" / "0000.json").exists()
-    convert(str(path), plan, out=out, resume=True, **kw)
+    convert(str(path), job, out=out, resume=True, progress=False)
     assert not (tmp_path / "resumed.partial").exists()
     a, b = json.loads((full / "cmoe_manifest.json").read_text()), json.loads((out / "cmoe_manifest.json").read_text())
     assert a["layers"] == b["layers"]

@@ -10,7 +10,7 @@ from flax import nnx
 
 from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.checkpoint import PER_LAYER, restore_model
-from cmoe_jax.convert import ConvertConfig, convert, convert_model
+from cmoe_jax.convert import Calibration, ConvertConfig, ConvertJob, convert, convert_model
 from cmoe_jax.convert.cli import main as convert_main
 from cmoe_jax.methods.cmoe.streamed import convert_streamed
 from cmoe_jax.loading import load_config, load_model, open_source
@@ -18,7 +18,9 @@ from cmoe_jax.loading.sources import TensorSource
 from tests.conftest import tiny_hf_model
 from tests.test_loading import _write_llama_gguf
 
-KW = dict(calib="wikitext2", calib_samples=2, seqlen=32, k_act=4, progress=False)
+def _job(plan, text, stream=False):
+    return ConvertJob(ConvertConfig(plan=plan, k_act=4), Calibration(data_path=str(text), samples=2, seqlen=32),
+                      stream=stream)
 
 
 def _assert_same_state(a, b):
@@ -39,8 +41,8 @@ def test_streamed_conversion_equals_in_memory(save_tiny, tmp_path, family):
     save_tiny_tokenizer(path)
     text = write_random_text(tmp_path / "calib.txt", 2000)
     plan = MoEPlan.parse("S1A2E8")
-    convert(str(path), plan, out=tmp_path / "memory", data_path=str(text), **KW)
-    convert(str(path), plan, out=tmp_path / "streamed", data_path=str(text), stream=True, **KW)
+    convert(str(path), _job(plan, text), out=tmp_path / "memory", progress=False)
+    convert(str(path), _job(plan, text, stream=True), out=tmp_path / "streamed", progress=False)
     a = json.loads((tmp_path / "memory" / "cmoe_manifest.json").read_text())
     b = json.loads((tmp_path / "streamed" / "cmoe_manifest.json").read_text())
     assert a["state_layout"] == b["state_layout"] == PER_LAYER
@@ -119,11 +121,11 @@ def test_each_layer_is_read_after_the_previous_one_is_written(tmp_path, fmt, fam
 def test_interrupted_streamed_conversion_resumes_identically(tiny_checkpoint, tmp_path):
     _, path, text = tiny_checkpoint
     plan = MoEPlan.parse("S1A1E8")
-    kw = dict(KW, data_path=str(text), stream=True)
-    convert(str(path), plan, out=tmp_path / "full", **kw)
-    r = convert(str(path), plan, out=tmp_path / "resumed", stop_after_layers=1, **kw)
+    job = _job(plan, text, stream=True)
+    convert(str(path), job, out=tmp_path / "full", progress=False)
+    r = convert(str(path), job, out=tmp_path / "resumed", stop_after_layers=1, progress=False)
     assert r["out"] is None and not (tmp_path / "resumed").exists()
-    convert(str(path), plan, out=tmp_path / "resumed", resume=True, **kw)
+    convert(str(path), job, out=tmp_path / "resumed", resume=True, progress=False)
     _assert_same_state(restore_model(tmp_path / "full"), restore_model(tmp_path / "resumed"))
 
 

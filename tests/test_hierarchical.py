@@ -174,16 +174,15 @@ def test_cli_rejects_sub_plans_that_do_not_fit_the_experts(moe_dir, tmp_path, ca
 
 
 def test_interrupted_hierarchical_conversion_resumes_identically(moe_dir, tmp_path):
-    from cmoe_jax.convert import convert
+    from cmoe_jax.convert import Calibration, ConvertJob, convert
 
-    kw = dict(calib="wikitext2", data_path=str(moe_dir / "calib.txt"), calib_samples=2, seqlen=32,
-              k_act=4, router_neurons=2, progress=False)
-    plan = MoEPlan.parse("S1A1E4")
-    convert(str(moe_dir / "moe"), plan, out=tmp_path / "full", **kw)
+    job = ConvertJob(ConvertConfig(plan=MoEPlan.parse("S1A1E4"), k_act=4, router_neurons=2),
+                     Calibration(data_path=str(moe_dir / "calib.txt"), samples=2, seqlen=32))
+    convert(str(moe_dir / "moe"), job, out=tmp_path / "full", progress=False)
     out = tmp_path / "resumed"
-    r = convert(str(moe_dir / "moe"), plan, out=out, stop_after_layers=1, **kw)
+    r = convert(str(moe_dir / "moe"), job, out=out, stop_after_layers=1, progress=False)
     assert r["out"] is None and not out.exists()
-    convert(str(moe_dir / "moe"), plan, out=out, resume=True, **kw)
+    convert(str(moe_dir / "moe"), job, out=out, resume=True, progress=False)
     a = json.loads((tmp_path / "full" / "cmoe_manifest.json").read_text())
     b = json.loads((out / "cmoe_manifest.json").read_text())
     assert [l["experts"] for l in a["layers"]] == [l["experts"] for l in b["layers"]]

@@ -1,6 +1,7 @@
 """End-to-end conversion job: arguments checked first, then load, calibrate, convert, save."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -20,43 +21,60 @@ from cmoe_jax.jobs import JobModel, LayerLog, OutputJob, check_output_free, fing
 from cmoe_jax.loading import open_source
 
 
-def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str = "validation",
-            data_path: str | None = None, calib_samples: int = 8, seqlen: int = 2048,
-            k_act: int = 10, kmeans_iters: int | None = None, normalize: bool = True,
-            seed: int = 0, router_neurons: int = ConvertConfig.router_neurons,
-            router_scale: bool = ConvertConfig.router_scale,
-            router_fit_tokens: int = ConvertConfig.router_fit_tokens,
-            shared_by: str = ConvertConfig.shared_by, router_reps: str = ConvertConfig.router_reps,
-            resume: bool = False, expert_parallel: int = 1, min_expert_tokens: int = 32,
-            overwrite: bool = False, report: bool = False, stream: bool = False,
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The calibration text of a conversion: a corpus (or a local file) cut into windows."""
+
+    dataset: str = "wikitext2"
+    split: str = "validation"
+    data_path: str | None = None
+    samples: int = 8
+    seqlen: int = 2048
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertJob:
+    """Everything a CMoE conversion job needs besides its model and output: the method's
+    settings, the calibration text, and how to run (the CLI builds it from its flags)."""
+
+    method: ConvertConfig
+    calibration: Calibration = Calibration()
+    stream: bool = False  # read, convert and write one layer at a time (dense sources)
+    expert_parallel: int = 1  # devices the routed experts are split over in the forward
+    min_expert_tokens: int = 32  # hierarchical: fewer routed tokens -> profile on all tokens
+    report: bool = False  # PNG plots and a JSON summary beside the model
+
+
+def convert(model: str, job: ConvertJob, *, out, resume: bool = False, overwrite: bool = False,
             progress: bool = True, stop_after_layers: int | None = None) -> dict:
-    """Convert a dense checkpoint to CMoE and save it at `out`; returns the manifest.
+    """Convert a dense checkpoint to CMoE as `job` says and save it at `out`; returns the manifest.
 
     `stop_after_layers` exists for testing interruption: the job stops (as if killed) once
-    that many layers are saved in the staging directory. `expert_parallel`: see
+    that many layers are saved in the staging directory. `job.expert_parallel`: see
     `convert_model`; it changes where work runs, not the result (dense sources only).
 
     An MoE `model` (a converted cmoe_jax MoE, Qwen3-MoE, Mixtral) is carved hierarchically:
-    `plan` is then the per-expert plan S'A'E' (`cmoe_jax.methods.hierarchical.convert`), each expert
-    profiled on the tokens its router sends it, or all tokens below `min_expert_tokens`.
+    `job.method.plan` is then the per-expert plan S'A'E' (`cmoe_jax.methods.hierarchical`), each
+    expert profiled on the tokens its router sends it, or all tokens below `min_expert_tokens`.
 
-    `stream`: read, convert and write one decoder layer at a time (`cmoe_jax.methods.cmoe.streamed`:
-    peak host memory about one layer, for models larger than one host); dense sources only.
+    `job.stream`: read, convert and write one decoder layer at a time
+    (`cmoe_jax.methods.cmoe.convert_streamed`: peak host memory about one layer); dense sources only.
     """
     t_start = time.perf_counter()
     out = Path(out)
     check_output_free(out, overwrite)
     source = JobModel(model)
-    cfg, path = source.config, source.path
-    cc = ConvertConfig(plan=plan, k_act=k_act, normalize=normalize, kmeans_iters=kmeans_iters,
-                       seed=seed, router_neurons=router_neurons, router_scale=router_scale,
-                       router_fit_tokens=router_fit_tokens, shared_by=shared_by,
-                       router_reps=router_reps)
+    cfg = source.config
+    cc, cal, plan = job.method, job.calibration, job.method.plan
+    stream, expert_parallel = job.stream, job.expert_parallel
     hier = hierarchical.is_moe(cfg)
     distributed.refuse(**{"--resume": resume, "--stream": stream,
                           "an MoE source (hierarchical carving)": hier})
     if hier:
-        hierarchical.validate_moe(cfg, cc, min_expert_tokens)
+        hierarchical.validate_moe(cfg, cc, job.min_expert_tokens)
         if expert_parallel > 1:
             raise ConversionError("--expert-parallel is not supported for an MoE source "
                                   "(hierarchical carving) yet: leave it at 1")
@@ -65,44 +83,38 @@ def convert(model: str, plan, *, out, calib: str = "wikitext2", calib_split: str
                                   "carving) yet: drop --stream")
     else:
         try:
-            plan.validate(cfg.intermediate_size, k_act)
+            plan.validate(cfg.intermediate_size, cc.k_act)
         except ValueError as e:
             raise ConversionError(str(e)) from e
         check_router(cfg, cc)
         # each process calibrates on its share of the windows (`cmoe_jax.distributed`)
-        conversion_mesh(cc, len(distributed.split_for_process(range(calib_samples))),
+        conversion_mesh(cc, len(distributed.split_for_process(range(cal.samples))),
                         expert_parallel=expert_parallel)
-    if seqlen > cfg.max_position_embeddings:
-        raise CmoeError(f"--seqlen {seqlen} exceeds the model's context "
+    if cal.seqlen > cfg.max_position_embeddings:
+        raise CmoeError(f"--seqlen {cal.seqlen} exceeds the model's context "
                         f"({cfg.max_position_embeddings} positions)")
     with OutputJob(out, "convert", overwrite=overwrite, resume=resume,
-                   resumable=("layers/*.json",)) as job:
-        return _convert(job, source, plan, cc, hier, calib=calib, calib_split=calib_split,
-                        data_path=data_path, calib_samples=calib_samples, seqlen=seqlen, k_act=k_act,
-                        kmeans_iters=kmeans_iters, normalize=normalize, seed=seed,
-                        router_neurons=router_neurons, router_scale=router_scale,
-                        router_fit_tokens=router_fit_tokens, shared_by=shared_by,
-                        router_reps=router_reps, expert_parallel=expert_parallel,
-                        min_expert_tokens=min_expert_tokens, report=report, stream=stream,
-                        progress=progress, stop_after_layers=stop_after_layers, t_start=t_start)
+                   resumable=("layers/*.json",)) as output:
+        return _convert(output, source, job, hier, progress=progress,
+                        stop_after_layers=stop_after_layers, t_start=t_start)
 
 
-def _convert(job: OutputJob, source: JobModel, plan, cc: ConvertConfig, hier: bool, *, calib,
-             calib_split, data_path, calib_samples, seqlen, k_act, kmeans_iters, normalize, seed,
-             router_neurons, router_scale, router_fit_tokens, shared_by, router_reps,
-             expert_parallel, min_expert_tokens, report, stream, progress, stop_after_layers,
-             t_start) -> dict:
+def _convert(output: OutputJob, source: JobModel, job: ConvertJob, hier: bool, *, progress,
+             stop_after_layers, t_start) -> dict:
     """The conversion once the output is locked: stage, convert layer by layer, publish."""
-    model, cfg, path, out = source.name, source.config, source.path, job.out
+    model, cfg, path, out = source.name, source.config, source.path, output.out
+    cc, cal, plan = job.method, job.calibration, job.method.plan
+    stream, expert_parallel, min_expert_tokens = (job.stream, job.expert_parallel,
+                                                   job.min_expert_tokens)
     tokenizer = source.require_tokenizer("calibration text cannot be tokenized")
-    tokens = load_text_tokens(calib, tokenizer, split=calib_split, data_path=data_path)
-    windows = distributed.split_for_process(calibration_windows(tokens, calib_samples, seqlen, seed))
-    settings = {"model": str(model), **cc.to_dict(), "calib": calib, "calib_split": calib_split,
-                "data_path": data_path, "calib_samples": calib_samples, "seqlen": seqlen}
+    tokens = load_text_tokens(cal.dataset, tokenizer, split=cal.split, data_path=cal.data_path)
+    windows = distributed.split_for_process(calibration_windows(tokens, cal.samples, cal.seqlen, cc.seed))
+    settings = {"model": str(model), **cc.to_dict(), "calib": cal.dataset, "calib_split": cal.split,
+                "data_path": cal.data_path, "calib_samples": cal.samples, "seqlen": cal.seqlen}
     if hier:
         settings["min_expert_tokens"] = min_expert_tokens
-    job.open(fingerprint("convert", settings, path))
-    staging = job.staging.dir
+    output.open(fingerprint("convert", settings, path))
+    staging = output.staging.dir
     final = staging / "final"
     main = distributed.is_main()  # the one process that writes files besides Orbax's state
     layers = LayerLog(staging / "layers")
@@ -153,13 +165,13 @@ def _convert(job: OutputJob, source: JobModel, plan, cc: ConvertConfig, hier: bo
     manifest = {
         "source_model": str(model), "method": "cmoe", "config": plan.name,
         "plan": {"shared": plan.shared, "active": plan.active, "experts": plan.total,
-                 "expert_width": cfg.intermediate_size // plan.total},
-        "calibration": {"dataset": calib, "split": calib_split, "data_path": data_path,
-                        "samples": calib_samples, "seqlen": seqlen, "seed": seed},
-        "k_act": k_act, "normalize": normalize, "kmeans_iters": kmeans_iters,
-        "shared_by": shared_by,
-        "router": {"neurons_per_expert": router_neurons, "fitted_scales": router_scale,
-                   "fit_tokens": router_fit_tokens, "representatives_by": router_reps},
+                 "expert_width": plan.expert_width(cfg.intermediate_size)},
+        "calibration": {"dataset": cal.dataset, "split": cal.split, "data_path": cal.data_path,
+                        "samples": cal.samples, "seqlen": cal.seqlen, "seed": cc.seed},
+        "k_act": cc.k_act, "normalize": cc.normalize, "kmeans_iters": cc.kmeans_iters,
+        "shared_by": cc.shared_by,
+        "router": {"neurons_per_expert": cc.router_neurons, "fitted_scales": cc.router_scale,
+                   "fit_tokens": cc.router_fit_tokens, "representatives_by": cc.router_reps},
         "layers": [{k: v for k, v in r.to_json().items() if k not in ("mu", "seconds")}
                    for r in records],
     }
@@ -170,11 +182,11 @@ def _convert(job: OutputJob, source: JobModel, plan, cc: ConvertConfig, hier: bo
         write_manifest(final, moe_config, dict(manifest, state_layout=PER_LAYER), tokenizer)
     else:
         save_converted(moe_model, manifest, final, tokenizer=tokenizer)
-    if report and hier and main:
+    if job.report and hier and main:
         from cmoe_jax.methods.hierarchical import write_hier_report  # matplotlib: only with --report
 
         write_hier_report(records, plan.name, stage_seconds, final / "report")
-    elif report and main:
+    elif job.report and main:
         from cmoe_jax.methods.cmoe import write_report
 
         write_report(records, plan.name, stage_seconds, final / "report")
@@ -183,6 +195,6 @@ def _convert(job: OutputJob, source: JobModel, plan, cc: ConvertConfig, hier: bo
     if main:
         write_json_atomic(final / MANIFEST,
                           dict(json.loads((final / MANIFEST).read_text()), seconds=stage_seconds))
-    job.publish(final)
+    output.publish(final)
     distributed.barrier("convert:published")
     return dict(manifest, out=str(out))

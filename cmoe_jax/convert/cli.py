@@ -27,7 +27,7 @@ from cmoe_jax.cli_args import (
     positive_int,
     share,
 )
-from cmoe_jax.convert.api import convert
+from cmoe_jax.convert.api import Calibration, ConvertJob, convert
 from cmoe_jax.convert.expertweaver_job import convert_expertweaver
 from cmoe_jax.errors import CmoeError, run_job
 from cmoe_jax.methods.cmoe import ConvertConfig, MoEPlan
@@ -140,7 +140,6 @@ def router_options(args) -> dict:
 
 
 def run_expertweaver(args) -> dict:
-
     cc = WeaveConfig(experts=64 if args.experts is None else args.experts, sparsity=args.sparsity,
                      alpha_min=args.alpha_min, alpha_max=args.alpha_max, tau=args.tau, assignment=args.assignment, seed=args.seed)
     return convert_expertweaver(args.model, cc, out=Path(args.out), data_path=args.data_path,
@@ -156,15 +155,21 @@ def run(args) -> dict:
     distributed.refuse(**{"--method expertweaver": args.method == "expertweaver"})
     if args.method == "expertweaver":
         return run_expertweaver(args)
-    return convert(args.model, plan_from_args(args), out=Path(args.out), calib=args.dataset,
-                   calib_split=args.split, data_path=args.data_path,
-                   calib_samples=args.calib_samples, k_act=args.k_act,
-                   seqlen=2048 if args.seqlen is None else args.seqlen,
-                   kmeans_iters=args.kmeans_iters, normalize=not args.no_normalize,
-                   seed=args.seed, router_fit_tokens=args.router_fit_tokens,
-                   shared_by=args.shared_by, resume=args.resume, **router_options(args),
-                   expert_parallel=args.expert_parallel, min_expert_tokens=args.min_expert_tokens,
-                   overwrite=args.overwrite, report=args.report, stream=args.stream)
+    return convert(args.model, job_from_args(args), out=Path(args.out), resume=args.resume,
+                   overwrite=args.overwrite)
+
+
+def job_from_args(args) -> ConvertJob:
+    """The CMoE job the flags describe."""
+    method = ConvertConfig(plan=plan_from_args(args), k_act=args.k_act, normalize=not args.no_normalize,
+                           kmeans_iters=args.kmeans_iters, seed=args.seed,
+                           router_fit_tokens=args.router_fit_tokens, shared_by=args.shared_by,
+                           **router_options(args))
+    calibration = Calibration(dataset=args.dataset, split=args.split, data_path=args.data_path,
+                              samples=args.calib_samples,
+                              seqlen=2048 if args.seqlen is None else args.seqlen)
+    return ConvertJob(method, calibration, stream=args.stream, expert_parallel=args.expert_parallel,
+                      min_expert_tokens=args.min_expert_tokens, report=args.report)
 
 
 def main(argv=None, prog: str = "python -m cmoe_jax.convert") -> int:
