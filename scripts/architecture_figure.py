@@ -25,7 +25,7 @@ STAGES = [
 SIDE = [
     (3.0, 3.0, "shared algorithms", "carving/ (assignment,\nbalanced K-means)"),
     (2.0, 3.0, "data", "data/ (WikiText-2, C4,\nlocal files)"),
-    (0.0, 1.0, "jobs and CLIs", "convert/ compress/ train/\nexport/ eval/ -> cmoe-jax"),
+    (0.0, 1.0, "jobs and CLIs", "jobs/ (lock, staging, resume)\nconvert/ compress/ train/ ...\ncmoe-jax (commands.py)"),
 ]
 
 
@@ -60,8 +60,8 @@ def main() -> None:
     arrow(ax, (2.0, 3.0), (2.0, 2.0), dashed=True)   # calibration data -> layer pass
     arrow(ax, (0.0, 1.0), (0.0, 2.0), dashed=True)   # a job drives the line
     ax.text(1.5, 0.35, "Imports flow one way: errors, lora < moe, sharding, distributed < models, data < "
-            "checkpoint, profiling, carving < loading < methods < jobs (convert, compress, train, "
-            "eval, export) < cmoe-jax", ha="center", fontsize=8.5, style="italic")
+            "checkpoint, profiling, carving < loading < methods < jobs < convert, compress, train, "
+            "eval, export < cmoe-jax", ha="center", fontsize=8.5, style="italic")
     ax.set_xlim(-0.6, 3.6)
     ax.set_ylim(0.2, 3.45)
     ax.axis("off")
