@@ -237,6 +237,22 @@ def test_overwrite_publish_leaves_siblings_alone(inputs, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.old"]
 
 
+def test_kill_between_the_renames_of_overwrite_is_repaired(inputs, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert _export(inputs, out) == 0
+    before = (out / "cmoe_export.json").read_text()
+    proc = subprocess.run([sys.executable, "-m", "cmoe_jax.export", "--model", str(inputs["converted"]),
+                           "--out", str(out), "--calib-samples", "0", "--no-progress", "--overwrite"],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, CMOE_FAULT_AT="publish:swap:1"))
+    assert proc.returncode == -9 and not out.exists(), proc.stderr[-2000:]
+    capsys.readouterr()
+    assert _export(inputs, out) == 2  # the next job on it puts the old output back first
+    assert "exists" in capsys.readouterr().err
+    assert (out / "cmoe_export.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.partial"]  # kept for --resume
+
+
 def test_failure_after_staging_leaves_no_partial_and_next_run_works(inputs, tmp_path):
     out = tmp_path / "ft"
     broken = _copy_dense(inputs, tmp_path, {"intermediate_size": 48})

@@ -30,6 +30,8 @@ def check_output_free(out: Path, overwrite: bool, hint: str = "") -> None:
 
 
 class OutputJob:
+    """Lock, staging directory and publish of one job's `--out` (see the module docstring)."""
+
     def __init__(self, out: Path, job: str, *, overwrite: bool = False, resume: bool = False,
                  resumable: tuple[str, ...] = (), out_may_exist: bool | None = None):
         self.out, self.job, self.overwrite, self.resume = Path(out), job, overwrite, resume
@@ -45,6 +47,7 @@ class OutputJob:
         if self.main:
             try:
                 self._lock.acquire()
+                self.staging.recover()  # what a killed job of this output left half done
                 if not self.out_may_exist:  # again under the lock: a job may have published it
                     check_output_free(self.out, False)
             except CmoeError as e:

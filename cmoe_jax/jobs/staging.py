@@ -75,7 +75,6 @@ class Staging:
         With `resume` an existing staging directory must carry the same fingerprint (else a
         one-line error); without it, a staging directory of ours is started over. `files`
         ({name: JSON object}) are written into a new staging directory before it appears."""
-        self.recover()
         if self.dir.exists():
             saved = self.owner_record()
             if resume:

@@ -1,0 +1,122 @@
+"""A fault-injection campaign larger than the suite's: `--kills N` runs, each SIGKILLed at a
+seeded random point, each followed by a `--resume` run to the end.
+
+    python benchmarks/faults.py --kills 100 [--jobs convert,convert-stream,compress,export,train]
+        [--seed 0] [--race 10]
+
+Each kill is a fresh run of one job (round-robin over `--jobs`) killed at a random pass of
+one of its fault points (`CMOE_FAULT_AT`, see `cmoe_jax.jobs.faults`): after it the output
+must be absent, or complete and equal to the uninterrupted reference ("broken" otherwise).
+A `--resume` run without a fault then finishes the job, and its output must equal the
+reference tensor by tensor ("resumes identical"). `--race K` adds K runs of two conversions
+started together on one `--out` at seeded offsets. Prints, last:
+
+    kills N, broken outputs B, resumes identical R
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.fault_campaign import (ForkServer, _clean, differences, jobs, make_inputs,  # noqa: E402
+                                       race, reference)
+from benchmarks.harness import load_average  # noqa: E402
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def kill_and_resume(server, job, ref, work, point, n, log) -> tuple[bool, bool, str]:
+    """(killed, resumed identically, what went wrong) for one kill at `point`:`n`."""
+    out = work / f"{job.name}-out"
+    _clean(out)
+    code, = server.run([{"module": job.module, "argv": job.command(out, resume=False),
+                         "env": {"CMOE_FAULT_AT": f"{point}:{n}"}, "log": str(log)}])
+    if code != -9:
+        return False, False, f"{job.name} {point}:{n}: not killed (exit {code})"
+    problem = ""
+    if out.exists():  # killed after the publish
+        diffs = differences(ref, out)
+        problem = f"{job.name} {point}:{n}: broken output {diffs[:3]}" if diffs else ""
+        shutil.rmtree(out)
+    code, = server.run([{"module": job.module, "argv": job.command(out, resume=True), "log": str(log)}])
+    if code != 0:
+        return True, False, problem or f"{job.name} {point}:{n}: resume exited {code}"
+    diffs = differences(ref, out)
+    _clean(out)
+    return True, not diffs, problem or (f"{job.name} {point}:{n}: resume differs {diffs[:3]}" if diffs else "")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kills", type=int, default=100)
+    p.add_argument("--jobs", default="convert,convert-stream,compress,export,train")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--race", type=int, default=10, help="two-job races on one --out (0: none)")
+    p.add_argument("--work", help="working directory (default: a temporary one, removed)")
+    args = p.parse_args(argv)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="cmoe_faults_"))
+    work.mkdir(parents=True, exist_ok=True)
+    names = [n for n in args.jobs.split(",") if n]
+    rng = random.Random(args.seed)
+    t0 = time.perf_counter()
+    kills = broken = identical = 0
+    problems = []
+    try:
+        inputs = make_inputs(work / "inputs")
+        with ForkServer(work / "jax-cache") as server:
+            specs = jobs(inputs, work / "ref-convert")
+            refs = {"convert": reference(server, specs["convert"], work / "ref-convert")}
+            for name in names:
+                if name not in refs:
+                    refs[name] = reference(server, specs[name], work / f"ref-{name}")
+            for k in range(args.kills):
+                job = specs[names[k % len(names)]]
+                point = rng.choice(sorted(job.points))
+                n = rng.randint(1, job.points[point])
+                killed, same, problem = kill_and_resume(server, job, refs[job.name], work, point, n,
+                                                        work / f"run-{k}.log")
+                kills += killed
+                identical += same
+                broken += bool(problem)
+                if problem:
+                    problems.append(problem)
+                print(f"[{k + 1}/{args.kills}] {job.name} killed at {point}:{n}: "
+                      f"{problem or 'ok, resumed identically'}", flush=True)
+            if args.race:
+                offsets = [rng.uniform(0.0, 3.0) for _ in range(args.race)]
+                race_problems = race(server, specs["convert"], refs["convert"], work, offsets)
+                problems += race_problems
+                print(f"races {args.race}, problems {len(race_problems)}", flush=True)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    for line in problems:
+        print("problem:", line)
+    print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_model()} ({os.cpu_count()} cores, "
+          f"load {load_average():.1f}), {time.perf_counter() - t0:.0f} s, jobs {','.join(names)}, "
+          f"seed {args.seed}")
+    print(f"kills {kills}, broken outputs {broken}, resumes identical {identical}")
+    return 0 if not problems and kills == identical == args.kills else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
