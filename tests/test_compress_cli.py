@@ -118,14 +118,15 @@ def test_lora_trains_on_the_prototype_runtime(mixtral, tmp_path):
 def test_train_job_runs_on_a_compressed_model(mixtral, tmp_path):
     """`python -m cmoe_jax.train`'s job on a layer-local ConMoE model: the adapters merge into
     the prototype table, and the result loads with its slot maps."""
-    from cmoe_jax.train import finetune
+    from cmoe_jax.train import TrainJob, finetune
 
     path, text = mixtral
     compress(str(path), method="conmoe", ratio=0.5, out=tmp_path / "c", data_path=str(text),
              calib_samples=2, seqlen=32, progress=False)
     before = load_model(str(tmp_path / "c")).model
-    finetune(str(tmp_path / "c"), out=tmp_path / "ft", data_path=str(text), samples=8, seqlen=32,
-             batch_size=2, lora_rank=4, lr=1e-2, epochs=1, progress=False)
+    finetune(str(tmp_path / "c"), TrainJob(data_path=str(text), samples=8, seqlen=32, batch_size=2,
+                                           lora_rank=4, lr=1e-2, epochs=1),
+             out=tmp_path / "ft", progress=False)
     after = load_model(str(tmp_path / "ft")).model
     assert after.config.moe_layers[0].num_prototypes == before.config.moe_layers[0].num_prototypes == 2
     np.testing.assert_array_equal(np.asarray(after.layers[0].mlp.slot_map[...]),

@@ -19,7 +19,7 @@ from cmoe_jax.loading import load_model
 from cmoe_jax.models import ModelConfig
 from cmoe_jax.models.stack import LayerStack
 from cmoe_jax.lora import LoRA
-from cmoe_jax.train import (LoRAConfig, adapted_weights, finetune, init_adapters, load_adapters,
+from cmoe_jax.train import (LoRAConfig, TrainJob, adapted_weights, finetune, init_adapters, load_adapters,
                             lora_logits, lora_loss, merge_adapters, router_params, with_adapters)
 from cmoe_jax.train.cli import main as train_main
 from conftest import dense_and_converted, save_tiny_tokenizer, write_random_text
@@ -198,7 +198,8 @@ def _run(model_dirs, out, **kw):
                 lora_rank=4, lr=1e-2, router_lr=1e-2, bias_speed=1e-2, epochs=2,
                 save_every=2, progress=False)
     args.update(kw)
-    return finetune(str(model_dirs / "moe"), out=out, **args)
+    job, options = TrainJob.split_options(args)
+    return finetune(str(model_dirs / "moe"), job, out=out, **options)
 
 
 @pytest.fixture(scope="module")
@@ -257,18 +258,20 @@ SHARDED = r'''
 import json, os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, numpy as np
-from cmoe_jax.train import finetune, load_adapters
+from cmoe_jax.train import TrainJob, finetune, load_adapters
 assert jax.device_count() == 8
 root, out = sys.argv[1], sys.argv[2]
 kw = dict(data_path=root + "/text.txt", samples=8, seqlen=32, batch_size=4, lora_rank=4,
-          lr=1e-2, router_lr=1e-2, bias_speed=1e-2, epochs=3, save_every=100, progress=False)
-one = finetune(root + "/moe", out=out + "/one", mesh_shape=(1, 1), devices=jax.devices()[:1], **kw)
-many = finetune(root + "/moe", out=out + "/many", mesh_shape=(4, 2), **kw)
+          lr=1e-2, router_lr=1e-2, bias_speed=1e-2, epochs=3, save_every=100)
+one = finetune(root + "/moe", TrainJob(mesh_shape=(1, 1), **kw), out=out + "/one",
+               devices=jax.devices()[:1], progress=False)
+many = finetune(root + "/moe", TrainJob(mesh_shape=(4, 2), **kw), out=out + "/many", progress=False)
 import cmoe_jax.moe.expert_parallel as ep
 exchanges = []
 _exchange = ep._exchange
 ep._exchange = lambda *a, **k: exchanges.append(a[5]) or _exchange(*a, **k)  # traced all-to-all
-expert = finetune(root + "/moe", out=out + "/expert", mesh_shape=(2, 2), expert_parallel=2, **kw)
+expert = finetune(root + "/moe", TrainJob(mesh_shape=(2, 2), expert_parallel=2, **kw),
+                  out=out + "/expert", progress=False)
 assert one["mesh"] == {"data": 1, "model": 1} and many["mesh"] == {"data": 4, "model": 2}
 assert expert["mesh"] == {"data": 2, "expert": 2, "model": 2}, expert["mesh"]
 logs = {k: [s["loss"] for s in json.load(open(f"{out}/{k}/train_log.json"))["steps"]]

@@ -7,7 +7,7 @@ model, run by its own forward), `lora_loss` / `lora_logits`, `init_state` /
 `make_train_step` (Optax, sharding, one jitted step).
 """
 from cmoe_jax.sharding import make_mesh
-from cmoe_jax.train.api import finetune as _finetune
+from cmoe_jax.train.api import TrainJob, finetune
 from cmoe_jax.train.checkpoint import load_adapters
 from cmoe_jax.train.lora import (
     DEFAULT_TARGETS,
@@ -26,11 +26,7 @@ from cmoe_jax.train.lora import (
 from cmoe_jax.train.step import OptimConfig, init_state, make_train_step, split_frozen
 
 
-def finetune(*args, **kwargs):
-    return _finetune(*args, **kwargs)
-
-
-__all__ = ["finetune", "load_adapters", "lora_hidden", "lora_logits", "lora_loss",
+__all__ = ["finetune", "TrainJob", "load_adapters", "lora_hidden", "lora_logits", "lora_loss",
            "DEFAULT_TARGETS", "LoRAConfig", "TrainError", "adapted_weights", "init_adapters",
            "merge_adapters", "parse_targets", "router_params", "with_adapters", "OptimConfig", "init_state",
            "make_mesh", "make_train_step", "split_frozen"]

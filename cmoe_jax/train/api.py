@@ -17,6 +17,7 @@ manifest; all processes write the Orbax checkpoints, adapters and merged state.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -55,25 +56,61 @@ def _prepare_dirs(staging: Staging, fp: dict, settings: dict, resume: bool, over
     return out.exists()
 
 
-def finetune(model: str, *, out, dataset: str = "wikitext2", data_path: str | None = None,
-             split: str = "train", samples: int = 2048, seqlen: int = 2048, batch_size: int = 1,
-             lora_rank: int = 8, lora_alpha: float = 32.0, dropout: float = 0.0,
-             targets=DEFAULT_TARGETS, lr: float = 5.95e-5, router_lr: float = 1e-3,
-             bias_speed: float = 1e-3, epochs: int = 1, seed: int = 0, save_every: int = 100,
-             max_steps: int | None = None, max_minutes: float | None = None,
-             resume: bool = False, overwrite: bool = False, mesh_shape: tuple | None = None,
-             expert_parallel: int = 1, devices=None, remat: bool = False,
-             dtype: str = "float32", progress: bool = True, stop_after_steps: int | None = None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class TrainJob:
+    """A fine-tuning job's settings (what the CLI's flags build): data, LoRA, optimiser,
+    schedule and mesh. `mesh_shape = (data, model)`; None: every device on "data"."""
+
+    dataset: str = "wikitext2"
+    data_path: str | None = None
+    split: str = "train"
+    samples: int = 2048
+    seqlen: int = 2048
+    batch_size: int = 1
+    lora_rank: int = 8
+    lora_alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple | str = DEFAULT_TARGETS
+    lr: float = 5.95e-5
+    router_lr: float = 1e-3
+    bias_speed: float = 1e-3
+    epochs: int = 1
+    seed: int = 0
+    save_every: int = 100
+    max_steps: int | None = None
+    max_minutes: float | None = None
+    mesh_shape: tuple | None = None
+    expert_parallel: int = 1
+    remat: bool = False
+    dtype: str = "float32"
+
+    @classmethod
+    def split_options(cls, options: dict) -> tuple["TrainJob", dict]:
+        """(the job of the settings among `options`, the rest): for callers holding one dict."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return (cls(**{k: v for k, v in options.items() if k in names}),
+                {k: v for k, v in options.items() if k not in names})
+
+
+def finetune(model: str, job: TrainJob = TrainJob(), *, out, resume: bool = False,
+             overwrite: bool = False, devices=None, progress: bool = True,
+             stop_after_steps: int | None = None) -> dict:
     """LoRA fine-tuning of a dense or converted model (CMoE paper, section 4); returns a summary.
 
-    `mesh_shape = (data, model)` (default: all devices of all processes on "data");
-    `expert_parallel > 1` adds
+    `job.mesh_shape = (data, model)` (default: all devices of all processes on "data");
+    `job.expert_parallel > 1` adds
     an "expert" axis of that many devices between them: the MoE layers' routed experts are
     split over it (tokens exchanged by all-to-all) and the batch over data x expert, so
     `batch_size` must be a multiple of data x expert. `stop_after_steps` exists for testing
     interruption: the job stops as if killed right after that step (its checkpoints stay in
     `OUT.partial`).
     """
+    dataset, data_path, split, samples = job.dataset, job.data_path, job.split, job.samples
+    seqlen, batch_size, lora_rank, lora_alpha = job.seqlen, job.batch_size, job.lora_rank, job.lora_alpha
+    dropout, targets, lr, router_lr = job.dropout, job.targets, job.lr, job.router_lr
+    bias_speed, epochs, seed, save_every = job.bias_speed, job.epochs, job.seed, job.save_every
+    max_steps, max_minutes, mesh_shape, expert_parallel = job.max_steps, job.max_minutes, job.mesh_shape, job.expert_parallel
+    remat, dtype = job.remat, job.dtype
     t_start = time.perf_counter()
     out = Path(out)
     targets = parse_targets(targets)

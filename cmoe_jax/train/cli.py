@@ -25,7 +25,7 @@ from cmoe_jax.cli_args import (
     positive_int,
 )
 from cmoe_jax.errors import CmoeError, run_job
-from cmoe_jax.train.api import finetune
+from cmoe_jax.train.api import TrainJob, finetune
 from cmoe_jax.train.lora import DEFAULT_TARGETS
 
 EXAMPLE = ("{prog} --model out/s1a1e8 --data-path wikitext-2/wiki.valid.raw --samples 64 "
@@ -99,15 +99,15 @@ def run(args) -> dict:
     check_writable_dir(args.out)
     distributed.initialize()  # a multi-process job trains data-parallel over all processes
 
-    return finetune(args.model, out=args.out, dataset=args.dataset, data_path=args.data_path,
-                    split=args.split, samples=args.samples, seqlen=args.seqlen,
-                    batch_size=args.batch_size, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                    dropout=args.dropout, targets=args.targets, lr=args.lr, router_lr=args.router_lr,
-                    bias_speed=args.bias_speed, epochs=args.epochs, seed=args.seed,
-                    save_every=args.save_every, max_steps=args.max_steps,
-                    max_minutes=args.max_minutes, resume=args.resume, overwrite=args.overwrite,
-                    mesh_shape=_mesh(args.mesh), expert_parallel=args.expert_parallel,
-                    remat=args.remat, dtype=args.dtype,
+    job = TrainJob(dataset=args.dataset, data_path=args.data_path, split=args.split,
+                   samples=args.samples, seqlen=args.seqlen, batch_size=args.batch_size,
+                   lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, dropout=args.dropout,
+                   targets=args.targets, lr=args.lr, router_lr=args.router_lr,
+                   bias_speed=args.bias_speed, epochs=args.epochs, seed=args.seed,
+                   save_every=args.save_every, max_steps=args.max_steps, max_minutes=args.max_minutes,
+                   mesh_shape=_mesh(args.mesh), expert_parallel=args.expert_parallel,
+                   remat=args.remat, dtype=args.dtype)
+    return finetune(args.model, job, out=args.out, resume=args.resume, overwrite=args.overwrite,
                     progress=not args.no_progress)
 
 
