@@ -7,7 +7,8 @@ model, run by its own forward), `lora_loss` / `lora_logits`, `init_state` /
 `make_train_step` (Optax, sharding, one jitted step).
 """
 from cmoe_jax.sharding import make_mesh
-from cmoe_jax.train.api import TrainJob, finetune
+from cmoe_jax.train.api import finetune
+from cmoe_jax.train.job import TrainJob
 from cmoe_jax.train.checkpoint import load_adapters
 from cmoe_jax.train.lora import (
     DEFAULT_TARGETS,

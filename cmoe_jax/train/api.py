@@ -17,7 +17,6 @@ manifest; all processes write the Orbax checkpoints, adapters and merged state.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import shutil
@@ -31,7 +30,8 @@ from cmoe_jax.checkpoint import MANIFEST, save_converted
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.jobs import JobModel, OutputJob, Staging, fault_point, fingerprint
 from cmoe_jax.train.checkpoint import RUN_CONFIG, check_run_config
-from cmoe_jax.train.lora import DEFAULT_TARGETS, LoRAConfig, TrainError, parse_targets
+from cmoe_jax.train.job import TrainJob
+from cmoe_jax.train.lora import LoRAConfig, TrainError, parse_targets
 
 def _prepare_dirs(staging: Staging, fp: dict, settings: dict, resume: bool, overwrite: bool) -> bool:
     """Open the staging directory (process 0); True when the output must be replaced at the end."""
@@ -54,42 +54,6 @@ def _prepare_dirs(staging: Staging, fp: dict, settings: dict, resume: bool, over
                          "or --overwrite to start over")
     staging.open(fp, resume=False, files={RUN_CONFIG: settings})
     return out.exists()
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainJob:
-    """A fine-tuning job's settings (what the CLI's flags build): data, LoRA, optimiser,
-    schedule and mesh. `mesh_shape = (data, model)`; None: every device on "data"."""
-
-    dataset: str = "wikitext2"
-    data_path: str | None = None
-    split: str = "train"
-    samples: int = 2048
-    seqlen: int = 2048
-    batch_size: int = 1
-    lora_rank: int = 8
-    lora_alpha: float = 32.0
-    dropout: float = 0.0
-    targets: tuple | str = DEFAULT_TARGETS
-    lr: float = 5.95e-5
-    router_lr: float = 1e-3
-    bias_speed: float = 1e-3
-    epochs: int = 1
-    seed: int = 0
-    save_every: int = 100
-    max_steps: int | None = None
-    max_minutes: float | None = None
-    mesh_shape: tuple | None = None
-    expert_parallel: int = 1
-    remat: bool = False
-    dtype: str = "float32"
-
-    @classmethod
-    def split_options(cls, options: dict) -> tuple["TrainJob", dict]:
-        """(the job of the settings among `options`, the rest): for callers holding one dict."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return (cls(**{k: v for k, v in options.items() if k in names}),
-                {k: v for k, v in options.items() if k not in names})
 
 
 def finetune(model: str, job: TrainJob = TrainJob(), *, out, resume: bool = False,

@@ -25,7 +25,8 @@ from cmoe_jax.cli_args import (
     positive_int,
 )
 from cmoe_jax.errors import CmoeError, run_job
-from cmoe_jax.train.api import TrainJob, finetune
+from cmoe_jax.train.api import finetune
+from cmoe_jax.train.job import TrainJob
 from cmoe_jax.train.lora import DEFAULT_TARGETS
 
 EXAMPLE = ("{prog} --model out/s1a1e8 --data-path wikitext-2/wiki.valid.raw --samples 64 "
