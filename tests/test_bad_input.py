@@ -31,13 +31,13 @@ from tests.conftest import save_tiny_tokenizer, tiny_hf_model, write_random_text
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-
 def _tiny_job(text) -> ConvertJob:
     """S1A1E8 on two 32-token windows of `text`: the smallest conversion the table needs."""
     return ConvertJob(ConvertConfig(plan=MoEPlan.parse("S1A1E8"), k_act=4),
                       Calibration(data_path=str(text), samples=2, seqlen=32))
 
+
+@pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     """A tiny dense Llama with a tokenizer, a text file, and its S1A1E8 conversion."""
     root = tmp_path_factory.mktemp("bad_input")
