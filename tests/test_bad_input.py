@@ -124,7 +124,7 @@ CASES = [
     ("convert-wrong-shape-as-stored", _convert, [], lambda i, t: _copy_dense(i, t, {"intermediate_size": 128}),
      "down_proj.weight' has shape (32, 64) in the file but the config implies (32, 128)"),
     ("convert-index-outside-dir", _convert, [], _sharded_with_outside_path, "outside the model directory"),
-    ("convert-out-under-a-file", _convert, ["UNDER_FILE"], None, "choose a writable --out"),
+    ("convert-out-under-a-file", _convert, ["UNDER_FILE"], None, "is not a directory"),
     ("convert-typo-local-path", _convert, [], lambda i, t: "runs/typo", "it names a local path"),
     ("compress-bad-manifest", _compress, [], _broken_manifest, "cmoe_manifest.json is not valid JSON"),
     ("compress-dense-model", _compress, [], lambda i, t: i["dense"], "has no MoE layers"),
