@@ -160,3 +160,37 @@ def layer_pass(layers: Iterable[nnx.Module], h, rope, mesh: Mesh,
             del inputs
             bar.update()
     return h
+
+
+class LayerStep:
+    """Base of a conversion method's step: `__call__(inputs)` (the subclass) returns the
+    new FFN and appends the layer's record to `records`; `finish` adds the layer's expert
+    load and hands newly computed layers (not resumed ones) to `on_layer` for saving."""
+
+    def __init__(self, done=(), on_layer: Callable[[int, object], None] | None = None):
+        self.done, self.on_layer = list(done), on_layer
+        self.records: list = []
+        self._t_forward = 0.0
+
+    def set_load(self, record, load: np.ndarray, seconds: float) -> None:
+        record.load = load
+        record.seconds["route_and_forward"] = seconds
+
+    def finish(self, inputs: LayerInput, load: np.ndarray) -> None:
+        record = self.records[inputs.index]
+        self.set_load(record, load, time.perf_counter() - self._t_forward)
+        if inputs.index >= len(self.done) and self.on_layer is not None:
+            self.on_layer(inputs.index, record)
+
+
+def converted_ffns(layers, h, rope, mesh: Mesh, step: LayerStep, *, desc: str,
+                   progress: bool = True) -> list:
+    """The layer pass with a method's `step`: every FFN it returned, in layer order."""
+    ffns = []
+
+    def finish(inputs, load):
+        ffns.append(inputs.ffn)
+        step.finish(inputs, load)
+
+    layer_pass(layers, h, rope, mesh, step, after_layer=finish, desc=desc, progress=progress)
+    return ffns

@@ -22,8 +22,8 @@ from cmoe_jax import distributed
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
-from cmoe_jax.profiling.layer_pass import (LayerInput, calibration_mesh, layer_pass, replicate,
-                                           start_pass)
+from cmoe_jax.profiling.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
+                                           replicate, start_pass)
 
 
 class ConversionError(CmoeError):
@@ -204,18 +204,15 @@ def fit_router_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
     return scales
 
 
-class LayerConverter:
+class LayerConverter(LayerStep):
     """The CMoE step of the layer pass: carve dense layer i on its FFN input (or reuse the
-    partition of a resumed layer), build its MoE FFN and fit the router's score scales.
-
-    `records` grows by one `LayerRecord` per layer; `finish` (the pass's `after_layer`)
-    adds the layer's expert load and hands newly converted layers to `on_layer`."""
+    partition of a resumed layer), build its MoE FFN and fit the router's score scales;
+    `records` grows by one `LayerRecord` per layer."""
 
     def __init__(self, cfg: ModelConfig, cc: ConvertConfig, mesh, done=(),
                  on_layer: Callable[[int, LayerRecord], None] | None = None):
-        self.cfg, self.cc, self.mesh, self.done, self.on_layer = cfg, cc, mesh, list(done), on_layer
-        self.records: list[LayerRecord] = []
-        self._t_route = 0.0
+        super().__init__(done, on_layer)
+        self.cfg, self.cc, self.mesh = cfg, cc, mesh
 
     def __call__(self, inputs: LayerInput) -> nnx.Module:
         i, layer, x = inputs.index, inputs.layer, inputs.ffn_input
@@ -224,20 +221,13 @@ class LayerConverter:
         else:
             carving, mu, secs = carve_one_layer(layer, x, self.cc)
             record = LayerRecord(carving, mu, np.zeros(0), dict(secs, attention=inputs.seconds))
-        self._t_route = time.perf_counter()
+        self._t_forward = time.perf_counter()
         ffn = filled_ffn(self.cfg, moe_spec(self.cfg, self.cc), slices_for(layer, record.carving),
                          layer.mlp.gate[...].dtype)
         if self.cc.router_scale:
             record.router_scales = fit_router_scales(ffn, x, self.cc, self.mesh)
         self.records.append(record)
         return ffn
-
-    def finish(self, inputs: LayerInput, load: np.ndarray) -> None:
-        record = self.records[inputs.index]
-        record.load = load
-        record.seconds["route_and_forward"] = time.perf_counter() - self._t_route
-        if inputs.index >= len(self.done) and self.on_layer is not None:
-            self.on_layer(inputs.index, record)
 
 
 def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devices=None,
@@ -257,13 +247,7 @@ def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devic
     mesh = conversion_mesh(cc, calib.shape[0], devices, expert_parallel)
     h, rope = start_pass(model, calib, mesh)
     step = LayerConverter(cfg, cc, mesh, done or (), on_layer)
-    ffns = []
-
-    def finish(inputs, load):
-        ffns.append(inputs.ffn)
-        step.finish(inputs, load)
-
-    layer_pass(model.layers, h, rope, mesh, step, after_layer=finish,
-               desc=f"converting to {cc.plan.name}", progress=progress)
+    ffns = converted_ffns(model.layers, h, rope, mesh, step, desc=f"converting to {cc.plan.name}",
+                          progress=progress)
     cfg_moe = cfg.with_moe_layers([moe_spec(cfg, cc)] * cfg.num_layers)
     return model.with_ffns(cfg_moe, ffns), step.records

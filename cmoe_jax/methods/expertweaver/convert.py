@@ -20,7 +20,8 @@ from cmoe_jax.methods.expertweaver.weave import (ASSIGNMENTS, WovenLayer, active
 from cmoe_jax.methods.cmoe import ConversionError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
-from cmoe_jax.profiling.layer_pass import LayerInput, calibration_mesh, layer_pass, start_pass
+from cmoe_jax.profiling.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
+                                           start_pass)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,16 +93,15 @@ def woven_slices(w_gate, w_up, w_down, woven: WovenLayer) -> dict:
             "router_kernel": router_centroids(w_gate, e)}
 
 
-class LayerWeaver:
+class LayerWeaver(LayerStep):
     """The ExpertWeaver step of the layer pass: gate profiles of layer i per task, the
     adaptive shared/routed split and clustering (or a resumed layer's record), the woven
     MoE FFN. `records` (JSON dicts) and `specs` grow by one per layer."""
 
     def __init__(self, cfg: ModelConfig, cc: WeaveConfig, task_ids: np.ndarray, dtype, done=(),
                  on_layer: Callable[[int, dict], None] | None = None):
+        super().__init__(done, on_layer)
         self.cfg, self.cc, self.task_ids, self.dtype = cfg, cc, task_ids, dtype
-        self.done, self.on_layer = list(done), on_layer
-        self.records: list[dict] = []
         self.specs: list[FFNSpec] = []
 
     def __call__(self, inputs: LayerInput) -> nnx.Module:
@@ -125,10 +125,8 @@ class LayerWeaver:
         self.specs.append(spec)
         return filled_ffn(self.cfg, spec, woven_slices(*weights, woven), self.dtype)
 
-    def finish(self, inputs: LayerInput, load: np.ndarray) -> None:
-        self.records[inputs.index]["load"] = load.tolist()
-        if inputs.index >= len(self.done) and self.on_layer is not None:
-            self.on_layer(inputs.index, self.records[inputs.index])
+    def set_load(self, record: dict, load: np.ndarray, seconds: float) -> None:
+        record["load"] = load.tolist()  # a JSON record; its seconds are profile and cluster
 
 
 def weave_model(model: Decoder, windows: np.ndarray, task_ids: np.ndarray, cc: WeaveConfig, *,
@@ -144,12 +142,6 @@ def weave_model(model: Decoder, windows: np.ndarray, task_ids: np.ndarray, cc: W
     mesh = calibration_mesh(windows.shape[0], devices)
     h, rope = start_pass(model, windows, mesh)
     step = LayerWeaver(cfg, cc, task_ids, model.dtype, done or (), on_layer)
-    ffns = []
-
-    def finish(inputs, load):
-        ffns.append(inputs.ffn)
-        step.finish(inputs, load)
-
-    layer_pass(model.layers, h, rope, mesh, step, after_layer=finish, desc=f"weaving {cc.name}",
-               progress=progress)
+    ffns = converted_ffns(model.layers, h, rope, mesh, step, desc=f"weaving {cc.name}",
+                          progress=progress)
     return model.with_ffns(cfg.with_moe_layers(step.specs), ffns), step.records

@@ -19,7 +19,8 @@ from cmoe_jax.methods.hierarchical.carve import (HOST_NAMES, TOP_ROUTER_NAMES, E
 from cmoe_jax.methods.cmoe import ConversionError, ConvertConfig
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
-from cmoe_jax.profiling.layer_pass import LayerInput, calibration_mesh, layer_pass, start_pass
+from cmoe_jax.profiling.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
+                                           start_pass)
 
 def is_moe(cfg: ModelConfig) -> bool:
     return any(s is not None for s in cfg.moe_layers)
@@ -105,17 +106,15 @@ def _expert_weights(src) -> dict:
             for k in ("expert_gate", "expert_up", "expert_down")}
 
 
-class ExpertCarver:
+class ExpertCarver(LayerStep):
     """The hierarchical step of the layer pass: carve every expert of MoE layer i on the
     tokens its router sends it (dense layers pass through); resumed layers reuse their
     carvings. `records` grows by one `HierLayerRecord` per layer."""
 
     def __init__(self, cfg: ModelConfig, cc: ConvertConfig, min_tokens: int, dtype, done=(),
                  on_layer: Callable[[int, HierLayerRecord], None] | None = None):
+        super().__init__(done, on_layer)
         self.cfg, self.cc, self.min_tokens, self.dtype = cfg, cc, min_tokens, dtype
-        self.done, self.on_layer = list(done), on_layer
-        self.records: list[HierLayerRecord] = []
-        self._t_route = 0.0
 
     def __call__(self, inputs: LayerInput) -> nnx.Module:
         i, src, x = inputs.index, inputs.layer.mlp, inputs.ffn_input
@@ -131,15 +130,8 @@ class ExpertCarver:
             seconds["carve"] = time.perf_counter() - t1
             ffn = build_hier_ffn(self.cfg, src, hier_spec(spec, self.cc), carved, self.dtype)
         self.records.append(HierLayerRecord(experts, np.zeros(0), seconds))
-        self._t_route = time.perf_counter()
+        self._t_forward = time.perf_counter()
         return ffn
-
-    def finish(self, inputs: LayerInput, load: np.ndarray) -> None:
-        record = self.records[inputs.index]
-        record.load = load
-        record.seconds["route_and_forward"] = time.perf_counter() - self._t_route
-        if inputs.index >= len(self.done) and self.on_layer is not None:
-            self.on_layer(inputs.index, record)
 
 
 def convert_moe_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *,
@@ -157,14 +149,8 @@ def convert_moe_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *,
     mesh = calibration_mesh(calib.shape[0], devices)
     h, rope = start_pass(model, calib, mesh)
     step = ExpertCarver(cfg, cc, min_tokens, model.dtype, done or (), on_layer)
-    ffns = []
-
-    def finish(inputs, load):
-        ffns.append(inputs.ffn)
-        step.finish(inputs, load)
-
-    layer_pass(model.layers, h, rope, mesh, step, after_layer=finish,
-               desc=f"carving experts ({cc.plan.name} each)", progress=progress)
+    ffns = converted_ffns(model.layers, h, rope, mesh, step,
+                          desc=f"carving experts ({cc.plan.name} each)", progress=progress)
     cfg_hier = cfg.with_moe_layers([hier_spec(cfg.ffn_spec(i), cc) for i in range(cfg.num_layers)])
     return model.with_ffns(cfg_hier, ffns), step.records
 
