@@ -4,7 +4,7 @@ random bf16 weights, one safetensors shard per layer), and equality with the in-
 
 For each depth in --layers, two conversions run in fresh processes (their peak RSS is their
 own): `--stream` (one layer read, converted, written at a time) and the in-memory path
-(`load_model` + `convert_model` + save). The streamed peak should stay flat as the depth
+(`load_model(stack=False)` + `convert_model` + save, as the convert job does). The streamed peak should stay flat as the depth
 grows while the in-memory one grows with the model; the two outputs must be bit-identical.
 
     python benchmarks/streamed_memory.py [--layers 2 4] [--config S1A1E8] [--work DIR]
@@ -101,7 +101,7 @@ def convert_child(source: str, out: str, stream: bool, config: str, samples: int
         cfg_moe, _ = convert_streamed(open_source(Path(source)), cfg, calib, cc, Path(out))
         write_manifest(Path(out), cfg_moe, {"state_layout": PER_LAYER})
     else:
-        model = load_model(source, dtype=jnp.float32).model
+        model = load_model(source, dtype=jnp.float32, stack=False).model  # as the convert job loads
         moe, _ = convert_model(model, calib, cc)
         del model
         save_converted(moe, {}, Path(out))

@@ -125,7 +125,8 @@ def _convert(output: OutputJob, source: JobModel, job: ConvertJob, hier: bool, *
     distributed.barrier("convert:staging")
     t_load = time.perf_counter()
     if not stream:
-        lm = source.load(dtype=jnp.float32, progress=progress)
+        # layers kept one module each: the pass reads each where it lies (no slice copies)
+        lm = source.load(dtype=jnp.float32, progress=progress, stack=False)
     t_conv = time.perf_counter()
 
     class _Stop(Exception):

@@ -103,7 +103,7 @@ def _weave(job: OutputJob, source: JobModel, cc: WeaveConfig, windows, task_ids,
     model, cfg, out, staging = source.name, source.config, job.out, job.staging.dir
     layers = LayerLog(staging / "layers")
     done = layers.records(dict)
-    lm = source.load(dtype=jnp.float32, progress=progress)
+    lm = source.load(dtype=jnp.float32, progress=progress, stack=False)  # layers read in place
     t_conv = time.perf_counter()
 
     class _Stop(Exception):

@@ -127,9 +127,9 @@ def _default_mesh(mesh):
 
 
 def load_weights(source: TensorSource, cfg: ModelConfig, *, dtype=jnp.float32, mesh=None,
-                 progress: bool = True) -> Decoder:
+                 progress: bool = True, stack: bool = True) -> Decoder:
     """Fill an abstract Decoder from a tensor source, placing each tensor on its sharding."""
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0), stack=stack))
     return _fill(source, cfg, abstract, (), dtype=dtype, mesh=_default_mesh(mesh),
                  desc="loading weights" if progress else None)
 
@@ -159,11 +159,13 @@ _UNSET = object()
 
 
 def load_model(name_or_path: str = "smollm2", *, dtype=jnp.float32, mesh=None,
-               progress: bool = True, tokenizer=_UNSET, opened=None) -> LoadedModel:
+               progress: bool = True, tokenizer=_UNSET, opened=None, stack: bool = True) -> LoadedModel:
     """Load a Hugging Face directory / Hub id / GGUF file / converted cmoe_jax model.
 
     `tokenizer` (when given) and `opened` (what `open_model` returned) spare a job that has
-    them already a second read of the tokenizer and a second parse of a GGUF file."""
+    them already a second read of the tokenizer and a second parse of a GGUF file.
+    `stack=False` keeps a checkpoint's layers one module each (a layer-by-layer conversion
+    then reads each layer where it lies instead of slicing it out of a stack)."""
     cfg, path, source = opened if opened is not None else open_model(name_or_path)
     if is_converted(path):
         model = restore_model(path, dtype=dtype, mesh=mesh)
@@ -171,7 +173,7 @@ def load_model(name_or_path: str = "smollm2", *, dtype=jnp.float32, mesh=None,
             tokenizer = load_tokenizer(path)
         return LoadedModel(model, model.config, tokenizer, str(path), path)
     source = source if source is not None else open_source(path)
-    model = load_weights(source, cfg, dtype=dtype, mesh=mesh, progress=progress)
+    model = load_weights(source, cfg, dtype=dtype, mesh=mesh, progress=progress, stack=stack)
     if tokenizer is _UNSET and isinstance(source, GGUFSource):  # reuse the parsed file
         tokenizer = load_tokenizer(source.path, gguf_reader=source.reader)
     elif tokenizer is _UNSET:

@@ -136,7 +136,8 @@ class Decoder(nnx.Module):
         """A new model of config `cfg` (a conversion's): this model's embeddings, attention
         and norms with `ffns[i]` as layer i's FFN. Consumes `ffns` (the list is emptied):
         when the new layers stack, each FFN tensor is stacked and its per-layer pieces are
-        dropped one tensor at a time, and this model's stacked arrays are shared, not copied."""
+        dropped one tensor at a time, and this model's stacked arrays are shared, not copied;
+        a model with listed layers gives one with listed layers (nothing copied)."""
         abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=self.dtype, rngs=nnx.Rngs(0)))
         if isinstance(self.layers, LayerStack) and isinstance(abstract.layers, LayerStack):
             pure = nnx.to_pure_dict(nnx.state(self))
@@ -150,7 +151,9 @@ class Decoder(nnx.Module):
             ffns.clear()
         graphdef, target = nnx.split(abstract)
         nnx.replace_by_pure_dict(target, pure)
-        return nnx.merge(graphdef, target).stacked()
+        model = nnx.merge(graphdef, target)
+        # stacking listed layers would copy every one of them; a stacked source stays stacked
+        return model.stacked() if isinstance(self.layers, LayerStack) else model
 
     def set_layer(self, i: int, layer: nnx.Module) -> None:
         """Replace decoder layer `i`, whether the layers are stacked or listed. A layer of the
