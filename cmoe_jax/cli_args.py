@@ -48,9 +48,12 @@ class Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         """Parse, then set `given`: the destinations of the flags that were on the command line."""
         argv = sys.argv[1:] if args is None else list(args)
-        probe = argparse.Namespace(**{a.dest: _UNSET for a in self._actions if a.dest != argparse.SUPPRESS})
+        appends = {a.dest for a in self._actions if isinstance(a, argparse._AppendAction)}
+        probe = argparse.Namespace(**{a.dest: [] if a.dest in appends else _UNSET
+                                      for a in self._actions if a.dest != argparse.SUPPRESS})
         probe = super().parse_args(argv, probe)
-        given = {dest for dest, value in vars(probe).items() if value is not _UNSET}
+        given = {dest for dest, value in vars(probe).items()
+                 if value is not _UNSET and not (dest in appends and value == [])}
         result = super().parse_args(argv, namespace)
         result.given = given
         return result

@@ -82,9 +82,9 @@ def test_fake_tfds_when_datasets_is_missing(monkeypatch):
 def test_missing_download_libraries_name_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
-    with pytest.raises(DataError, match=r"pip install 'cmoe_jax\[datasets\]'.*--data-path"):
+    with pytest.raises(DataError, match=r"pip install -e '\.\[datasets\]'.*--data-path"):
         load_text("wikitext2")
-    with pytest.raises(DataError, match=r"pip install 'cmoe_jax\[tfds\]'"):
+    with pytest.raises(DataError, match=r"pip install -e '\.\[tfds\]'"):
         load_text("c4", source="tfds")
 
 
