@@ -16,6 +16,10 @@ metrics a variant already has and adds the missing ones (e.g. ARC to a perplexit
         --windows 8 --arc-path ../shared/data/arc-easy/test.jsonl --arc-limit 500
     python benchmarks/conmoe_table.py --markdown s3.jsonl      # the README table from the lines
     python benchmarks/conmoe_table.py --model runs/h-s3 --variants core ...  # a hierarchical model
+    python benchmarks/conmoe_table.py --model bases/smollm2-S3A3E8 --variants rules ...
+
+`--variants rules`: ConMoE's options against its paper form at scope 1 (REAP's kept experts
+remapped instead of masked, the duplicate-gate rules, the output distance).
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cmoe_jax.methods.conmoe import apply_plans, collect_stats, materialize, routed_bytes
-from cmoe_jax.compress.api import make_plans
+from cmoe_jax.compress.api import CompressConfig, make_plans
 from cmoe_jax.methods.conmoe.calibration import LayerStats
 from cmoe_jax.data import calibration_windows, eval_windows, load_text_tokens
 from cmoe_jax.eval.perplexity import perplexity
@@ -43,13 +47,28 @@ CORE = [("conmoe", 1, "adaptive"), ("frequency", 1, ""), ("reap", 1, ""), ("conm
 MORE = [("conmoe", 4, "fixed"), ("conmoe", 4, "usage"), ("conmoe", 4, "reap"),
         ("conmoe", 4, "distance"), ("conmoe", 2, "adaptive"), ("conmoe", 8, "adaptive"),
         ("conmoe", 30, "adaptive")]
+# (method, scope, selection, distance, duplicate gates): each option once against the paper's form
+RULES = [("conmoe", 1, "reap", "weights", "sum"), ("conmoe", 1, "adaptive", "weights", "max"),
+         ("conmoe", 1, "adaptive", "weights", "renorm"), ("conmoe", 1, "reap", "weights", "max"),
+         ("conmoe", 1, "adaptive", "outputs", "sum"), ("conmoe", 1, "adaptive", "outputs", "max"),
+         ("msmoe", 1, "", "weights", "max"), ("hcsmoe", 1, "", "weights", "max")]
+BASE = ("base", 0.0, 1, "", "weights", "sum")
+GROUPS = {"core": (CORE,), "all": (CORE, MORE), "rules": (CORE[:3], RULES)}
 
 
 def variants(ratios, groups=(CORE, MORE)):
+    """Keys (method, ratio, scope, selection, distance, duplicate gates) of the groups' variants."""
     for group in groups:
         for ratio in ratios:
-            for method, scope, selection in group:
-                yield method, ratio, scope, selection
+            for method, scope, selection, *rest in group:
+                distance, gates = rest or ("weights", "sum")
+                yield method, ratio, scope, selection, distance, gates
+
+
+def job_of(key) -> CompressConfig:
+    method, ratio, scope, selection, distance, gates = key
+    return CompressConfig(method=method, ratio=ratio, scope=scope, selection=selection or "adaptive",
+                          distance=distance, duplicate_gates=gates)
 
 
 def stats_for(model, tokenizer, cache: Path, data_dir: str = str(WIKITEXT)):
@@ -66,15 +85,16 @@ def stats_for(model, tokenizer, cache: Path, data_dir: str = str(WIKITEXT)):
     return stats
 
 
-def build_variant(model, stats, method, ratio, scope, selection):
+def build_variant(model, stats, key):
     """(model to evaluate, figures, prototypes kept, routed bytes of the prototype runtime)."""
-    if method == "base":
+    if key[0] == "base":
         return model, {}, sum(len(s.freq) for s in stats.values()), routed_bytes(model)
-    plans, figures = make_plans(model, stats, method, ratio, scope, selection)  # the CLI's own
-    runtime = apply_plans(model, plans)
+    job = job_of(key)
+    plans, figures = make_plans(model, stats, job)  # the CLI's own
+    runtime = apply_plans(model, plans, job.duplicate_gates)
     kept, nbytes = sum(p.num_prototypes for p in plans), routed_bytes(runtime)
-    if any((p.slot_maps[l] < 0).any() for p in plans for l in p.layers):
-        return runtime, figures, kept, nbytes  # pruned slots: only the runtime masks them
+    if job.duplicate_gates != "sum" or any((p.slot_maps[l] < 0).any() for p in plans for l in p.layers):
+        return runtime, figures, kept, nbytes  # only the runtime masks pruned slots or merges gates
     del runtime
     return materialize(model, plans), figures, kept, nbytes
 
@@ -84,7 +104,8 @@ def load_rows(out: Path) -> dict:
     if out.exists():
         for line in out.read_text().splitlines():
             row = json.loads(line)
-            rows.setdefault(tuple(row["key"]), {}).update(row)
+            key = tuple(row["key"]) + ("weights", "sum")[len(row["key"]) - 4:]  # 4-field keys: defaults
+            rows.setdefault(key, {}).update(row, key=list(key))
     return rows
 
 
@@ -96,11 +117,14 @@ def write_rows(out: Path, rows: dict) -> None:
 
 def markdown(rows: dict) -> str:
     """The README table: one line per variant in the order measured, ratios against the base."""
-    base = rows.get(("base", 0.0, 1, ""), {})
+    base = rows.get(BASE, {})
     total = base.get("prototypes")
     lines = ["| method | rho | scope | selection | kept | PPL | vs base | ARC acc | ARC acc_norm "
              "| cross-NN | d spread (min / mean / max) |", "|" + "---|" * 11]
-    for (method, ratio, scope, selection), r in rows.items():
+    for (method, ratio, scope, selection, distance, gates), r in rows.items():
+        options = [o for o, default in ((f"d={distance}", "d=weights"), (f"gates={gates}", "gates=sum"))
+                   if o != default]
+        selection = ", ".join([selection] * bool(selection) + options)
         ppl = r.get("ppl")
         ratio_ppl = f"{ppl / base['ppl']:.3f}x" if ppl and base.get("ppl") else ""
         arc = r.get("arc", {})
@@ -128,8 +152,9 @@ def main():
     p.add_argument("--out")
     p.add_argument("--stats")
     p.add_argument("--ratios", default="0.5,0.25")
-    p.add_argument("--variants", choices=("all", "core"), default="all",
-                   help="core: ConMoE layer-local and scope 4 and the four baselines only")
+    p.add_argument("--variants", choices=sorted(GROUPS), default="all",
+                   help="core: ConMoE layer-local and scope 4 and the four baselines only; rules: "
+                        "the selection, gate and distance options at scope 1")
     p.add_argument("--windows", type=int, default=40, help="WikiText-2 test windows (0: no perplexity)")
     p.add_argument("--arc-path", help="ARC-Easy test JSON lines: add each variant's accuracy")
     p.add_argument("--arc-limit", type=int, help="score only the first N ARC-Easy questions")
@@ -149,17 +174,16 @@ def main():
                          "wikitext2", 2048, args.windows, name="wikitext2 test") if args.windows else None)
     out = Path(args.out)
     rows = load_rows(out)
-    groups = (CORE,) if args.variants == "core" else (CORE, MORE)
-    todo = [("base", 0.0, 1, "")] + list(variants([float(r) for r in args.ratios.split(",")], groups))
-    for method, ratio, scope, selection in todo:
-        key = [method, ratio, scope, selection]
+    todo = [BASE] + list(variants([float(r) for r in args.ratios.split(",")], GROUPS[args.variants]))
+    for key in todo:
+        key = list(key)
         row = rows.get(tuple(key), {"key": key})
         want_ppl = test is not None and row.get("windows") != args.windows
         want_arc = docs is not None and "arc" not in row
         if not (want_ppl or want_arc):
             continue
         t0 = time.perf_counter()
-        model, figures, kept, nbytes = build_variant(lm.model, stats, method, ratio, scope, selection)
+        model, figures, kept, nbytes = build_variant(lm.model, stats, key)
         row.update({"prototypes": kept, "routed_bytes": nbytes, **figures})
         if want_ppl:
             row.update(ppl=perplexity(model, test, progress=False)["ppl"], windows=args.windows)

@@ -22,8 +22,6 @@ layers, converted from random calibration tokens, no transformers side (an accel
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -33,7 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import interleaved_times, load_average, machine_busy, print_load  # noqa: E402
+from benchmarks.harness import interleaved_times, load_average, machine_busy, machine_line, print_load  # noqa: E402
 
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2"
 SHAPES = {"llama2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
@@ -43,16 +41,6 @@ SHAPES = {"llama2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=40
           "tiny": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=256,
                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024)}
 PLANS = ("S1A1E8", "S3A3E8")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def smollm2_models(args, lm, tokens_valid):
@@ -128,7 +116,6 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     load_start = load_average()
 
-    import jax
 
     if args.shape:
         dense, converted = random_models(args)
@@ -150,8 +137,7 @@ def main(argv=None) -> None:
         import torch
 
         torch_info = f"torch {torch.__version__}, {torch.get_num_threads()} threads"
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__} on "
-          f"{jax.devices()[0].device_kind} x{len(jax.devices())}; {torch_info}")
+    print(f"{machine_line()}; {torch_info}")
     print(f"model: {args.shape or args.model}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           f"greedy, batches {args.batches}")
     medians = {}

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
 import sys
 from pathlib import Path
 
@@ -31,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import interleaved_times, load_average, report  # noqa: E402
+from benchmarks.harness import interleaved_times, load_average, machine_line, report  # noqa: E402
 from benchmarks.torch_reference import load_torch_causal_lm  # noqa: E402
 
 
@@ -67,7 +65,6 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     load_start = load_average()
 
-    import jax
     import torch
 
     from cmoe_jax.data import load_text_tokens, text_windows
@@ -85,9 +82,7 @@ def main(argv=None) -> None:
                                                             progress=False))]
     times = interleaved_times(sides, args.repeats)  # the warm-up pass compiles cmoe_jax's step
     ours, theirs = ppl["cmoe_jax"]["ppl"], ppl["transformers"]
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; "
-          f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{machine_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"model: {args.model}; data: {data or 'datasets'}; windows: {len(windows)} x {args.seqlen}")
     print(f"ppl: cmoe_jax {ours:.4f}, transformers {theirs:.4f}, relative difference "
           f"{100 * abs(ours - theirs) / theirs:.4f}%")

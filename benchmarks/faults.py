@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import shutil
 import sys
@@ -31,17 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.fault_campaign import (ForkServer, _clean, differences, jobs, make_inputs,  # noqa: E402
                                        race, reference)
-from benchmarks.harness import load_average  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from benchmarks.harness import cpu_model, load_average  # noqa: E402
 
 
 def kill_and_resume(server, job, ref, work, point, n, log) -> tuple[bool, bool, str]:

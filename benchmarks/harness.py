@@ -8,9 +8,31 @@ figure includes the benchmark's own threads (about one per core while it runs).
 from __future__ import annotations
 
 import os
+import platform
 import statistics
 import time
+from pathlib import Path
 from typing import Callable, Sequence
+
+
+def cpu_model() -> str:
+    """The CPU's model name: figures differ between machine kinds, so every benchmark says
+    which one made them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line() -> str:
+    """`CPU: <model>, <n> cores; jax <version> on <device kind> x<count>` (imports jax)."""
+    import jax
+
+    return (f"CPU: {cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__} on "
+            f"{jax.devices()[0].device_kind} x{len(jax.devices())}")
 
 
 def load_average() -> float:

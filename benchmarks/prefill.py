@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import interleaved_times, load_average, report  # noqa: E402
+from benchmarks.harness import interleaved_times, load_average, machine_line, report  # noqa: E402
 
 
 def prefill_fn(model):
@@ -48,7 +48,6 @@ def main() -> None:
     load_start = load_average()
 
     import jax.numpy as jnp
-    import numpy as np
 
     from cmoe_jax.methods.cmoe import MoEPlan
     from cmoe_jax.convert import ConvertConfig, convert_model
@@ -69,6 +68,7 @@ def main() -> None:
     run_dense, run_moe = prefill_fn(dense.model), prefill_fn(moe)
     times = interleaved_times([lambda: run_dense(batch).block_until_ready(),
                                lambda: run_moe(batch).block_until_ready()], args.repeats)
+    print(machine_line())
     print(f"prefill batch {args.batch}x{args.tokens}, {args.config} router: "
           f"{cc.router_neurons} neurons per expert by {cc.router_reps}")
     report(["dense", args.config], times, load_start, work=args.batch * args.tokens)

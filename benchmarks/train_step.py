@@ -34,8 +34,6 @@ is faster), withheld when the load average exceeds the core count.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -45,7 +43,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import interleaved_times, load_average, report  # noqa: E402
+from benchmarks.harness import interleaved_times, load_average, machine_line, report  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DEFAULT_CONVERTED = ROOT.parent / "bases" / "smollm2-S1A1E8"
@@ -167,7 +165,6 @@ def main(argv=None) -> None:
     load_start = load_average()
     model_name, converted = model_to_train(args)
 
-    import jax
     import torch
 
     from cmoe_jax.data import calibration_windows, load_text_tokens
@@ -191,9 +188,7 @@ def main(argv=None) -> None:
     copy_lora_factors(ref.model, ours.initial_adapters)
 
     loss_ref, loss_ours = ref.first_step(batch), ours.first_step(batch)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; jax {jax.__version__} on "
-          f"{jax.devices()[0].platform} x{len(jax.devices())}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(f"{machine_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"model: {model_name}{' (converted)' if converted else ''}; batch: {args.batch_size} x "
           f"{args.seqlen} tokens of {data or 'datasets'}; LoRA r={args.rank} alpha={args.alpha:g} on "
           f"{','.join(TARGETS)}; {args.steps} timed steps x {args.repeats} repeats; cmoe_jax compile "

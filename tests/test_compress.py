@@ -125,12 +125,26 @@ def test_scores_distances_selection_and_mapping_against_numpy(moe):
     assert 0.0 <= figures["cross_layer_nn_fraction"] <= 1.0
 
 
-@pytest.mark.parametrize("router", ["cmoe", "linear"])
-def test_pruned_and_shared_slots_against_numpy(router):
+def merged_gates(protos, gates, rule):
+    """{prototype: gate} of one token's chosen (prototype, gate) pairs under a duplicate rule."""
+    out = {}
+    for p, g in zip(protos, gates):
+        if p >= 0:
+            out[p] = out.get(p, 0.0) + g if rule == "sum" else max(out.get(p, -np.inf), g)
+    if rule == "renorm" and out:
+        total = sum(g for p, g in zip(protos, gates) if p >= 0)
+        out = {p: g * total / sum(out.values()) for p, g in out.items()}
+    return out
+
+
+@pytest.mark.parametrize("router,rule", [("cmoe", "sum"), ("linear", "sum"), ("cmoe", "max"),
+                                         ("linear", "max"), ("cmoe", "renorm"), ("linear", "renorm")])
+def test_pruned_and_shared_slots_against_numpy(router, rule):
     """A prototype layer with a pruned slot (-1) and two slots sharing a prototype, against
-    the direct formula: masked router, top-k, gates, sum of g * prototype(x)."""
+    the direct formula: masked router, top-k, gates merged per prototype by the duplicate
+    rule, sum of g * prototype(x)."""
     layer = MoEFFN(16, 8, 5, 3, shared_width=8, router=router, norm_topk_prob=router == "linear",
-                   router_neurons=2, num_prototypes=3, rngs=nnx.Rngs(3))
+                   router_neurons=2, num_prototypes=3, duplicate_gates=rule, rngs=nnx.Rngs(3))
     slot_map = np.array([2, -1, 0, 2, 1], np.int32)
     layer.slot_map[...] = jnp.asarray(slot_map)
     if router == "cmoe":
@@ -156,14 +170,38 @@ def test_pruned_and_shared_slots_against_numpy(router):
         gates = np.take_along_axis(probs, ids, 1)
         gates /= gates.sum(1, keepdims=True)
     want = np_swiglu(x, w["shared_gate"], w["shared_up"], w["shared_down"])
+    shared_tokens = 0
     for t in range(12):
-        for j in range(3):
-            p = slot_map[ids[t, j]]
-            if p >= 0:
-                want[t] += gates[t, j] * np_swiglu(x[t], w["expert_gate"][p], w["expert_up"][p], w["expert_down"][p])
+        protos = slot_map[ids[t]]
+        shared_tokens += len(set(protos[protos >= 0])) < (protos >= 0).sum()
+        for p, g in merged_gates(protos, gates[t], rule).items():
+            want[t] += g * np_swiglu(x[t], w["expert_gate"][p], w["expert_up"][p], w["expert_down"][p])
+    assert shared_tokens > 0  # some token chose two slots of one prototype: the rule matters
     got, counts = layer(jnp.asarray(x, jnp.float32), return_load=True)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
     assert counts.shape == (5,) and int(counts[1]) == 0
+
+
+def test_output_distance_against_numpy(moe):
+    """`distance="outputs"`: d between the experts' mean outputs, normalised like the weight
+    distance (2 ||m_i - m_j|| / (||m_i|| + ||m_j||)); b_e its nearest other expert."""
+    model, stats = moe
+    plans, _ = conmoe_plans(model, stats, 0.5, 2, distance="outputs")
+    for plan in plans:
+        m = np.concatenate([stats[l].mean_out for l in plan.layers]).astype(np.float64)
+        n = len(m)
+        d = np.array([[0.0 if i == j else 2 * np.linalg.norm(m[i] - m[j]) /
+                       (np.linalg.norm(m[i]) + np.linalg.norm(m[j]) + 2 * scoring.EPS)
+                       for j in range(n)] for i in range(n)])
+        b = np.array([min(d[i, j] for j in range(n) if j != i) for i in range(n)])
+        np.testing.assert_allclose(plan.info["b"], b, rtol=1e-6, atol=1e-9)
+        for slot_map_layer, l in enumerate(plan.layers):  # every slot points at its nearest prototype
+            protos = np.asarray(plan.info["prototypes"])
+            for e, p in enumerate(plan.slot_maps[l]):
+                unit = slot_map_layer * len(stats[l].freq) + e
+                assert d[unit, protos[p]] == pytest.approx(d[unit, protos].min())
+    weights, _ = conmoe_plans(model, stats, 0.5, 2)
+    assert [p.info["b"] for p in plans] != [p.info["b"] for p in weights]
 
 
 def np_silu_mul(x, wg, wu):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cmoe_jax.compress import compress
+from cmoe_jax.compress import CompressConfig, compress
 from cmoe_jax.compress.cli import main
 from tests.conftest import save_tiny_tokenizer, write_random_text
 from cmoe_jax.loading import load_model
@@ -65,13 +65,40 @@ def test_saved_model_restores_and_reports(mixtral, tmp_path):
                                np.asarray(restored(tokens)), atol=1e-5)
 
 
+def test_gate_rule_and_output_distance_are_saved_and_used(mixtral, tmp_path):
+    """`--duplicate-gates max --distance outputs`: the manifest records both, the restored
+    model carries the rule in its config, and its logits equal the in-memory runtime's with
+    that rule (and differ from the summed gates' where slots share a prototype)."""
+    from cmoe_jax.methods.conmoe import ScopePlan, apply_plans
+
+    path, text = mixtral
+    out = tmp_path / "c"
+    assert main(_args(path, text, out, "--method", "conmoe", "--ratio", "0.5", "--distance", "outputs",
+                      "--duplicate-gates", "max")) == 0
+    manifest = json.loads((out / "cmoe_manifest.json").read_text())
+    assert manifest["compression"]["distance"] == "outputs"
+    assert manifest["compression"]["duplicate_gates"] == "max"
+    restored = load_model(str(out)).model
+    assert {s.duplicate_gates for s in restored.config.moe_layers if s} == {"max"}
+    plans = [ScopePlan(s["layers"], np.asarray(s["mix"]), {int(k): np.asarray(v, np.int32)
+                                                          for k, v in s["slot_maps"].items()})
+             for s in manifest["scopes"]]
+    source = load_model(str(path)).model
+    tokens = jnp.asarray(np.arange(64, dtype=np.int32).reshape(2, 32) % 90)
+    np.testing.assert_allclose(np.asarray(apply_plans(source, plans, "max")(tokens)),
+                               np.asarray(restored(tokens)), atol=1e-5)
+    assert not np.allclose(np.asarray(apply_plans(source, plans, "sum")(tokens)),
+                           np.asarray(restored(tokens)), atol=1e-5)
+
+
 def test_resume_equals_uninterrupted(mixtral, tmp_path):
     path, text = mixtral
-    kw = dict(method="hcsmoe", ratio=0.5, data_path=str(text), calib_samples=2, seqlen=32, progress=False)
-    assert compress(str(path), out=tmp_path / "r", stop_after_layers=2, **kw)["out"] is None
+    job = CompressConfig(method="hcsmoe", ratio=0.5)
+    kw = dict(data_path=str(text), calib_samples=2, seqlen=32, progress=False)
+    assert compress(str(path), job, out=tmp_path / "r", stop_after_layers=2, **kw)["out"] is None
     assert len(list((tmp_path / "r.partial" / "layers").glob("*.npz"))) == 2
-    resumed = compress(str(path), out=tmp_path / "r", resume=True, **kw)
-    fresh = compress(str(path), out=tmp_path / "f", **kw)
+    resumed = compress(str(path), job, out=tmp_path / "r", resume=True, **kw)
+    fresh = compress(str(path), job, out=tmp_path / "f", **kw)
     assert resumed["scopes"] == fresh["scopes"]
 
 
@@ -79,6 +106,8 @@ def test_resume_equals_uninterrupted(mixtral, tmp_path):
     (["--method", "conmoe", "--ratio", "1.0"], "--ratio"),
     (["--method", "reap", "--ratio", "0.5", "--scope", "2"], "--scope"),
     (["--method", "conmoe", "--ratio", "0.5", "--scope", "0"], "--scope"),
+    (["--method", "frequency", "--ratio", "0.5", "--distance", "outputs"], "--distance"),
+    (["--method", "conmoe", "--ratio", "0.5", "--duplicate-gates", "mean"], "--duplicate-gates"),
 ])
 def test_bad_input_is_one_error_line(mixtral, tmp_path, capsys, extra, message):
     path, text = mixtral
@@ -101,7 +130,7 @@ def test_lora_trains_on_the_prototype_runtime(mixtral, tmp_path):
     from cmoe_jax.train.lora import LoRAConfig, init_adapters, lora_loss, router_params
 
     path, text = mixtral
-    compress(str(path), method="conmoe", ratio=0.5, scope=2, out=tmp_path / "c", data_path=str(text),
+    compress(str(path), CompressConfig(method="conmoe", ratio=0.5, scope=2), out=tmp_path / "c", data_path=str(text),
              calib_samples=2, seqlen=32, progress=False)
     model = load_model(str(tmp_path / "c")).model
     cfg = LoRAConfig(rank=2, alpha=4.0, dropout=0.0, targets=("gate_proj", "up_proj", "down_proj"))
@@ -121,7 +150,7 @@ def test_train_job_runs_on_a_compressed_model(mixtral, tmp_path):
     from cmoe_jax.train import TrainJob, finetune
 
     path, text = mixtral
-    compress(str(path), method="conmoe", ratio=0.5, out=tmp_path / "c", data_path=str(text),
+    compress(str(path), CompressConfig(method="conmoe", ratio=0.5), out=tmp_path / "c", data_path=str(text),
              calib_samples=2, seqlen=32, progress=False)
     before = load_model(str(tmp_path / "c")).model
     finetune(str(tmp_path / "c"), TrainJob(data_path=str(text), samples=8, seqlen=32, batch_size=2,
@@ -142,7 +171,7 @@ def test_train_refuses_a_table_shared_across_layers(mixtral, tmp_path, capsys):
     from cmoe_jax.train.cli import main as train_main
 
     path, text = mixtral
-    compress(str(path), method="conmoe", ratio=0.5, scope=2, out=tmp_path / "c", data_path=str(text),
+    compress(str(path), CompressConfig(method="conmoe", ratio=0.5, scope=2), out=tmp_path / "c", data_path=str(text),
              calib_samples=2, seqlen=32, progress=False)
     args = ["--model", str(tmp_path / "c"), "--dataset", "wikitext2", "--data-path", str(text),
             "--samples", "8", "--seqlen", "32", "--batch-size", "2", "--out", str(tmp_path / "ft")]

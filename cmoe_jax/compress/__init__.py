@@ -1,4 +1,4 @@
 """`python -m cmoe_jax.compress`: the ConMoE compression job (the method is `cmoe_jax.methods.conmoe`)."""
-from cmoe_jax.compress.api import compress
+from cmoe_jax.compress.api import CompressConfig, compress
 
-__all__ = ["compress"]
+__all__ = ["CompressConfig", "compress"]

@@ -6,6 +6,7 @@ renamed to `<out>` at the end, so an interrupted run never leaves a half-written
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -18,7 +19,7 @@ from cmoe_jax.methods.conmoe import METHODS as BASELINES, baseline_plans
 from cmoe_jax.methods.conmoe import apply_plans, routed_bytes
 from cmoe_jax.methods.conmoe import LayerStats, collect_stats
 from cmoe_jax.methods.conmoe import conmoe_plans
-from cmoe_jax.methods.conmoe import SELECTIONS
+from cmoe_jax.methods.conmoe import DISTANCES, DUPLICATE_GATES, SELECTIONS
 from cmoe_jax.data import calibration_windows, load_text_tokens
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.jobs import JobModel, LayerLog, OutputJob, check_output_free, fingerprint
@@ -26,18 +27,37 @@ from cmoe_jax.jobs import JobModel, LayerLog, OutputJob, check_output_free, fing
 METHODS = ("conmoe",) + BASELINES
 
 
-def check_inputs(cfg, method, ratio, scope, selection, seqlen) -> list[int]:
+@dataclasses.dataclass(frozen=True)
+class CompressConfig:
+    """What to do to the expert pool (the CLI builds it from its flags): the method and rho;
+    for ConMoE the scope, prototype selection and distance; for every method how a token's
+    gates on slots that now share an expert combine (`cmoe_jax.moe.prototypes`)."""
+
+    method: str
+    ratio: float
+    scope: int = 1
+    selection: str = "adaptive"
+    distance: str = "weights"
+    duplicate_gates: str = "sum"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check_inputs(cfg, job: CompressConfig, seqlen) -> list[int]:
     """The MoE layers to compress; raise a CmoeError on anything that cannot run."""
-    if method not in METHODS:
-        raise CmoeError(f"--method {method!r} must be one of {', '.join(METHODS)}")
-    if not 0.0 <= ratio < 1.0:
-        raise CmoeError(f"--ratio {ratio} must be in [0, 1) (the share of routed experts removed)")
-    if method != "conmoe" and (scope != 1 or selection != "adaptive"):
-        raise CmoeError(f"--scope and --selection belong to --method conmoe, not {method}")
-    if scope < 1:
-        raise CmoeError(f"--scope {scope} must be at least 1 (MoE layers sharing a prototype pool)")
-    if selection not in SELECTIONS:
-        raise CmoeError(f"--selection {selection!r} must be one of {', '.join(SELECTIONS)}")
+    if job.method not in METHODS:
+        raise CmoeError(f"--method {job.method!r} must be one of {', '.join(METHODS)}")
+    if not 0.0 <= job.ratio < 1.0:
+        raise CmoeError(f"--ratio {job.ratio} must be in [0, 1) (the share of routed experts removed)")
+    if job.method != "conmoe" and (job.scope != 1 or job.selection != "adaptive" or job.distance != "weights"):
+        raise CmoeError(f"--scope, --selection and --distance belong to --method conmoe, not {job.method}")
+    if job.scope < 1:
+        raise CmoeError(f"--scope {job.scope} must be at least 1 (MoE layers sharing a prototype pool)")
+    for flag, value, allowed in (("--selection", job.selection, SELECTIONS), ("--distance", job.distance, DISTANCES),
+                                 ("--duplicate-gates", job.duplicate_gates, DUPLICATE_GATES)):
+        if value not in allowed:
+            raise CmoeError(f"{flag} {value!r} must be one of {', '.join(allowed)}")
     specs = [(i, s) for i, s in enumerate(cfg.moe_layers or ()) if s is not None]
     if not specs:
         raise CmoeError("the model has no MoE layers: compress an MoE (convert a dense model "
@@ -54,18 +74,18 @@ def check_inputs(cfg, method, ratio, scope, selection, seqlen) -> list[int]:
     return [i for i, _ in specs]
 
 
-def make_plans(model, stats, method, ratio, scope, selection):
-    if method == "conmoe":
-        return conmoe_plans(model, stats, ratio, scope, selection)
-    return baseline_plans(method, stats, ratio, model), {}
+def make_plans(model, stats, job: CompressConfig):
+    """The scope plans of `job` and figures about them (ConMoE's distances; none for baselines)."""
+    if job.method == "conmoe":
+        return conmoe_plans(model, stats, job.ratio, job.scope, job.selection, job.distance)
+    return baseline_plans(job.method, stats, job.ratio, model), {}
 
 
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-def compress(model: str, *, method: str, ratio: float, out, scope: int = 1,
-             selection: str = "adaptive", calib: str = "wikitext2", calib_split: str = "validation",
+def compress(model: str, config: CompressConfig, *, out, calib: str = "wikitext2", calib_split: str = "validation",
              data_path: str | None = None, calib_samples: int = 8, seqlen: int = 2048, seed: int = 0,
              resume: bool = False, overwrite: bool = False, report: bool = False,
              progress: bool = True, stop_after_layers: int | None = None) -> dict:
@@ -77,7 +97,7 @@ def compress(model: str, *, method: str, ratio: float, out, scope: int = 1,
     out = Path(out)
     check_output_free(out, overwrite)
     source = JobModel(model)
-    check_inputs(source.config, method, ratio, scope, selection, seqlen)
+    check_inputs(source.config, config, seqlen)
     with OutputJob(out, "compress", overwrite=overwrite, resume=resume,
                    resumable=("layers/*.npz",)) as job:
         tokenizer = source.require_tokenizer("calibration text cannot be tokenized")
@@ -88,13 +108,12 @@ def compress(model: str, *, method: str, ratio: float, out, scope: int = 1,
                     "data_path": data_path, "calib_samples": calib_samples, "seqlen": seqlen,
                     "seed": seed}
         job.open(fingerprint("compress", settings, source.path))
-        return _compress(job, source, windows, method=method, ratio=ratio, scope=scope,
-                         selection=selection, calib=calib, calib_split=calib_split,
+        return _compress(job, source, windows, config, calib=calib, calib_split=calib_split,
                          data_path=data_path, calib_samples=calib_samples, seqlen=seqlen, seed=seed,
                          report=report, progress=progress, stop_after_layers=stop_after_layers, t0=t0)
 
 
-def _compress(job: OutputJob, source: JobModel, windows, *, method, ratio, scope, selection, calib,
+def _compress(job: OutputJob, source: JobModel, windows, config: CompressConfig, *, calib,
               calib_split, data_path, calib_samples, seqlen, seed, report, progress,
               stop_after_layers, t0) -> dict:
     """The compression once the output is locked and staged: calibrate, plan, save, publish."""
@@ -116,14 +135,14 @@ def _compress(job: OutputJob, source: JobModel, windows, *, method, ratio, scope
     except _Stop:
         return {"out": None, "interrupted_after": stop_after_layers}
     t_cal = time.perf_counter()
-    if ratio == 0.0:  # nothing removed: the model itself
+    if config.ratio == 0.0:  # nothing removed: the model itself
         plans, figures, compressed = [], {}, lm.model
     else:
-        plans, figures = make_plans(lm.model, stats, method, ratio, scope, selection)
-        compressed = apply_plans(lm.model, plans)
+        plans, figures = make_plans(lm.model, stats, config)
+        compressed = apply_plans(lm.model, plans, config.duplicate_gates)
     manifest = {
         "source_model": str(model), "method": "compress", "compression": {
-            "method": method, "ratio": ratio, "scope": scope, "selection": selection,
+            **config.to_dict(),
             "routed_experts": int(sum(len(s.freq) for s in stats.values())),
             "prototypes": int(sum(p.num_prototypes for p in plans)) if plans
             else int(sum(len(s.freq) for s in stats.values())),

@@ -24,11 +24,11 @@ from cmoe_jax.cli_args import (
     positive_int,
     share,
 )
-from cmoe_jax.compress.api import METHODS, compress
+from cmoe_jax.compress.api import METHODS, CompressConfig, compress
 from cmoe_jax.errors import run_job
-from cmoe_jax.methods.conmoe import SELECTIONS
+from cmoe_jax.methods.conmoe import DISTANCES, DUPLICATE_GATES, SELECTIONS
 
-CONMOE_ONLY = ("scope", "selection")
+CONMOE_ONLY = ("scope", "selection", "distance")
 
 
 EXAMPLE = ("{prog} --model out/s3a3e8 --method conmoe --ratio 0.25 "
@@ -48,6 +48,12 @@ def build_parser(prog: str = "python -m cmoe_jax.compress") -> Parser:
     cm.add_argument("--selection", default="adaptive", choices=SELECTIONS,
                     help="prototype rule: adaptive (a*b score over the scope), fixed "
                          "(per-layer budget), usage, reap (a only), distance (b only)")
+    cm.add_argument("--distance", default="weights", choices=DISTANCES,
+                    help="expert distance d: weights (the paper's gate/up/down distance) or outputs "
+                         "(the experts' mean calibration outputs)")
+    p.add_argument("--duplicate-gates", default="sum", choices=DUPLICATE_GATES,
+                   help="a token's gates on slots that now share an expert: sum (the paper's), max, "
+                        "or renorm (max, rescaled to the token's total gate)")
     data = add_data(p, "validation", "calibration")
     add_calib_samples(data, 8)
     add_seqlen(p, 2048)
@@ -70,8 +76,10 @@ def run(args) -> dict:
     check_writable_dir(args.out)
     distributed.require_single_process("python -m cmoe_jax.compress")
 
-    return compress(args.model, method=args.method, ratio=args.ratio, out=args.out,
-                    scope=args.scope, selection=args.selection, calib=args.dataset,
+    config = CompressConfig(method=args.method, ratio=args.ratio, scope=args.scope,
+                            selection=args.selection, distance=args.distance,
+                            duplicate_gates=args.duplicate_gates)
+    return compress(args.model, config, out=args.out, calib=args.dataset,
                     calib_split=args.split, data_path=args.data_path,
                     calib_samples=args.calib_samples, seqlen=args.seqlen, seed=args.seed,
                     resume=args.resume, overwrite=args.overwrite, report=args.report,
@@ -85,7 +93,7 @@ def main(argv=None, prog: str = "python -m cmoe_jax.compress") -> int:
     result, code = run_job(run, args)
     if code:
         return code
-    keys = ("method", "ratio", "scope", "selection", "routed_experts", "prototypes",
+    keys = ("method", "ratio", "scope", "selection", "distance", "duplicate_gates", "routed_experts", "prototypes",
             "routed_bytes_before", "routed_bytes_after", "cross_layer_nn_fraction")
     c = result["compression"]
     print(json.dumps({"out": result["out"], **{k: c[k] for k in keys if k in c},

@@ -25,7 +25,9 @@ class FFNSpec:
     `router_neurons` is how many representative neurons score each expert (cmoe router).
     `num_prototypes` > 0 (ConMoE, `cmoe_jax.compress`): the layer stores that many prototype
     experts and an int32 slot -> prototype map (-1: slot pruned); `prototype_owner` >= 0
-    names the layer whose prototype table this layer shares (a cross-layer scope).
+    names the layer whose prototype table this layer shares (a cross-layer scope);
+    `duplicate_gates` is how a token's gates on slots sharing a prototype combine
+    (`cmoe_jax.moe.prototypes`: "sum", the paper's, "max" or "renorm").
     """
 
     num_experts: int
@@ -45,6 +47,7 @@ class FFNSpec:
     sub_router_neurons: int = 1
     num_prototypes: int = 0
     prototype_owner: int = -1
+    duplicate_gates: str = "sum"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,7 +102,7 @@ class HierMoEFFN(MoEFFN):
                  shared_width: int = 0, router: str = "linear", norm_topk_prob: bool = False,
                  router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32,
                  backend="auto", expert_axis: str | None = DEFAULT_EXPERT_AXIS,
-                 num_prototypes: int = 0, rngs: nnx.Rngs):
+                 num_prototypes: int = 0, duplicate_gates: str = "sum", rngs: nnx.Rngs):
         if router not in ("linear", "cmoe"):
             raise ValueError(f"hierarchical top-level router must be linear or cmoe, got {router!r}")
         n_routed = sub_experts - sub_shared
@@ -123,7 +123,7 @@ class HierMoEFFN(MoEFFN):
         def param(*shape):
             return nnx.Param(_init(rngs.params(), shape, param_dtype))
 
-        self.num_prototypes = num_prototypes
+        self.num_prototypes, self.duplicate_gates = num_prototypes, duplicate_gates
         if num_prototypes > 0:  # K stored families behind the N top-level slots
             self.slot_map = SlotMap(jnp.arange(n, dtype=jnp.int32) % num_prototypes)
             rows = num_prototypes * sub_experts
@@ -160,7 +160,7 @@ class HierMoEFFN(MoEFFN):
         if self.num_prototypes > 0:  # pruned slots never win; chosen slots -> stored families
             slot_map = arrays[5]
             top_ids, top_w = self.top_route(x, top, keep=slot_map >= 0)
-            top_ids, top_w = to_prototypes(top_ids, top_w, slot_map)
+            top_ids, top_w = to_prototypes(top_ids, top_w, slot_map, self.duplicate_gates)
         else:
             top_ids, top_w = self.top_route(x, top)
         return sub_route(x, top_ids, top_w, sub_gate, sub_up, u, bias, self.sub_shared,

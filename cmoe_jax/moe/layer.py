@@ -76,7 +76,7 @@ class MoEFFN(nnx.Module):
                  shared_width: int = 0, router: RouterKind = "cmoe", norm_topk_prob: bool = False,
                  router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
                  expert_axis: str | None = DEFAULT_EXPERT_AXIS, num_prototypes: int = 0,
-                 rngs: nnx.Rngs):
+                 duplicate_gates: str = "sum", rngs: nnx.Rngs):
         if router not in ROUTER_KINDS:
             raise ValueError(f"router must be one of {ROUTER_KINDS}, got {router!r}")
         if not 1 <= top_k <= num_experts:
@@ -94,7 +94,7 @@ class MoEFFN(nnx.Module):
         self.dtype, self.param_dtype, self.backend = dtype, param_dtype, backend
         self.expert_axis = expert_axis
         # ConMoE (`cmoe_jax.moe.prototypes`): K stored prototypes behind the E router slots
-        self.num_prototypes = num_prototypes
+        self.num_prototypes, self.duplicate_gates = num_prototypes, duplicate_gates
 
         def param(*shape):
             return nnx.Param(_init(rngs.params(), shape, param_dtype))
@@ -163,7 +163,7 @@ class MoEFFN(nnx.Module):
         ids, gates = self.route(x)
         if self.num_prototypes > 0:  # load per router slot; dispatch on the prototypes
             slot_counts = jnp.bincount(ids.reshape(-1), length=self.num_experts).astype(jnp.int32)
-            ids, gates = to_prototypes(ids, gates, self.slot_map[...])
+            ids, gates = to_prototypes(ids, gates, self.slot_map[...], self.duplicate_gates)
         routed, counts = self.routed(x, ids, gates, key)
         if self.num_prototypes > 0:
             counts = slot_counts

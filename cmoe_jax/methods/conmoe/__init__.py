@@ -9,8 +9,9 @@ from cmoe_jax.methods.conmoe.build import apply_plans, materialize, routed_bytes
 from cmoe_jax.methods.conmoe.calibration import LayerStats, collect_stats
 from cmoe_jax.methods.conmoe.plan import ScopePlan, conmoe_plans
 from cmoe_jax.methods.conmoe.report import write_report
-from cmoe_jax.methods.conmoe.scoring import SELECTIONS
+from cmoe_jax.methods.conmoe.scoring import DISTANCES, SELECTIONS
+from cmoe_jax.moe.prototypes import DUPLICATE_GATES
 
 __all__ = ["baselines", "scoring", "baseline_plans", "apply_plans", "materialize", "routed_bytes",
            "LayerStats", "collect_stats", "ScopePlan", "conmoe_plans", "METHODS", "SELECTIONS",
-           "write_report"]
+           "DISTANCES", "DUPLICATE_GATES", "write_report"]

@@ -17,6 +17,7 @@ from flax import nnx
 from cmoe_jax.methods.conmoe.plan import PROJECTIONS, unit_weights
 from cmoe_jax.models import Decoder
 from cmoe_jax.models.stack import each_layer, layered_state
+from cmoe_jax.moe.prototypes import DUPLICATE_GATES
 
 
 def prototype_tables(model, plan) -> dict[str, np.ndarray]:
@@ -39,19 +40,22 @@ def _stored(name: str, table: np.ndarray, like) -> jnp.ndarray:
     return jnp.asarray(table, like.dtype)
 
 
-def compressed_config(cfg, plans):
+def compressed_config(cfg, plans, duplicate_gates: str = "sum"):
     specs = list(cfg.moe_layers)
     for plan in plans:
         owner = plan.layers[0] if len(plan.layers) > 1 else -1
         for l in plan.layers:
             specs[l] = dataclasses.replace(specs[l], num_prototypes=plan.num_prototypes,
-                                           prototype_owner=owner)
+                                           prototype_owner=owner, duplicate_gates=duplicate_gates)
     return cfg.with_moe_layers(specs)
 
 
-def apply_plans(model, plans) -> Decoder:
-    """The compressed Decoder (prototype runtime) of `model` under `plans`."""
-    cfg = compressed_config(model.config, plans)
+def apply_plans(model, plans, duplicate_gates: str = "sum") -> Decoder:
+    """The compressed Decoder (prototype runtime) of `model` under `plans`, a token's gates on
+    slots sharing a prototype merged by `duplicate_gates` (`DUPLICATE_GATES`)."""
+    if duplicate_gates not in DUPLICATE_GATES:
+        raise ValueError(f"duplicate_gates {duplicate_gates!r} must be one of {', '.join(DUPLICATE_GATES)}")
+    cfg = compressed_config(model.config, plans, duplicate_gates)
     state = nnx.to_pure_dict(layered_state(model))
     for plan in plans:
         tables = prototype_tables(model, plan)
@@ -69,7 +73,8 @@ def apply_plans(model, plans) -> Decoder:
 
 def materialize(model, plans) -> Decoder:
     """The copied checkpoint: the original architecture, slot e of layer l holding its
-    prototype's weights (plans without pruned slots only)."""
+    prototype's weights (plans without pruned slots only; it sums duplicate gates, the
+    paper's rule, as every slot runs its own copy)."""
     state = nnx.to_pure_dict(layered_state(model))
     for plan in plans:
         tables = prototype_tables(model, plan)

@@ -78,13 +78,22 @@ def scopes_of(moe_layers: list[int], size: int) -> list[list[int]]:
     return [moe_layers[i:i + size] for i in range(0, len(moe_layers), size)]
 
 
-def conmoe_plans(model, stats: dict, ratio: float, scope: int, selection: str = "adaptive"):
-    """ConMoE plans of every scope of `scope` consecutive MoE layers, and distance figures."""
+def conmoe_plans(model, stats: dict, ratio: float, scope: int, selection: str = "adaptive",
+                 distance: str = "weights"):
+    """ConMoE plans of every scope of `scope` consecutive MoE layers, and distance figures.
+
+    `distance` "weights" is the paper's d (gate/up/down Frobenius distances); "outputs" the
+    same normalised distance between the experts' mean calibration outputs (`mean_out`),
+    which tells experts apart by what they add to the residual stream, not by their weights."""
+    if distance not in scoring.DISTANCES:
+        raise ValueError(f"distance {distance!r} must be one of {', '.join(scoring.DISTANCES)}")
     moe_layers = sorted(stats)
     num_experts = len(stats[moe_layers[0]].freq)  # units (top-level experts) per layer
     plans, spread, cross = [], [], []
     for layers in scopes_of(moe_layers, scope):
-        dist = scoring.frobenius_distance(expert_weights(model, layers))
+        dist = scoring.frobenius_distance(
+            expert_weights(model, layers) if distance == "weights"
+            else [np.concatenate([stats[l].mean_out for l in layers])])
         layer_of = np.repeat(np.arange(len(layers)), num_experts)
         contrib = np.concatenate([stats[l].contrib for l in layers])
         freq = np.concatenate([stats[l].freq for l in layers])

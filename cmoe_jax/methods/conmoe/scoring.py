@@ -14,6 +14,7 @@ import numpy as np
 
 EPS = 1e-8
 SELECTIONS = ("adaptive", "fixed", "usage", "reap", "distance")
+DISTANCES = ("weights", "outputs")  # d from the experts' weights (paper) or their mean outputs
 
 
 def budget(n: int, ratio: float) -> int:
