@@ -30,7 +30,7 @@ from cmoe_jax.data import default_split, eval_windows, load_text_tokens
 from cmoe_jax.errors import CmoeError, run_job
 from cmoe_jax.eval.perplexity import perplexity
 from cmoe_jax.eval.tasks import TASKS, evaluate_task, get_task, load_documents
-from cmoe_jax.loading import load_config, load_model, load_tokenizer
+from cmoe_jax.jobs import JobModel
 
 PERPLEXITY_ONLY = ("dataset", "split", "source", "seqlen", "max_windows")
 EXAMPLE = ("{prog} --model smollm2 --data-path wikitext-2/wiki.test.raw --max-windows 40 --out ppl.json\n"
@@ -84,7 +84,8 @@ def run(args) -> dict:
         return run_task(args)
 
 
-    cfg, path, tokenizer = _checked_tokenizer(args)
+    source = _checked_source(args)
+    cfg, tokenizer = source.config, source.tokenizer
     if args.seqlen > cfg.max_position_embeddings:
         raise CmoeError(f"--seqlen {args.seqlen} exceeds the model's context of "
                         f"{cfg.max_position_embeddings} tokens: use --seqlen {cfg.max_position_embeddings} or less")
@@ -93,19 +94,19 @@ def run(args) -> dict:
                               source=args.source)
     windows = eval_windows(tokens, args.dataset, args.seqlen, args.max_windows,
                            name=f"{args.dataset} ({args.data_path or split})")
-    lm = load_model(args.model, dtype=getattr(jnp, args.dtype), progress=not args.no_progress)
+    lm = source.load(dtype=getattr(jnp, args.dtype), progress=not args.no_progress)
     result = perplexity(lm.model, windows, batch_size=args.batch_size, progress=not args.no_progress)
     return {"model": args.model, "dataset": args.dataset, "split": split, "data_path": args.data_path,
             "seqlen": args.seqlen, "dtype": args.dtype, "platform": jax.devices()[0].platform, **result}
 
 
-def _checked_tokenizer(args):
-    cfg, path = load_config(args.model)  # cheap: validates the path, architecture and context
-    tokenizer = load_tokenizer(path)
-    if tokenizer is None:
-        raise CmoeError(f"{path} has no tokenizer (tokenizer.json / tokenizer.model): "
+def _checked_source(args) -> JobModel:
+    """The model's config and tokenizer, read once for the whole job (weights later)."""
+    source = JobModel(args.model)  # cheap: validates the path, architecture and context
+    if source.tokenizer is None:
+        raise CmoeError(f"{source.path} has no tokenizer (tokenizer.json / tokenizer.model): "
                         "copy the source model's tokenizer files next to its weights")
-    return cfg, path, tokenizer
+    return source
 
 
 def run_task(args) -> dict:
@@ -116,10 +117,9 @@ def run_task(args) -> dict:
         raise CmoeError(f"--task {args.task} needs --data-path, the task's JSON-lines file "
                         "(e.g. the ARC-Easy test split as JSON lines)")
     docs = load_documents(task, args.data_path, args.limit)
-    _, _, tokenizer = _checked_tokenizer(args)
-
-
-    lm = load_model(args.model, dtype=getattr(jnp, args.dtype), progress=not args.no_progress)
+    source = _checked_source(args)
+    tokenizer = source.tokenizer
+    lm = source.load(dtype=getattr(jnp, args.dtype), progress=not args.no_progress)
     result = evaluate_task(lm.model, tokenizer.encode, task, docs, batch_size=args.batch_size or 32,
                            progress=not args.no_progress)
     return {"model": args.model, "data_path": args.data_path, "limit": args.limit, "dtype": args.dtype,
