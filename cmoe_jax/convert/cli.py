@@ -28,7 +28,7 @@ from cmoe_jax.cli_args import (
     share,
 )
 from cmoe_jax.convert.api import Calibration, ConvertJob, convert
-from cmoe_jax.convert.expertweaver_job import convert_expertweaver
+from cmoe_jax.convert.expertweaver_job import DIVERSE_NEEDS_ARC, MIXES, convert_expertweaver
 from cmoe_jax.errors import CmoeError, run_job
 from cmoe_jax.methods.cmoe import ConvertConfig, MoEPlan
 from cmoe_jax.methods.expertweaver import WeaveConfig
@@ -37,7 +37,7 @@ CMOE_ONLY = ("config", "shared", "active", "dataset", "split", "calib_samples", 
              "no_normalize", "router_neurons", "no_router_scale", "paper_router", "router_fit_tokens",
              "shared_by", "router_reps", "min_expert_tokens", "expert_parallel", "stream")
 EXPERTWEAVER_ONLY = ("sparsity", "alpha_min", "alpha_max", "tau", "assignment", "calib_tasks",
-                     "samples_per_task", "arc_path")
+                     "samples_per_task", "arc_path", "calib_mix")
 EXAMPLE = ("{prog} --model smollm2 --config S3A3E8 --shared-by energy "
            "--data-path wikitext-2/wiki.valid.raw --out out/s3a3e8")
 
@@ -98,9 +98,16 @@ def build_parser(prog: str = "python -m cmoe_jax.convert") -> Parser:
     ew.add_argument("--tau", type=positive_float, default=0.6, help="CV threshold of a specialised neuron")
     ew.add_argument("--assignment", choices=["greedy", "exact"], default="greedy",
                     help="balanced K-means assignment: the paper's greedy one or the exact one")
-    ew.add_argument("--calib-tasks", type=positive_int, default=32, help="WikiText-2 articles used as tasks")
+    ew.add_argument("--calib-mix", choices=MIXES, default="wikitext",
+                    help="calibration tasks: WikiText-2 articles (plus ARC as one task), or 'diverse': "
+                         "pseudo-tasks of seven formats (prose, ARC questions, question + answer, "
+                         "multiple choice, JSON/CSV/tables, Python code, arithmetic; needs --arc-path)")
+    ew.add_argument("--calib-tasks", type=positive_int, default=None,
+                    help="calibration tasks: WikiText-2 articles (default 32), or with --calib-mix "
+                         "diverse pseudo-tasks spread evenly over its formats (default 42)")
     ew.add_argument("--samples-per-task", type=positive_int, default=2, help="windows per calibration task")
-    ew.add_argument("--arc-path", help="ARC-Easy JSON lines: its questions form one more task")
+    ew.add_argument("--arc-path", help="ARC-Easy JSON lines: its questions form one more task "
+                                       "(--calib-mix diverse: four of its formats)")
     add_seed(p)
     add_output_dir(p, "the converted model", "continue an interrupted conversion")
     p.add_argument("--report", action="store_true", help="write PNG plots and report.json")
@@ -112,6 +119,8 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.convert") -> argparse.
     args = p.parse_args(argv)
     if args.method == "expertweaver":
         p.reject(args, CMOE_ONLY, "to --method expertweaver (it sizes experts by --experts and --sparsity)")
+        if args.calib_mix == "diverse" and not args.arc_path:
+            p.error(DIVERSE_NEEDS_ARC)
     else:
         p.reject(args, EXPERTWEAVER_ONLY, "to --method cmoe (ExpertWeaver flags)")
     return args
@@ -144,7 +153,7 @@ def run_expertweaver(args) -> dict:
                      alpha_min=args.alpha_min, alpha_max=args.alpha_max, tau=args.tau, assignment=args.assignment, seed=args.seed)
     return convert_expertweaver(args.model, cc, out=Path(args.out), data_path=args.data_path,
                                 arc_path=args.arc_path, tasks=args.calib_tasks,
-                                samples_per_task=args.samples_per_task,
+                                samples_per_task=args.samples_per_task, calib_mix=args.calib_mix,
                                 seqlen=256 if args.seqlen is None else args.seqlen,
                                 resume=args.resume, overwrite=args.overwrite, report=args.report)
 
