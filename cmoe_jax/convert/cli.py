@@ -17,6 +17,7 @@ from cmoe_jax.cli_args import (
     add_data,
     add_model,
     add_output_dir,
+    add_progress,
     add_seed,
     add_seqlen,
     check_writable_dir,
@@ -111,6 +112,7 @@ def build_parser(prog: str = "python -m cmoe_jax.convert") -> Parser:
     add_seed(p)
     add_output_dir(p, "the converted model", "continue an interrupted conversion")
     p.add_argument("--report", action="store_true", help="write PNG plots and report.json")
+    add_progress(p)
     return p
 
 
@@ -155,7 +157,8 @@ def run_expertweaver(args) -> dict:
                                 arc_path=args.arc_path, tasks=args.calib_tasks,
                                 samples_per_task=args.samples_per_task, calib_mix=args.calib_mix,
                                 seqlen=256 if args.seqlen is None else args.seqlen,
-                                resume=args.resume, overwrite=args.overwrite, report=args.report)
+                                resume=args.resume, overwrite=args.overwrite, report=args.report,
+                                progress=not args.no_progress)
 
 
 def run(args) -> dict:
@@ -165,7 +168,7 @@ def run(args) -> dict:
     if args.method == "expertweaver":
         return run_expertweaver(args)
     return convert(args.model, job_from_args(args), out=Path(args.out), resume=args.resume,
-                   overwrite=args.overwrite)
+                   overwrite=args.overwrite, progress=not args.no_progress)
 
 
 def job_from_args(args) -> ConvertJob:
