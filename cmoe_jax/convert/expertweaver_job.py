@@ -12,7 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from cmoe_jax.checkpoint import MANIFEST, save_converted, write_json_atomic
-from cmoe_jax.methods.expertweaver import WeaveConfig, validate, weave_model
+from cmoe_jax.methods.expertweaver import (
+    WeaveConfig,
+    arc_text,
+    diverse_task_windows,
+    task_windows,
+    validate,
+    weave_model,
+    wikitext_articles,
+)
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.jobs import JobModel, LayerLog, OutputJob, check_output_free, fingerprint
 
@@ -27,8 +35,6 @@ def calibration_tasks(tokenizer, data_path: str, arc_path: str | None, tasks: in
                       samples_per_task: int, seqlen: int, mix: str = "wikitext", seed: int = 0):
     """(windows [N, seqlen], task ids [N], task names). `mix` "wikitext": WikiText-2 articles,
     then ARC-Easy as one task; "diverse": pseudo-tasks of seven formats (`task_mix.py`)."""
-    from cmoe_jax.methods.expertweaver import arc_text, diverse_task_windows, task_windows, wikitext_articles
-
     tasks = DEFAULT_TASKS[mix] if tasks is None else tasks
     if mix == "diverse":
         return diverse_task_windows(tokenizer, data_path, arc_path, tasks, samples_per_task, seqlen, seed)
