@@ -112,30 +112,28 @@ def code_text(module: str) -> str:
     return source
 
 
+def _exercise(kind: int, rng: np.random.Generator) -> str:
+    """One exercise of `ARITHMETIC[kind]`, its operands drawn from `rng`."""
+    if kind == 0:
+        a, b = rng.integers(10, 100, 2)
+        return f"{a} + {b} = {a + b}"
+    if kind == 1:
+        a, b = rng.integers(100, 1000, 2)
+        return f"{a} - {b} = {a - b}"
+    if kind in (2, 3):  # one- or three-digit multiplier
+        a, b = (rng.integers(10, 100), rng.integers(2, 10)) if kind == 2 else rng.integers(100, 1000, 2)
+        return f"{a} * {b} = {a * b}"
+    if kind == 4:
+        a, b = rng.integers(100, 1000), rng.integers(2, 20)
+        return f"{a} / {b} = {a // b} remainder {a % b}"
+    a, b, c = rng.integers(1, 50, 3)
+    return f"({a} + {b}) * {c} = {(a + b) * c}"
+
+
 def arithmetic_text(kind: int, rng: np.random.Generator, lines: int = 400) -> str:
     """`lines` exercises of one kind (`ARITHMETIC[kind % 6]`), e.g. `12 + 35 = 47`."""
     kind %= len(ARITHMETIC)
-    out = []
-    for _ in range(lines):
-        if kind == 0:
-            a, b = rng.integers(10, 100, 2)
-            out.append(f"{a} + {b} = {a + b}")
-        elif kind == 1:
-            a, b = rng.integers(100, 1000, 2)
-            out.append(f"{a} - {b} = {a - b}")
-        elif kind == 2:
-            a, b = rng.integers(10, 100), rng.integers(2, 10)
-            out.append(f"{a} * {b} = {a * b}")
-        elif kind == 3:
-            a, b = rng.integers(100, 1000, 2)
-            out.append(f"{a} * {b} = {a * b}")
-        elif kind == 4:
-            a, b = rng.integers(100, 1000), rng.integers(2, 20)
-            out.append(f"{a} / {b} = {a // b} remainder {a % b}")
-        else:
-            a, b, c = rng.integers(1, 50, 3)
-            out.append(f"({a} + {b}) * {c} = {(a + b) * c}")
-    return "\n".join(out)
+    return "\n".join(_exercise(kind, rng) for _ in range(lines))
 
 
 def _render(fmt: str, records: list, t: int) -> str:
