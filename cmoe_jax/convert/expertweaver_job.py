@@ -31,11 +31,10 @@ DIVERSE_NEEDS_ARC = ("--calib-mix diverse needs --arc-path: ARC-Easy JSON lines 
 DEFAULT_TASKS = {"wikitext": 32, "diverse": 42}
 
 
-def calibration_tasks(tokenizer, data_path: str, arc_path: str | None, tasks: int | None,
+def calibration_tasks(tokenizer, data_path: str, arc_path: str | None, tasks: int,
                       samples_per_task: int, seqlen: int, mix: str = "wikitext", seed: int = 0):
     """(windows [N, seqlen], task ids [N], task names). `mix` "wikitext": WikiText-2 articles,
     then ARC-Easy as one task; "diverse": pseudo-tasks of seven formats (`task_mix.py`)."""
-    tasks = DEFAULT_TASKS[mix] if tasks is None else tasks
     if mix == "diverse":
         return diverse_task_windows(tokenizer, data_path, arc_path, tasks, samples_per_task, seqlen, seed)
     windows, ids = task_windows(wikitext_articles(data_path), tokenizer, samples_per_task, seqlen, tasks)
