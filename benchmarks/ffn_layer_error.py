@@ -1,10 +1,19 @@
 """Per-layer relative error of converted FFNs against the dense FFN, on the dense model's own
-FFN inputs: where a conversion loses accuracy (ExpertWeaver vs CMoE vs AbsTopk-GLU).
+FFN inputs: where a conversion loses accuracy (ExpertWeaver vs CMoE vs AbsTopk-GLU), and with
+`--oracle` whether the partition or the router limits it.
 
-    python benchmarks/ffn_layer_error.py DIR... [--abstopk 0.25] [--windows 2] [--json out.json]
+    python benchmarks/ffn_layer_error.py DIR... [--abstopk 0.25] [--windows 2] [--oracle] [--json out.json]
 
 Inputs: the dense SmolLM2's FFN inputs on the first `--windows` 2048-token WikiText-2 test
 windows. Error of layer l: ||FFN_conv(x_l) - FFN_dense(x_l)||_F / ||FFN_dense(x_l)||_F.
+
+`--oracle` (converted MoE layers that split the dense FFN's neurons: CMoE, ExpertWeaver):
+every routed expert is run on every token, and three more errors are printed per model:
+`router-1` (the router's experts, each of weight 1: the router's choice without its gate
+scales), `oracle` (the top_k experts by their true output norm ||expert_e(x)||, weight 1:
+what the partition allows with a router that knows the outputs) and `hit` (the share of the
+oracle's experts the router also picks). Summed over all experts the layer is the dense FFN,
+which the script checks on every layer before it reports.
 """
 from __future__ import annotations
 
@@ -19,11 +28,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"  # beside the checkout
 
 
+def oracle_outputs(mlp, x):
+    """(router-1 output, oracle output, all-experts output [T, d], hit rate) of one MoE FFN on
+    tokens x [T, d]: each routed expert's SwiGLU computed on every token."""
+    import jax
+    import jax.numpy as jnp
+
+    x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    w = [getattr(mlp, n)[...].astype(jnp.float32) for n in ("expert_gate", "expert_up", "expert_down")]
+    h = jax.nn.silu(jnp.einsum("td,edm->tem", x, w[0])) * jnp.einsum("td,edm->tem", x, w[1])
+    every = jnp.einsum("tem,emd->ted", h, w[2])                     # [T, E, d]
+    shared = mlp.shared(x).astype(jnp.float32)
+    ids, _ = mlp.route(x)
+    _, best = jax.lax.top_k(jnp.linalg.norm(every, axis=-1), mlp.top_k)
+
+    def picked(sel):
+        return shared + jnp.take_along_axis(every, sel[..., None], axis=1).sum(1)
+
+    hit = jnp.mean(jnp.sum(ids[:, :, None] == best[:, None, :], axis=(1, 2)) / mlp.top_k)
+    return picked(ids), picked(best), shared + every.sum(1), hit
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dirs", nargs="*")
     p.add_argument("--abstopk", type=float, nargs="*", default=[], help="also AbsTopk-GLU at these sparsities")
     p.add_argument("--windows", type=int, default=2)
+    p.add_argument("--oracle", action="store_true",
+                   help="also the router's experts at weight 1, the oracle router and the hit rate")
     p.add_argument("--json")
     p.add_argument("--data-dir", default=str(WIKITEXT),
                    help="folder with WikiText-2 valid.txt and test.txt (default: %(default)s)")
@@ -43,7 +75,7 @@ def main() -> None:
     ys = [np.asarray(layer.mlp(x)) for layer, x in zip(dense.layers, xs)]
 
     def rel(y, y0):
-        return float(np.linalg.norm(np.asarray(y) - y0) / np.linalg.norm(y0))
+        return float(np.linalg.norm(np.asarray(y).reshape(y0.shape) - y0) / np.linalg.norm(y0))
 
     table = {}
     for s in args.abstopk:
@@ -52,13 +84,24 @@ def main() -> None:
                                 for l, x, y0 in zip(dense.layers, xs, ys)]
     for d in args.dirs:
         conv = load_model(d, progress=False).model
-        table[Path(d).name] = [rel(jax.jit(lambda m, x: m(x))(l.mlp, x), y0)
-                               for l, x, y0 in zip(conv.layers, xs, ys)]
+        name = Path(d).name
+        table[name] = [rel(jax.jit(lambda m, x: m(x))(l.mlp, x), y0)
+                       for l, x, y0 in zip(conv.layers, xs, ys)]
+        if args.oracle:
+            parts = [jax.jit(oracle_outputs)(l.mlp, x) for l, x in zip(conv.layers, xs)]
+            exact = max(rel(everything, y0) for (_, _, everything, _), y0 in zip(parts, ys))
+            if exact > 1e-3:
+                sys.exit(f"error: {d}: its experts do not sum to the dense FFN (relative error "
+                         f"{exact:.2e}); --oracle needs a conversion that splits the FFN's neurons")
+            table[name + ":router-1"] = [rel(r1, y0) for (r1, _, _, _), y0 in zip(parts, ys)]
+            table[name + ":oracle"] = [rel(o, y0) for (_, o, _, _), y0 in zip(parts, ys)]
+            table[name + ":hit"] = [float(hit) for (_, _, _, hit) in parts]
     names = list(table)
-    print("layer " + " ".join(f"{n:>14}" for n in names))
+    width = max(14, *(len(n) + 1 for n in names))
+    print("layer " + " ".join(f"{n:>{width}}" for n in names))
     for i in range(len(ys)):
-        print(f"{i:5d} " + " ".join(f"{table[n][i]:14.4f}" for n in names))
-    print("mean  " + " ".join(f"{np.mean(table[n]):14.4f}" for n in names))
+        print(f"{i:5d} " + " ".join(f"{table[n][i]:{width}.4f}" for n in names))
+    print("mean  " + " ".join(f"{np.mean(table[n]):{width}.4f}" for n in names))
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
 

@@ -231,6 +231,7 @@ def _cli(path, text, out, *extra):
     (["--config", "S1A1E8", "--seqlen", "100000"], "context"),
     (["--config", "S1A1E8", "--expert-parallel", "7"], "local devices"),
     (["--config", "S1A2E4", "--expert-parallel", "2"], "does not divide the 3 routed experts"),
+    (["--config", "S1A1E8", "--shared-by", "profile"], "--shared-by profile"),
 ])
 def test_cli_rejects_bad_plans(tiny_checkpoint, tmp_path, capsys, extra, message):
     _, path, text = tiny_checkpoint

@@ -154,7 +154,31 @@ def test_all_experts_active_reproduces_dense(tiny_checkpoint, tmp_path):
     np.testing.assert_allclose(np.asarray(moe(tokens)), np.asarray(dense(tokens)), atol=2e-4)
 
 
-@pytest.mark.parametrize("extra, message", [(["--sparsity", "1.0"], "--sparsity"),
+def test_shared_by_energy_picks_the_neurons_of_highest_output_energy(tiny_checkpoint):
+    """`shared_by="energy"`: layer 0's shared neurons are those of largest mean
+    h^2 * ||W_down row||^2, recomputed in numpy from the dense model's first FFN inputs."""
+    from cmoe_jax.methods.expertweaver import WeaveConfig, weave_model
+
+    _, path, _ = tiny_checkpoint
+    dense = load_model(str(path), progress=False).model
+    windows = np.random.default_rng(1).integers(0, 96, (8, 16)).astype(np.int32)
+    tasks = np.repeat(np.arange(4), 2)
+    _, by_energy = weave_model(dense, windows, tasks, WeaveConfig(experts=8, shared_by="energy"), progress=False)
+    _, by_profile = weave_model(dense, windows, tasks, WeaveConfig(experts=8), progress=False)
+    _, captured = dense(jnp.asarray(windows), capture_ffn_inputs=True)
+    x = np.asarray(captured[0], np.float64).reshape(-1, 32)
+    mlp = dense.layers[0].mlp
+    wg, wu, wd = (np.asarray(w[...], np.float64) for w in (mlp.gate, mlp.up, mlp.down))
+    energy = ((_silu(x @ wg) * (x @ wu)) ** 2).mean(axis=0) * (wd ** 2).sum(axis=1)
+    shared = np.asarray(by_energy[0]["shared"])
+    assert len(shared) > 0
+    np.testing.assert_array_equal(shared, np.sort(np.argsort(-energy, kind="stable")[:len(shared)]))
+    assert by_energy[0]["n_shared"] == by_profile[0]["n_shared"]
+    assert not np.array_equal(shared, by_profile[0]["shared"])  # the rules differ on this model
+
+
+@pytest.mark.parametrize("extra, message", [(["--shared-by", "rate"], "--shared-by rate"),
+                                            (["--sparsity", "1.0"], "--sparsity"),
                                             (["--experts", "5"], "divide"),
                                             (["--alpha-min", "0.8"], "--alpha-min"),
                                             (["--config", "S1A1E8"], "--experts and --sparsity")])

@@ -36,7 +36,7 @@ from cmoe_jax.methods.expertweaver import WeaveConfig
 
 CMOE_ONLY = ("config", "shared", "active", "dataset", "split", "calib_samples", "k_act", "kmeans_iters",
              "no_normalize", "router_neurons", "no_router_scale", "paper_router", "router_fit_tokens",
-             "shared_by", "router_reps", "min_expert_tokens", "expert_parallel", "stream")
+             "router_reps", "min_expert_tokens", "expert_parallel", "stream")
 EXPERTWEAVER_ONLY = ("sparsity", "alpha_min", "alpha_max", "tau", "assignment", "calib_tasks",
                      "samples_per_task", "arc_path", "calib_mix")
 EXAMPLE = ("{prog} --model smollm2 --config S3A3E8 --shared-by energy "
@@ -53,6 +53,10 @@ def build_parser(prog: str = "python -m cmoe_jax.convert") -> Parser:
     plan = p.add_argument_group("plan", "SxAyEz: x shared, y active routed, z total experts "
                                         "(--method expertweaver: only --experts, N_e)")
     plan.add_argument("--config", help="SxAyEz, e.g. S1A1E8")
+    plan.add_argument("--shared-by", choices=["rate", "profile", "energy"], default=None,
+                      help="shared-expert neurons: highest activation rate mu (cmoe default, its paper's "
+                           "rule), highest mean gate profile (expertweaver default, its paper's rule) or "
+                           "highest output energy E[h^2]*||W_down row||^2 (either method)")
     plan.add_argument("--shared", type=nonneg_int, help="x, shared experts (instead of --config)")
     plan.add_argument("--active", type=positive_int, help="y, active routed experts per token (instead of --config)")
     plan.add_argument("--experts", type=positive_int, help="z, total experts (instead of --config; "
@@ -77,9 +81,6 @@ def build_parser(prog: str = "python -m cmoe_jax.convert") -> Parser:
                          "--no-router-scale)")
     cm.add_argument("--router-fit-tokens", type=positive_int, default=2048,
                     help="calibration tokens used to fit the router score scales")
-    cm.add_argument("--shared-by", choices=["rate", "energy"], default="rate",
-                    help="shared-expert neurons: highest activation rate mu (the paper's rule) or "
-                         "highest output energy E[h^2]*||W_down row||^2")
     cm.add_argument("--router-reps", choices=["centroid", "energy"], default=None,
                     help="router neurons of each expert: the members of highest output energy "
                          "(default) or closest to the cluster centroid (the paper's rule)")
@@ -123,8 +124,14 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.convert") -> argparse.
         p.reject(args, CMOE_ONLY, "to --method expertweaver (it sizes experts by --experts and --sparsity)")
         if args.calib_mix == "diverse" and not args.arc_path:
             p.error(DIVERSE_NEEDS_ARC)
+        if args.shared_by == "rate":
+            p.error("--shared-by rate is CMoE's rule: --method expertweaver takes profile (its "
+                    "paper's rule, the default) or energy")
     else:
         p.reject(args, EXPERTWEAVER_ONLY, "to --method cmoe (ExpertWeaver flags)")
+        if args.shared_by == "profile":
+            p.error("--shared-by profile is ExpertWeaver's rule: --method cmoe takes rate (its "
+                    "paper's rule, the default) or energy")
     return args
 
 
@@ -152,7 +159,8 @@ def router_options(args) -> dict:
 
 def run_expertweaver(args) -> dict:
     cc = WeaveConfig(experts=64 if args.experts is None else args.experts, sparsity=args.sparsity,
-                     alpha_min=args.alpha_min, alpha_max=args.alpha_max, tau=args.tau, assignment=args.assignment, seed=args.seed)
+                     alpha_min=args.alpha_min, alpha_max=args.alpha_max, tau=args.tau, assignment=args.assignment, seed=args.seed,
+                     shared_by=args.shared_by or WeaveConfig.shared_by)
     return convert_expertweaver(args.model, cc, out=Path(args.out), data_path=args.data_path,
                                 arc_path=args.arc_path, tasks=args.calib_tasks,
                                 samples_per_task=args.samples_per_task, calib_mix=args.calib_mix,
@@ -175,7 +183,8 @@ def job_from_args(args) -> ConvertJob:
     """The CMoE job the flags describe."""
     method = ConvertConfig(plan=plan_from_args(args), k_act=args.k_act, normalize=not args.no_normalize,
                            kmeans_iters=args.kmeans_iters, seed=args.seed,
-                           router_fit_tokens=args.router_fit_tokens, shared_by=args.shared_by,
+                           router_fit_tokens=args.router_fit_tokens,
+                           shared_by=args.shared_by or ConvertConfig.shared_by,
                            **router_options(args))
     calibration = Calibration(dataset=args.dataset, split=args.split, data_path=args.data_path,
                               samples=args.calib_samples,

@@ -48,8 +48,20 @@ def profile_layer(x, w_gate, w_up, w_down, *, k_act: int, normalize: bool = True
         h = plain
     markers = _atopk(h, k_act)
     mu = markers.sum(axis=0, dtype=jnp.int32).astype(jnp.float32) / markers.shape[0]
-    down_sq = jnp.sum(jnp.square(jnp.asarray(w_down).astype(jnp.float32)), axis=1)
+    down_sq = _down_sq(w_down)
     if windows is not None:
         return markers, mu, jnp.square(plain).reshape(windows, -1, plain.shape[-1]).sum(1) * down_sq
     energy = jnp.mean(jnp.square(plain), axis=0) * down_sq
     return markers, mu, energy
+
+
+def _down_sq(w_down):
+    return jnp.sum(jnp.square(jnp.asarray(w_down).astype(jnp.float32)), axis=1)
+
+
+@jax.jit
+def output_energy(x, w_gate, w_up, w_down):
+    """energy [d_h] of `profile_layer` alone (no markers), for tokens x [..., d], float32."""
+    x = jnp.asarray(x).astype(jnp.float32).reshape(-1, x.shape[-1])
+    h = jax.nn.silu(x @ jnp.asarray(w_gate).astype(jnp.float32)) * (x @ jnp.asarray(w_up).astype(jnp.float32))
+    return jnp.mean(jnp.square(h), axis=0) * _down_sq(w_down)

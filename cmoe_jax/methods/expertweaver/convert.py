@@ -22,6 +22,10 @@ from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
 from cmoe_jax.profiling.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
                                            start_pass)
+from cmoe_jax.profiling.markers import output_energy
+
+
+SHARED_BY = ("energy", "profile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,9 @@ class WeaveConfig:
     n_shared: int | None = None
     router: str = "topsum"
     random_split: bool = False  # shared/routed neurons drawn at random (downcycling ablation)
+    # shared neurons: highest mean gate profile ("profile", the paper) or highest output
+    # energy E[h^2] ||W_down row||^2 ("energy", CMoE's `--shared-by energy`)
+    shared_by: str = "profile"
 
     @property
     def active(self) -> int:
@@ -70,6 +77,8 @@ def validate(cfg: ModelConfig, cc: WeaveConfig) -> None:
         raise ConversionError(f"--tau {cc.tau} must be non-negative")
     if cc.assignment not in ASSIGNMENTS:
         raise ConversionError(f"--assignment {cc.assignment!r} must be one of {', '.join(ASSIGNMENTS)}")
+    if cc.shared_by not in SHARED_BY:
+        raise ConversionError(f"--shared-by {cc.shared_by!r} must be one of {', '.join(SHARED_BY)}")
     if cc.n_shared is not None and not 0 <= cc.n_shared < cc.active:
         raise ConversionError(f"--shared-experts {cc.n_shared} must be in [0, k={cc.active})")
 
@@ -111,11 +120,13 @@ class LayerWeaver(LayerStep):
         else:
             t0 = time.perf_counter()
             profiles = np.asarray(gate_profiles(inputs.ffn_input, mlp.gate[...]))
+            energy = (np.asarray(output_energy(inputs.ffn_input, mlp.gate[...], mlp.up[...], mlp.down[...]))
+                      if cc.shared_by == "energy" else None)
             t1 = time.perf_counter()
             woven = weave_layer(profiles, self.task_ids, cc.experts, alpha_min=cc.alpha_min,
                                 alpha_max=cc.alpha_max, tau=cc.tau, max_shared=cc.active - 1,
                                 n_shared=cc.n_shared, assignment=cc.assignment, seed=cc.seed + i,
-                                random_split=cc.random_split)
+                                random_split=cc.random_split, shared_score=energy)
             record = dict(woven.to_json(), seconds={"profile": inputs.seconds + t1 - t0,
                                                     "cluster": time.perf_counter() - t1})
         woven = WovenLayer.from_json(record)

@@ -140,13 +140,14 @@ class WovenLayer:
 def weave_layer(profiles, task_ids, num_experts: int, *, alpha_min: float = 0.2,
                 alpha_max: float = 0.7, tau: float = 0.6, max_shared: int | None = None,
                 n_shared: int | None = None, assignment: str = "greedy", seed: int = 0,
-                random_split: bool = False) -> WovenLayer:
+                random_split: bool = False, shared_score=None) -> WovenLayer:
     """Partition one layer's d_ffn neurons from their profiles [d_ffn, N] (samples of `task_ids`).
 
     N_se follows the CV rule, capped at `max_shared` (the training-free mode needs at least one
     routed expert per token: k - 1); `n_shared` fixes it instead (downcycling's uniform shared
-    count). Shared neurons: highest mean profile (ties: lower id). `random_split`: the same
-    sizes, but shared and routed neurons drawn at random (the downcycling ablation).
+    count). Shared neurons: highest mean profile (the paper), or highest `shared_score`
+    [d_ffn] when given (e.g. output energy); ties: lower id. `random_split`: the same sizes,
+    but shared and routed neurons drawn at random (the downcycling ablation).
     """
     profiles = np.asarray(profiles, np.float64)
     d_ffn = profiles.shape[0]
@@ -163,7 +164,10 @@ def weave_layer(profiles, task_ids, num_experts: int, *, alpha_min: float = 0.2,
         experts = np.sort(perm[n_se * d_expert:].reshape(num_experts - n_se, d_expert), axis=1)
         return WovenLayer(np.sort(perm[:n_se * d_expert]).astype(np.int64), experts.astype(np.int64),
                           r, alpha, n_se, 0, quantiles)
-    order = np.argsort(-profiles.mean(axis=1), kind="stable")
+    score = profiles.mean(axis=1) if shared_score is None else np.asarray(shared_score, np.float64)
+    if score.shape != (d_ffn,):
+        raise ValueError(f"shared_score has shape {score.shape}, expected ({d_ffn},)")
+    order = np.argsort(-score, kind="stable")
     shared = np.sort(order[:n_se * d_expert]).astype(np.int64)
     rest = np.setdiff1d(np.arange(d_ffn), shared)
     labels, it = balanced_kmeans(profiles[rest], num_experts - n_se, assignment=assignment, seed=seed)
