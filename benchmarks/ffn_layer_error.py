@@ -7,13 +7,12 @@ FFN inputs: where a conversion loses accuracy (ExpertWeaver vs CMoE vs AbsTopk-G
 Inputs: the dense SmolLM2's FFN inputs on the first `--windows` 2048-token WikiText-2 test
 windows. Error of layer l: ||FFN_conv(x_l) - FFN_dense(x_l)||_F / ||FFN_dense(x_l)||_F.
 
-`--oracle` (converted MoE layers that split the dense FFN's neurons: CMoE, ExpertWeaver):
-every routed expert is run on every token, and three more errors are printed per model:
-`router-1` (the router's experts, each of weight 1: the router's choice without its gate
-scales), `oracle` (the top_k experts by their true output norm ||expert_e(x)||, weight 1:
-what the partition allows with a router that knows the outputs) and `hit` (the share of the
-oracle's experts the router also picks). Summed over all experts the layer is the dense FFN,
-which the script checks on every layer before it reports.
+`--oracle` (training-free CMoE and ExpertWeaver layers: a split of the dense FFN's neurons
+whose selected experts are summed unweighted): every routed expert is run on every token, and
+two more columns are printed per model: `oracle` (the error with the top_k experts by their
+true output norm ||expert_e(x)||: what the partition allows with a router that knows the
+outputs) and `hit` (the share of the oracle's experts the router also picks). Summed over all
+experts the layer is the dense FFN, which the script checks on every layer before it reports.
 """
 from __future__ import annotations
 
@@ -29,8 +28,8 @@ WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2
 
 
 def oracle_outputs(mlp, x):
-    """(router-1 output, oracle output, all-experts output [T, d], hit rate) of one MoE FFN on
-    tokens x [T, d]: each routed expert's SwiGLU computed on every token."""
+    """(oracle output, all-experts output [T, d], hit rate) of one MoE FFN on tokens x [T, d]:
+    each routed expert's SwiGLU computed on every token."""
     import jax
     import jax.numpy as jnp
 
@@ -41,12 +40,9 @@ def oracle_outputs(mlp, x):
     shared = mlp.shared(x).astype(jnp.float32)
     ids, _ = mlp.route(x)
     _, best = jax.lax.top_k(jnp.linalg.norm(every, axis=-1), mlp.top_k)
-
-    def picked(sel):
-        return shared + jnp.take_along_axis(every, sel[..., None], axis=1).sum(1)
-
+    oracle = shared + jnp.take_along_axis(every, best[..., None], axis=1).sum(1)
     hit = jnp.mean(jnp.sum(ids[:, :, None] == best[:, None, :], axis=(1, 2)) / mlp.top_k)
-    return picked(ids), picked(best), shared + every.sum(1), hit
+    return oracle, shared + every.sum(1), hit
 
 
 def main() -> None:
@@ -55,7 +51,7 @@ def main() -> None:
     p.add_argument("--abstopk", type=float, nargs="*", default=[], help="also AbsTopk-GLU at these sparsities")
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--oracle", action="store_true",
-                   help="also the router's experts at weight 1, the oracle router and the hit rate")
+                   help="also the error with an oracle router and the router's hit rate")
     p.add_argument("--json")
     p.add_argument("--data-dir", default=str(WIKITEXT),
                    help="folder with WikiText-2 valid.txt and test.txt (default: %(default)s)")
@@ -89,13 +85,12 @@ def main() -> None:
                        for l, x, y0 in zip(conv.layers, xs, ys)]
         if args.oracle:
             parts = [jax.jit(oracle_outputs)(l.mlp, x) for l, x in zip(conv.layers, xs)]
-            exact = max(rel(everything, y0) for (_, _, everything, _), y0 in zip(parts, ys))
+            exact = max(rel(everything, y0) for (_, everything, _), y0 in zip(parts, ys))
             if exact > 1e-3:
                 sys.exit(f"error: {d}: its experts do not sum to the dense FFN (relative error "
                          f"{exact:.2e}); --oracle needs a conversion that splits the FFN's neurons")
-            table[name + ":router-1"] = [rel(r1, y0) for (r1, _, _, _), y0 in zip(parts, ys)]
-            table[name + ":oracle"] = [rel(o, y0) for (_, o, _, _), y0 in zip(parts, ys)]
-            table[name + ":hit"] = [float(hit) for (_, _, _, hit) in parts]
+            table[name + ":oracle"] = [rel(o, y0) for (o, _, _), y0 in zip(parts, ys)]
+            table[name + ":hit"] = [float(hit) for (_, _, hit) in parts]
     names = list(table)
     width = max(14, *(len(n) + 1 for n in names))
     print("layer " + " ".join(f"{n:>{width}}" for n in names))
