@@ -329,3 +329,28 @@ def test_interrupted_conversion_resumes_identically(tiny_checkpoint, tmp_path):
     ma, mb = load_model(str(full), progress=False).model, load_model(str(out), progress=False).model
     for (p, x), (_, y) in zip(nnx.to_flat_state(nnx.state(ma)), nnx.to_flat_state(nnx.state(mb))):
         np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()), err_msg=str(p))
+
+
+def test_oracle_router_of_the_layer_error_benchmark_matches_brute_force(dense):
+    """`benchmarks/ffn_layer_error.oracle_outputs`: per token the top_k routed experts by true
+    output norm plus the shared MLP, recomputed expert by expert in numpy; all experts together
+    are the dense FFN; the hit rate counts the router's picks among the oracle's."""
+    from benchmarks.ffn_layer_error import oracle_outputs
+
+    moe, _ = convert_model(dense, _calib(), ConvertConfig(plan=MoEPlan.parse("S1A2E8"), k_act=4),
+                           progress=False)
+    mlp, x = moe.layers[0].mlp, np.random.default_rng(3).normal(size=(12, 32)).astype(np.float32)
+    oracle, everything, hit = jax.jit(oracle_outputs)(mlp, jnp.asarray(x))
+    w = [np.asarray(getattr(mlp, n)[...], np.float64) for n in ("expert_gate", "expert_up", "expert_down")]
+    xs = x.astype(np.float64)
+    outs = np.stack([(xs @ w[0][e] / (1 + np.exp(-(xs @ w[0][e]))) * (xs @ w[1][e])) @ w[2][e]
+                     for e in range(mlp.num_experts)], 1)                  # [T, E, d]
+    best = np.argsort(-np.linalg.norm(outs, axis=-1), axis=1)[:, :mlp.top_k]
+    shared = np.asarray(mlp.shared(jnp.asarray(x)), np.float64)
+    want = shared + np.stack([outs[t, best[t]].sum(0) for t in range(len(x))])
+    np.testing.assert_allclose(np.asarray(oracle), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(everything), np.asarray(dense.layers[0].mlp(jnp.asarray(x))),
+                               rtol=1e-4, atol=1e-5)
+    ids = np.asarray(mlp.route(jnp.asarray(x))[0])
+    want_hit = np.mean([len(set(ids[t]) & set(best[t])) / mlp.top_k for t in range(len(x))])
+    assert float(hit) == pytest.approx(want_hit)
