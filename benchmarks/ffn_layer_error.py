@@ -78,13 +78,15 @@ def main() -> None:
         keep = int(round((1 - s) * dense.config.intermediate_size))
         table[f"abstopk{s}"] = [rel(abstopk_glu(x, l.mlp.gate[...], l.mlp.up[...], l.mlp.down[...], keep), y0)
                                 for l, x, y0 in zip(dense.layers, xs, ys)]
+    # one jitted function each, reused for every layer and model (same shapes: one compile)
+    layer_out, oracle = jax.jit(lambda m, x: m(x)), jax.jit(oracle_outputs)
     for d in args.dirs:
         conv = load_model(d, progress=False).model
         name = Path(d).name
-        table[name] = [rel(jax.jit(lambda m, x: m(x))(l.mlp, x), y0)
+        table[name] = [rel(layer_out(l.mlp, x), y0)
                        for l, x, y0 in zip(conv.layers, xs, ys)]
         if args.oracle:
-            parts = [jax.jit(oracle_outputs)(l.mlp, x) for l, x in zip(conv.layers, xs)]
+            parts = [oracle(l.mlp, x) for l, x in zip(conv.layers, xs)]
             exact = max(rel(everything, y0) for (_, everything, _), y0 in zip(parts, ys))
             if exact > 1e-3:
                 sys.exit(f"error: {d}: its experts do not sum to the dense FFN (relative error "
