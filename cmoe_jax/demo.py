@@ -30,12 +30,13 @@ from cmoe_jax.cli_args import (
     check_writable_file,
     parse_or_code,
 )
-from cmoe_jax.convert import Calibration, ConvertJob, convert
+from cmoe_jax.convert import ConvertJob, convert
+from cmoe_jax.convert import cli as convert_cli
 from cmoe_jax.data import load_text_tokens, text_windows
 from cmoe_jax.errors import CmoeError, run_job
 from cmoe_jax.eval import perplexity
 from cmoe_jax.loading import load_config, load_model
-from cmoe_jax.methods.cmoe import ConvertConfig, MoEPlan
+from cmoe_jax.methods.cmoe import MoEPlan
 
 DEFAULT_CONFIGS = "S3A3E8:energy,S2A2E16,S1A1E8"
 
@@ -48,30 +49,40 @@ def local_wikitext() -> Path | None:
     return None
 
 
-_OPTIONS = {"reps": ("router_reps", str), "r": ("router_neurons", int),
-            "fit": ("router_fit_tokens", int)}
+_FLAGS = {"reps": "--router-reps", "r": "--router-neurons", "fit": "--router-fit-tokens"}
 
 
-def parse_config(spec: str) -> tuple[str, dict]:
-    """`S3A3E8:energy:reps=energy:r=8` -> ("S3A3E8", `ConvertConfig` keyword arguments)."""
+def parse_config(spec: str) -> tuple[str, list[str]]:
+    """`S3A3E8:energy:reps=energy:r=8` -> ("S3A3E8", the `cmoe-jax convert` flags it stands for)."""
     name, *opts = spec.split(":")
-    kwargs = {}
+    flags = ["--config", name]
     for opt in opts:
         key, eq, value = opt.partition("=")
         if not eq and key in ("rate", "energy"):
-            kwargs["shared_by"] = key
+            flags += ["--shared-by", key]
         elif not eq and key == "paper":
-            kwargs.update(ConvertConfig.PAPER_ROUTER)
-        elif eq and key in _OPTIONS:
-            arg, kind = _OPTIONS[key]
-            try:
-                kwargs[arg] = kind(value)
-            except ValueError:
-                raise ValueError(f"config {spec!r}: {key}={value!r} is not a valid {kind.__name__}") from None
+            flags.append("--paper-router")
+        elif eq and key in _FLAGS:
+            if key != "reps" and not value.isdigit():
+                raise ValueError(f"config {spec!r}: {key}={value!r} is not a valid int")
+            flags += [_FLAGS[key], value]
         else:
             raise ValueError(f"config {spec!r}: unknown option {opt!r}; use rate, energy, paper, "
-                             f"{', '.join(k + '=...' for k in _OPTIONS)}")
-    return name, kwargs
+                             f"{', '.join(k + '=...' for k in _FLAGS)}")
+    return name, flags
+
+
+def row_job(flags: list[str], args, calib_path: str | None,
+            prog: str = "python -m cmoe_jax.demo") -> ConvertJob:
+    """The job `cmoe-jax convert` builds from the same flags: a demo row converts exactly as the CLI.
+
+    Built by the convert command's own parser, so a default changed there changes here too.
+    """
+    argv = ["--model", args.model, *flags, "--calib-samples", str(args.calib_samples),
+            "--seqlen", str(args.seqlen), "--seed", str(args.seed), "--out", "-"]
+    if calib_path is not None:
+        argv += ["--data-path", calib_path]
+    return convert_cli.job_from_args(convert_cli.parse_args(argv, prog=prog))
 
 
 EXAMPLE = "{prog} --data-path wikitext-2/wiki.test.raw --max-windows 40"
@@ -105,6 +116,8 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.demo"):
             MoEPlan.parse(name)
     except ValueError as e:
         p.error(f"--configs: {e}")
+    for _, _, flags in args.rows:  # the convert parser checks each row's flags: one line, exit 2
+        row_job(flags, args, None, prog)
     return args
 
 
@@ -143,12 +156,9 @@ def run(args) -> list[dict]:
     print(f"dense perplexity on {len(windows)} x {args.seqlen} tokens: {r['ppl']:.3f}")
     del dense
     with tempfile.TemporaryDirectory() as tmp:
-        for row, (spec, name, options) in enumerate(args.rows):
-            plan = MoEPlan.parse(name)
-            out = Path(tmp) / f"{row}_{plan.name}"  # rows may share a plan with other options
-            job = ConvertJob(ConvertConfig(plan=plan, seed=args.seed, **options),
-                             Calibration(data_path=valid_path, samples=args.calib_samples,
-                                         seqlen=args.seqlen))
+        for row, (spec, name, flags) in enumerate(args.rows):
+            out = Path(tmp) / f"{row}_{name}"  # rows may share a plan with other options
+            job = row_job(flags, args, valid_path)
             manifest = convert(args.model, job, out=out, progress=False)
             seconds = manifest["seconds"]["convert"]
             moe = load_model(str(out), progress=False)
