@@ -1,7 +1,17 @@
-"""Draw docs/architecture.png: the data flow through the package, one box per stage, each
-labelled with the folder that holds it.  python scripts/architecture_figure.py"""
+"""Draw the architecture pictures from the code itself.
+
+    python scripts/architecture_figure.py
+
+- docs/architecture.png: the package's layers as `tests/test_structure.py` defines them (lowest
+  at the bottom), one box per part, and every import between parts read from the source;
+- docs/architecture-flow.png: the data flow of a conversion job;
+- docs/architecture.json: the layers and import edges the first picture shows, which the
+  structure test compares with the code (it fails when the picture is out of date).
+"""
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -10,65 +20,106 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
 
-OUT = Path(__file__).resolve().parents[1] / "docs" / "architecture.png"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+sys.path.insert(0, str(ROOT / "tests"))
+from test_structure import LAYERS, import_graph  # noqa: E402
 
-# (x, y, title, where): the main line of the data flow, left to right then down
-STAGES = [
-    (0.0, 2.0, "checkpoint", "HF safetensors / .bin,\nGGUF, converted dir"),
-    (1.0, 2.0, "load", "loading/\n-> models/ Decoder"),
-    (2.0, 2.0, "layer pass", "profiling/layer_pass.py\n(written once)"),
-    (3.0, 2.0, "method", "methods/cmoe, hierarchical,\nexpertweaver, conmoe"),
-    (3.0, 1.0, "MoE modules", "moe/ MoEFFN, HierMoEFFN\nmodels/ffn.py filled_ffn"),
-    (2.0, 1.0, "save", "checkpoint.py\n(staged, published whole)"),
-    (1.0, 1.0, "eval / train / export", "eval/  train/  export/"),
+# what each part is for, in a few words (a part missing here is drawn with its name only)
+ROLE = {
+    "errors": "one-line errors", "lora": "LoRA mechanism", "faults": "fault hook",
+    "moe": "MoE layers, routers,\ngrouped matmuls", "sharding": "meshes", "distributed": "multi-host",
+    "cli_args": "shared flags", "models": "decoder, families", "data": "corpora, windows",
+    "checkpoint": "converted format", "profiling": "markers, layer pass",
+    "carving": "assignment, K-means", "loading": "checkpoints in", "methods": "cmoe, hierarchical,\nexpertweaver, conmoe",
+    "jobs": "lock, staging,\nresume, publish", "convert": "job + CLI", "compress": "job + CLI",
+    "train": "job + CLI", "eval": "job + CLI", "export": "job + CLI", "demo": "README table",
+    "__init__": "public API", "downcycle": "job + CLI", "generate": "job + CLI",
+    "commands": "cmoe-jax",
+}
+
+
+def picture_data() -> dict:
+    """The layers and cross-part import edges as plain JSON (what the picture shows)."""
+    graph = import_graph()
+    return {"layers": [sorted(layer) for layer in LAYERS],
+            "edges": sorted([src, dst] for src, dsts in graph.items() for dst in dsts)}
+
+
+def box(ax, x, y, title, note, color, w=0.86, h=0.56):
+    ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.02",
+                                fc=color, ec="#333333", lw=1.0, zorder=2))
+    ax.text(x, y + (0.1 if note else 0), title, ha="center", va="center", fontsize=9.5,
+            weight="bold", zorder=3)
+    if note:
+        ax.text(x, y - 0.12, note, ha="center", va="center", fontsize=6.8, zorder=3)
+
+
+def draw_layers(data: dict, out: Path) -> None:
+    layers = data["layers"]
+    width = max(len(layer) for layer in layers)
+    fig, ax = plt.subplots(figsize=(1.25 * width + 2.5, 0.9 * len(layers) + 0.8))
+    where = {}
+    for level, layer in enumerate(layers):
+        for i, part in enumerate(layer):
+            where[part] = (i - (len(layer) - 1) / 2, float(level))
+        ax.text(-width / 2 - 0.35, level, f"layer {level}", ha="right", va="center", fontsize=8,
+                color="#555555")
+    for src, dst in data["edges"]:
+        (x0, y0), (x1, y1) = where[src], where[dst]
+        ax.add_patch(FancyArrowPatch((x0, y0 - 0.28), (x1, y1 + 0.28), arrowstyle="-|>",
+                                     mutation_scale=7, lw=0.5, color="#7a8ca0", alpha=0.55, zorder=1))
+    top = len(layers) - 2  # the two top layers are entry points: jobs with their command lines
+    for part, (x, y) in where.items():
+        color = "#e3f1dc" if y >= top else "#dbe9f6" if part in ("moe", "models", "methods", "jobs") else "#f3f3f3"
+        box(ax, x, y, part if part != "__init__" else "cmoe_jax", ROLE.get(part, ""), color)
+    ax.set_title("cmoe_jax: a part imports only parts of lower layers (arrows: imports, read from "
+                 "the source)", fontsize=10)
+    ax.set_xlim(-width / 2 - 1.4, width / 2 + 0.2)
+    ax.set_ylim(-0.6, len(layers) - 0.4)
+    ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+# (x, y, title, folder): a conversion job's data flow, left to right then down
+FLOW = [
+    (0.0, 1.0, "checkpoint in", "loading/ (safetensors,\n.bin, GGUF, converted)"),
+    (1.0, 1.0, "decoder", "models/ Decoder"),
+    (2.0, 1.0, "layer pass", "profiling/layer_pass.py\n+ data/ calibration windows"),
+    (3.0, 1.0, "method step", "methods/<method>/\n(uses carving/, moe/)"),
+    (3.0, 0.0, "converted layers", "checkpoint.py format,\nstaged by jobs/"),
+    (2.0, 0.0, "published model", "OUT/ (manifest, state,\ntokenizer)"),
+    (1.0, 0.0, "eval / train / export", "eval/  train/  export/\ngenerate"),
 ]
-SIDE = [
-    (3.0, 3.0, "shared algorithms", "carving/ (assignment,\nbalanced K-means)"),
-    (2.0, 3.0, "data", "data/ (WikiText-2, C4,\nlocal files)"),
-    (0.0, 1.0, "jobs and CLIs", "jobs/ (lock, staging, resume)\nconvert/ compress/ train/ ...\ncmoe-jax (commands.py)"),
-]
 
 
-def box(ax, x, y, title, where, color):
-    ax.add_patch(FancyBboxPatch((x - 0.42, y - 0.3), 0.84, 0.6, boxstyle="round,pad=0.02",
-                                fc=color, ec="#333333", lw=1.2))
-    ax.text(x, y + 0.12, title, ha="center", va="center", fontsize=11, weight="bold")
-    ax.text(x, y - 0.1, where, ha="center", va="center", fontsize=8, family="monospace")
-
-
-def arrow(ax, a, b, style="-|>", dashed=False):
-    (x0, y0), (x1, y1) = a, b
-    dx, dy = x1 - x0, y1 - y0
-    sx = 0.44 if dx else 0.0
-    sy = 0.32 if dy else 0.0
-    ax.add_patch(FancyArrowPatch((x0 + sx * (dx > 0) - sx * (dx < 0), y0 + sy * (dy > 0) - sy * (dy < 0)),
-                                 (x1 - sx * (dx > 0) + sx * (dx < 0), y1 - sy * (dy > 0) + sy * (dy < 0)),
-                                 arrowstyle=style, mutation_scale=14, lw=1.3,
-                                 ls="--" if dashed else "-", color="#333333"))
+def draw_flow(out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(11, 3.6))
+    for x, y, title, note in FLOW:
+        box(ax, x, y, title, note, "#dbe9f6", w=0.84, h=0.6)
+    for (x0, y0, *_), (x1, y1, *_) in zip(FLOW, FLOW[1:]):
+        dx, dy = x1 - x0, y1 - y0
+        start = (x0 + 0.43 * dx, y0 + 0.31 * dy)
+        end = (x1 - 0.43 * dx, y1 - 0.31 * dy)
+        ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14, lw=1.2,
+                                     color="#333333"))
+    ax.set_title("data flow of a conversion job (one decoder layer at a time)", fontsize=10)
+    ax.set_xlim(-0.5, 3.5)
+    ax.set_ylim(-0.45, 1.45)
+    ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
-    fig, ax = plt.subplots(figsize=(12, 6.2))
-    for x, y, title, where in STAGES:
-        box(ax, x, y, title, where, "#dbe9f6")
-    for x, y, title, where in SIDE:
-        box(ax, x, y, title, where, "#f3f3f3")
-    main_line = [(s[0], s[1]) for s in STAGES]
-    for a, b in zip(main_line, main_line[1:]):
-        arrow(ax, a, b)
-    arrow(ax, (3.0, 3.0), (3.0, 2.0), dashed=True)   # algorithms -> method
-    arrow(ax, (2.0, 3.0), (2.0, 2.0), dashed=True)   # calibration data -> layer pass
-    arrow(ax, (0.0, 1.0), (0.0, 2.0), dashed=True)   # a job drives the line
-    ax.text(1.5, 0.35, "Imports flow one way: errors, lora < moe, sharding, distributed < models, data < "
-            "checkpoint, profiling, carving < loading < methods < jobs < convert, compress, train, "
-            "eval, export < cmoe-jax", ha="center", fontsize=8.5, style="italic")
-    ax.set_xlim(-0.6, 3.6)
-    ax.set_ylim(0.2, 3.45)
-    ax.axis("off")
-    fig.tight_layout()
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(OUT, dpi=110)
-    print(f"wrote {OUT}")
+    data = picture_data()
+    draw_layers(data, DOCS / "architecture.png")
+    draw_flow(DOCS / "architecture-flow.png")
+    (DOCS / "architecture.json").write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {DOCS / 'architecture.png'}, {DOCS / 'architecture-flow.png'}, {DOCS / 'architecture.json'}")
 
 
 if __name__ == "__main__":

@@ -130,3 +130,16 @@ def test_the_layer_pass_is_written_once():
     assert callers == ["methods/cmoe/convert.py", "methods/cmoe/streamed.py",
                        "methods/conmoe/calibration.py", "methods/expertweaver/convert.py",
                        "methods/hierarchical/convert.py"], callers
+
+
+def test_the_architecture_picture_shows_these_layers():
+    """docs/architecture.png is drawn from LAYERS and the import graph
+    (`python scripts/architecture_figure.py`); its data file must match the code as it is."""
+    import json
+
+    drawn = json.loads((PACKAGE.parent / "docs" / "architecture.json").read_text())
+    assert drawn["layers"] == [sorted(layer) for layer in LAYERS], \
+        "the picture's layers differ from LAYERS: run python scripts/architecture_figure.py"
+    edges = sorted([src, dst] for src, dsts in import_graph().items() for dst in dsts)
+    assert drawn["edges"] == edges, \
+        "the picture's imports differ from the code's: run python scripts/architecture_figure.py"
