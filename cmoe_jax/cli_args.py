@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from cmoe_jax.errors import EXIT_BAD_INPUT, CmoeError
+from cmoe_jax.errors import EXIT_BAD_INPUT, CmoeError, run_job
 
 _UNSET = object()
 DATASETS = ("wikitext2", "c4")
@@ -78,6 +78,21 @@ def parse_or_code(parse, argv, prog: str):
         return parse(argv, prog), None
     except SystemExit as e:
         return None, e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_BAD_INPUT)
+
+
+def command_main(parse, run, report, argv, prog: str) -> int:
+    """What every command's `main()` does: parse (a usage error is one line, exit 2), run the job
+    (bad input is one line, exit 2), then `report(args, result)` prints the command's summary.
+    Returns the exit code instead of raising SystemExit."""
+    args, code = parse_or_code(parse, argv, prog)
+    if args is None:
+        return code
+    result, code = run_job(run, args)
+    if code:
+        return code
+    if report is not None:
+        report(args, result)
+    return 0
 
 
 def _number(kind, low: float, inclusive: bool, what: str):
@@ -164,13 +179,17 @@ def add_seed(p: Parser) -> None:
     p.add_argument("--seed", type=nonneg_int, default=0, help="random seed (data sampling, initialisation)")
 
 
-def add_output_dir(p: Parser, what: str, resume: str | None = "continue an interrupted run in OUT.partial") -> None:
-    """--out DIR (required), --overwrite and, where the job resumes, --resume."""
+def add_output_dir(p: Parser, what: str, resume: str | None = "continue an interrupted run in OUT.partial",
+                   report: bool = False) -> None:
+    """--out DIR (required), --overwrite, --resume where the job resumes, --report where it
+    draws one."""
     g = p.add_argument_group("output")
     g.add_argument("--out", required=True, metavar="DIR", help=f"output directory: {what}")
     g.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     if resume:
         g.add_argument("--resume", action="store_true", help=resume)
+    if report:
+        g.add_argument("--report", action="store_true", help="write PNG plots and report.json")
 
 
 def add_output_json(p: Parser, what: str = "the result") -> None:

@@ -18,22 +18,12 @@ import tempfile
 from pathlib import Path
 
 from cmoe_jax.checkpoint import write_json_atomic
-from cmoe_jax.cli_args import (
-    Parser,
-    add_calib_samples,
-    add_data_path,
-    add_model,
-    add_output_json,
-    add_seed,
-    add_seqlen,
-    add_windows,
-    check_writable_file,
-    parse_or_code,
-)
+from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data_path, add_model, add_output_json,
+                               add_seed, add_seqlen, add_windows, check_writable_file, command_main)
 from cmoe_jax.convert import ConvertJob, convert
 from cmoe_jax.convert import cli as convert_cli
 from cmoe_jax.data import load_text_tokens, text_windows
-from cmoe_jax.errors import CmoeError, run_job
+from cmoe_jax.errors import CmoeError
 from cmoe_jax.eval import perplexity
 from cmoe_jax.loading import load_config, load_model
 from cmoe_jax.methods.cmoe import MoEPlan
@@ -169,13 +159,7 @@ def run(args) -> list[dict]:
     return rows
 
 
-def main(argv=None, prog: str = "python -m cmoe_jax.demo") -> int:
-    args, code = parse_or_code(parse_args, argv, prog)
-    if args is None:
-        return code
-    rows, code = run_job(run, args)
-    if code:
-        return code
+def report(args, rows: list[dict]) -> None:
     base = rows[0]["ppl"]
     print("\n| model | WikiText-2 ppl | x dense | conversion (s) |\n|---|---|---|---|")
     for row in rows:
@@ -183,7 +167,10 @@ def main(argv=None, prog: str = "python -m cmoe_jax.demo") -> int:
         print(f"| {row['model']} | {row['ppl']:.3f} | {row['ppl'] / base:.2f}x | {conv} |")
     if args.out:
         write_json_atomic(Path(args.out).expanduser(), rows)
-    return 0
+
+
+def main(argv=None, prog: str = "python -m cmoe_jax.demo") -> int:
+    return command_main(parse_args, run, report, argv, prog)
 
 
 if __name__ == "__main__":

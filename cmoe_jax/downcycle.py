@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 from cmoe_jax.cli_args import (Parser, add_data_path, add_model, add_output_dir, add_seed, add_seqlen,
-                               check_writable_dir, nonneg_float, nonneg_int, parse_or_code, positive_float,
+                               check_writable_dir, nonneg_float, nonneg_int, command_main, positive_float,
                                positive_int)
-from cmoe_jax.errors import CmoeError, run_job
+from cmoe_jax.errors import CmoeError
 from cmoe_jax.jobs import JobModel, OutputJob, check_output_free, fault_point, fingerprint
 
 INITS = ("expertweaver", "random-split", "random")
@@ -154,15 +154,12 @@ def run(args) -> dict:
     return dict(summary, out=str(out))
 
 
-def main(argv=None, prog: str = "python -m cmoe_jax.downcycle") -> int:
-    args, code = parse_or_code(parse_args, argv, prog)
-    if args is None:
-        return code
-    result, code = run_job(run, args)
-    if code:
-        return code
+def report(args, result: dict) -> None:
     print(json.dumps({k: result[k] for k in ("out", "steps", "first_nll", "final_nll")}, indent=1))
-    return 0
+
+
+def main(argv=None, prog: str = "python -m cmoe_jax.downcycle") -> int:
+    return command_main(parse_args, run, report, argv, prog)
 
 
 if __name__ == "__main__":

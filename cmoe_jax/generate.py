@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from cmoe_jax.cli_args import (Parser, add_model, add_seed, nonneg_float, nonneg_int, parse_or_code,
+from cmoe_jax.cli_args import (Parser, add_model, add_seed, nonneg_float, nonneg_int, command_main,
                                positive_int)
-from cmoe_jax.errors import CmoeError, run_job
+from cmoe_jax.errors import CmoeError
 
 
 EXAMPLE = "{prog} --chat --prompt 'What is the capital of France?' --max-new-tokens 64"
@@ -188,11 +188,7 @@ def _stopped_by_string(tokenizer, stops, ids) -> bool:
 
 
 def main(argv=None, prog: str = "python -m cmoe_jax.generate") -> int:
-    args, code = parse_or_code(parse_args, argv, prog)
-    if args is None:
-        return code
-    _, code = run_job(run, args)
-    return code
+    return command_main(parse_args, run, None, argv, prog)
 
 
 if __name__ == "__main__":

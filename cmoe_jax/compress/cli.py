@@ -10,22 +10,10 @@ import argparse
 import json
 
 from cmoe_jax import distributed
-from cmoe_jax.cli_args import (
-    Parser,
-    add_calib_samples,
-    add_data,
-    add_model,
-    add_output_dir,
-    add_progress,
-    add_seed,
-    add_seqlen,
-    check_writable_dir,
-    parse_or_code,
-    positive_int,
-    share,
-)
+from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir,
+                               add_progress, add_seed, add_seqlen, check_writable_dir, command_main,
+                               positive_int, share)
 from cmoe_jax.compress.api import METHODS, CompressConfig, compress
-from cmoe_jax.errors import run_job
 from cmoe_jax.methods.conmoe import DISTANCES, DUPLICATE_GATES, SELECTIONS
 
 CONMOE_ONLY = ("scope", "selection", "distance")
@@ -58,8 +46,7 @@ def build_parser(prog: str = "python -m cmoe_jax.compress") -> Parser:
     add_calib_samples(data, 8)
     add_seqlen(p, 2048)
     add_seed(p)
-    add_output_dir(p, "the compressed model", "continue an interrupted compression")
-    p.add_argument("--report", action="store_true", help="write PNG plots and report.json")
+    add_output_dir(p, "the compressed model", "continue an interrupted compression", report=True)
     add_progress(p)
     return p
 
@@ -86,16 +73,14 @@ def run(args) -> dict:
                     progress=not args.no_progress)
 
 
-def main(argv=None, prog: str = "python -m cmoe_jax.compress") -> int:
-    args, code = parse_or_code(parse_args, argv, prog)
-    if args is None:
-        return code
-    result, code = run_job(run, args)
-    if code:
-        return code
+def report(args, result: dict) -> None:
     keys = ("method", "ratio", "scope", "selection", "distance", "duplicate_gates", "routed_experts", "prototypes",
             "routed_bytes_before", "routed_bytes_after", "cross_layer_nn_fraction")
     c = result["compression"]
     print(json.dumps({"out": result["out"], **{k: c[k] for k in keys if k in c},
                       "seconds": result["seconds"]}, indent=1))
-    return 0
+
+
+def main(argv=None, prog: str = "python -m cmoe_jax.compress") -> int:
+    return command_main(parse_args, run, report, argv, prog)
+

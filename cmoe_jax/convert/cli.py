@@ -11,26 +11,12 @@ import json
 from pathlib import Path
 
 from cmoe_jax import distributed
-from cmoe_jax.cli_args import (
-    Parser,
-    add_calib_samples,
-    add_data,
-    add_model,
-    add_output_dir,
-    add_progress,
-    add_seed,
-    add_seqlen,
-    check_writable_dir,
-    nonneg_float,
-    nonneg_int,
-    parse_or_code,
-    positive_float,
-    positive_int,
-    share,
-)
+from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir,
+                               add_progress, add_seed, add_seqlen, check_writable_dir, command_main,
+                               nonneg_float, nonneg_int, positive_float, positive_int, share)
 from cmoe_jax.convert.api import Calibration, ConvertJob, convert
 from cmoe_jax.convert.expertweaver_job import DIVERSE_NEEDS_ARC, MIXES, convert_expertweaver
-from cmoe_jax.errors import CmoeError, run_job
+from cmoe_jax.errors import CmoeError
 from cmoe_jax.methods.cmoe import ConvertConfig, MoEPlan
 from cmoe_jax.methods.expertweaver import WeaveConfig
 
@@ -111,8 +97,7 @@ def build_parser(prog: str = "python -m cmoe_jax.convert") -> Parser:
     ew.add_argument("--arc-path", help="ARC-Easy JSON lines: its questions form one more task "
                                        "(--calib-mix diverse: four of its formats)")
     add_seed(p)
-    add_output_dir(p, "the converted model", "continue an interrupted conversion")
-    p.add_argument("--report", action="store_true", help="write PNG plots and report.json")
+    add_output_dir(p, "the converted model", "continue an interrupted conversion", report=True)
     add_progress(p)
     return p
 
@@ -193,13 +178,11 @@ def job_from_args(args) -> ConvertJob:
                       min_expert_tokens=args.min_expert_tokens, report=args.report)
 
 
-def main(argv=None, prog: str = "python -m cmoe_jax.convert") -> int:
-    args, code = parse_or_code(parse_args, argv, prog)
-    if args is None:
-        return code
-    result, code = run_job(run, args)
-    if code:
-        return code
+def report(args, result: dict) -> None:
     if distributed.is_main():
         print(json.dumps({k: result[k] for k in ("out", "config", "seconds")}, indent=1))
-    return 0
+
+
+def main(argv=None, prog: str = "python -m cmoe_jax.convert") -> int:
+    return command_main(parse_args, run, report, argv, prog)
+

@@ -14,20 +14,11 @@ import jax.numpy as jnp
 
 from cmoe_jax import distributed
 from cmoe_jax.checkpoint import write_json_atomic
-from cmoe_jax.cli_args import (
-    Parser,
-    add_data,
-    add_model,
-    add_output_json,
-    add_progress,
-    add_seqlen,
-    add_windows,
-    check_writable_file,
-    parse_or_code,
-    positive_int,
-)
+from cmoe_jax.cli_args import (Parser, add_data, add_model, add_output_json, add_progress,
+                               add_seqlen, add_windows, check_writable_file, command_main,
+                               positive_int)
 from cmoe_jax.data import default_split, eval_windows, load_text_tokens
-from cmoe_jax.errors import CmoeError, run_job
+from cmoe_jax.errors import CmoeError
 from cmoe_jax.eval.perplexity import perplexity
 from cmoe_jax.eval.tasks import TASKS, evaluate_task, get_task, load_documents
 from cmoe_jax.jobs import JobModel
@@ -126,16 +117,10 @@ def run_task(args) -> dict:
             "platform": jax.devices()[0].platform, **result}
 
 
-def main(argv=None, prog: str = "python -m cmoe_jax.eval") -> int:
-    args, code = parse_or_code(parse_args, argv, prog)
-    if args is None:
-        return code
-    result, code = run_job(run, args)
-    if code:
-        return code
-
+def report(args, result: dict) -> None:
+    """The one-line summary, and the JSON of `--json`, on the main process."""
     if not distributed.is_main():
-        return 0
+        return
     if args.task:
         print(f"{result['task']}: acc {result['acc']:.4f} ± {result['acc_stderr']:.4f}, acc_norm "
               f"{result['acc_norm']:.4f} ± {result['acc_norm_stderr']:.4f} over {result['items']} questions "
@@ -149,4 +134,7 @@ def main(argv=None, prog: str = "python -m cmoe_jax.eval") -> int:
               f"{result['seconds']:.1f} s + {result['compile_seconds']:.1f} s compile")
     if args.out:
         write_json_atomic(Path(args.out).expanduser(), result)
-    return 0
+
+
+def main(argv=None, prog: str = "python -m cmoe_jax.eval") -> int:
+    return command_main(parse_args, run, report, argv, prog)

@@ -13,20 +13,9 @@ import json
 from pathlib import Path
 
 from cmoe_jax import distributed
-from cmoe_jax.cli_args import (
-    Parser,
-    add_calib_samples,
-    add_data,
-    add_model,
-    add_output_dir,
-    add_progress,
-    add_seed,
-    add_seqlen,
-    check_writable_dir,
-    parse_or_code,
-    positive_float,
-)
-from cmoe_jax.errors import run_job
+from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir,
+                               add_progress, add_seed, add_seqlen, check_writable_dir, command_main,
+                               positive_float)
 from cmoe_jax.export.api import export
 
 EXAMPLE = "{prog} --model out/s3a3e8 --data-path wikitext-2/wiki.valid.raw --out hf/s3a3e8"
@@ -63,11 +52,5 @@ def run(args) -> dict:
 
 
 def main(argv=None, prog: str = "python -m cmoe_jax.export") -> int:
-    args, code = parse_or_code(parse_args, argv, prog)
-    if args is None:
-        return code
-    result, code = run_job(run, args)
-    if code:
-        return code
-    print(json.dumps(result, indent=1))
-    return 0
+    return command_main(parse_args, run, lambda args, result: print(json.dumps(result, indent=1)), argv, prog)
+

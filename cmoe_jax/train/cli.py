@@ -10,21 +10,10 @@ import argparse
 import json
 
 from cmoe_jax import distributed
-from cmoe_jax.cli_args import (
-    Parser,
-    add_data,
-    add_model,
-    add_output_dir,
-    add_progress,
-    add_seed,
-    add_seqlen,
-    check_writable_dir,
-    nonneg_float,
-    parse_or_code,
-    positive_float,
-    positive_int,
-)
-from cmoe_jax.errors import CmoeError, run_job
+from cmoe_jax.cli_args import (Parser, add_data, add_model, add_output_dir, add_progress, add_seed,
+                               add_seqlen, check_writable_dir, command_main, nonneg_float,
+                               positive_float, positive_int)
+from cmoe_jax.errors import CmoeError
 from cmoe_jax.train.api import finetune
 from cmoe_jax.train.job import TrainJob
 from cmoe_jax.train.lora import DEFAULT_TARGETS
@@ -112,17 +101,13 @@ def run(args) -> dict:
                     progress=not args.no_progress)
 
 
-def main(argv=None, prog: str = "python -m cmoe_jax.train") -> int:
-    args, code = parse_or_code(parse_args, argv, prog)
-    if args is None:
-        return code
-    result, code = run_job(run, args)
-    if code:
-        return code
+def report(args, result: dict) -> None:
+    if distributed.is_main():
+        print(json.dumps({k: result[k] for k in ("out", "steps", "first_loss", "final_loss",
+                                                 "tokens_per_s", "train_seconds", "compile_seconds",
+                                                 "stopped_by_time")}, indent=1))
 
-    if not distributed.is_main():
-        return 0
-    print(json.dumps({k: result[k] for k in ("out", "steps", "first_loss", "final_loss",
-                                             "tokens_per_s", "train_seconds", "compile_seconds",
-                                             "stopped_by_time")}, indent=1))
-    return 0
+
+def main(argv=None, prog: str = "python -m cmoe_jax.train") -> int:
+    return command_main(parse_args, run, report, argv, prog)
+
