@@ -56,7 +56,11 @@ def _prompts(args) -> list[str]:
     path = Path(args.prompts_file).expanduser()
     if not path.is_file():
         raise CmoeError(f"--prompts-file {path} does not exist")
-    prompts = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as e:
+        raise CmoeError(f"--prompts-file {path} is not UTF-8 text (byte {e.start}): save it as "
+                        "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
     if not prompts:
         raise CmoeError(f"--prompts-file {path} holds no prompt (one a line)")
     return prompts
