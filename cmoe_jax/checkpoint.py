@@ -50,6 +50,7 @@ def write_json_atomic(path: Path, obj) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1)
             f.write("\n")
+        fault_point("json:write")  # written, not yet in place: a kill here leaves only the temporary
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -154,8 +154,9 @@ def _read_during_publish(inputs, tmp_path, monkeypatch):
     result = {}
     reader = threading.Thread(target=lambda: result.setdefault("model", restore_model(old)))
     reader.start()
-    while not (gate / "paused").exists():
+    while not (gate / "paused").exists() and reader.is_alive():
         reader.join(0.01)
+    assert (gate / "paused").exists(), "the reader did not pause between its layers"
 
     def publish():
         with OutputJob(old, "test-publish", overwrite=True) as job:
@@ -253,3 +254,41 @@ def test_train_killed_before_publish_resumes_from_its_last_step(inputs, tmp_path
     assert proc.returncode == 0, proc.stderr[-2000:]
     log = json.loads((out / "train_log.json").read_text())
     assert log["resumed_from"] == len(log["steps"]) == 2
+
+
+# ---- 9, 10. every failure one line; `~` expanded where it is checked and written -----------------
+
+def test_disk_full_in_the_staging_directory_is_one_line_and_keeps_the_work(inputs, tmp_path, capsys,
+                                                                           monkeypatch):
+    import errno
+
+    import cmoe_jax.jobs.progress as progress
+
+    real, calls = progress.write_json_atomic, []
+
+    def full_after_one_layer(path, obj):
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(path, obj)
+
+    monkeypatch.setattr(progress, "write_json_atomic", full_after_one_layer)
+    out = tmp_path / "out"
+    assert _convert(inputs, out, "--no-progress") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: No space left on device at ") and "--resume" in err[0]
+    monkeypatch.setattr(progress, "write_json_atomic", real)
+    assert (tmp_path / "out.partial" / "layers" / "0000.json").exists() and not out.exists()
+    assert _convert(inputs, out, "--resume") == 0 and out.is_dir()
+
+
+def test_tilde_is_expanded_where_the_output_is_checked_and_written(monkeypatch, tmp_path):
+    from cmoe_jax.cli_args import Parser, add_output_dir, add_output_json
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    p = Parser("x", "x", "x")
+    add_output_dir(p, "x")
+    assert p.parse_args(["--out", "~/model"]).out == str(tmp_path / "model")
+    p = Parser("y", "y", "y")
+    add_output_json(p)
+    assert p.parse_args(["--json", "~/r.json"]).out == str(tmp_path / "r.json")
