@@ -264,10 +264,10 @@ def campaign(server: ForkServer, job: Job, ref: Path, work: Path, kills: int, se
         point = rng.choice(points)
         n = rng.randint(1, job.points[point])
         log = work / f"{job.name}-{done_kills}.log"
-        swap = point in SWAP and not out.exists()
-        if swap:  # an output to replace: the reference's copy
+        if point in SWAP and not out.exists():  # an output to replace: the reference's copy
             shutil.copytree(ref, out)
-        code, = server.run([{"module": job.module, "argv": job.command(out, resume=True, overwrite=swap),
+        # every run may replace: after a kill inside an overwrite the old output is put back
+        code, = server.run([{"module": job.module, "argv": job.command(out, resume=True, overwrite=True),
                              "env": {"CMOE_FAULT_AT": f"{point}:{n}"}, "log": str(log)}])
         if code == -9:
             done_kills += 1
@@ -287,7 +287,7 @@ def campaign(server: ForkServer, job: Job, ref: Path, work: Path, kills: int, se
         _finished(tally, job, ref, out, f"{point}:{n}")
     # the last kill's work is finished by one more --resume run
     log = work / f"{job.name}-final.log"
-    code, = server.run([{"module": job.module, "argv": job.command(out, resume=True), "log": str(log)}])
+    code, = server.run([{"module": job.module, "argv": job.command(out, resume=True, overwrite=True), "log": str(log)}])
     if code != 0:
         tally.broken += 1
         tally.notes.append(f"{job.name} final resume exited {code}: {log.read_text()[-400:]}")

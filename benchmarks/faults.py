@@ -54,7 +54,10 @@ def kill_and_resume(server, job, ref, work, point, n, log) -> tuple[bool, bool, 
         diffs = differences(ref, out)
         problem = f"{job.name} {point}:{n}: broken output {diffs[:3]}" if diffs else ""
         shutil.rmtree(out)
-    code, = server.run([{"module": job.module, "argv": job.command(out, resume=True), "log": str(log)}])
+    # after a kill inside an overwrite, the next run may find the old output put back: it
+    # replaces it, as the killed run meant to
+    code, = server.run([{"module": job.module, "argv": job.command(out, resume=True, overwrite=swap),
+                         "log": str(log)}])
     if code != 0:
         return True, False, problem or f"{job.name} {point}:{n}: resume exited {code}"
     diffs = differences(ref, out)

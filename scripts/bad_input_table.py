@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,8 @@ def _flags(flags: list[str]) -> str:
 def table(records: list[dict]) -> str:
     rows = ["| case | command | its one line | written |", "|---|---|---|---|"]
     for r in records:
-        line = r["error"].replace("|", "\\|")
+        line = re.sub(r"\(pid \d+ on [^:]+: .*\): wait", "(pid PID on HOST: COMMAND): wait", r["error"])
+        line = line.replace("|", "\\|")
         rows.append(f"| {r['id']} | `{r['job']}` {_flags(r['flags'])} | `{line}` | nothing |")
     return "\n".join(rows)
 
