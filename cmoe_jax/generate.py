@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from cmoe_jax.cli_args import (Parser, add_model, add_seed, nonneg_float, nonneg_int, parse_or_code,
-                               positive_int)
+                               positive_float, positive_int)
 from cmoe_jax.errors import CmoeError, run_job
 
 
@@ -34,7 +34,7 @@ def build_parser(prog: str = "python -m cmoe_jax.generate") -> Parser:
     s.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most")
     s.add_argument("--temperature", type=nonneg_float, default=0.0, help="0: greedy; > 0: sampling")
     s.add_argument("--top-k", type=nonneg_int, default=0, help="sample among the k most likely tokens (0: all)")
-    s.add_argument("--top-p", type=float, default=1.0, help="sample among the smallest set of tokens of "
+    s.add_argument("--top-p", type=positive_float, default=1.0, help="sample among the smallest set of tokens of "
                                                              "probability >= p, in (0, 1] (1: all)")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable): the answer "
                                                                "ends before its first occurrence")

@@ -19,7 +19,6 @@ import jax
 import numpy as np
 import pytest
 
-from cmoe_jax import faults
 from cmoe_jax.checkpoint import MANIFEST, restore_model
 from cmoe_jax.convert import convert
 from cmoe_jax.errors import CheckpointError
@@ -142,6 +141,8 @@ def test_kill_inside_publish_or_cleanup_is_repaired_by_a_plain_rerun(inputs, tmp
 def _read_during_publish(inputs, tmp_path, monkeypatch):
     """A reader of `old` paused after its first layer, an overwrite publish of `new` let run
     up to 2 s, the reader resumed: (old's arrays, new's arrays, what the reader got)."""
+    from cmoe_jax import faults
+
     old, new = tmp_path / "old", tmp_path / "new"
     shutil.copytree(inputs["converted"], old)
     convert(str(inputs["dense"]), _tiny_job(write_random_text(tmp_path / "t.txt", 3000, seed=9)),

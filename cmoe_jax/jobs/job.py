@@ -84,7 +84,10 @@ class OutputJob:
     def __exit__(self, kind, value, tb):
         try:
             if kind is not None and self.main and self._opened and not self.has_resumable_work():
-                self.staging.discard()
+                try:
+                    self.staging.discard()
+                except (CmoeError, OSError):  # a full disk may refuse even this: the error in flight
+                    pass                      # is the one to report; the next job clears it
         finally:
             if self.main:
                 self._lock.release()

@@ -3,8 +3,9 @@
 The lock is an `fcntl.flock` on `OUT.lock` beside the output, taken before any work and
 held to the end; the kernel drops it when the holder dies, so a killed job never leaves a
 stale lock. The holder writes its pid, host and command into the file, and a second job
-names them in its one-line error. The file is removed when the lock is released (a job
-that takes it checks that the file it locked is still the one at the path).
+names them in its one-line error. The file is removed when the lock is released, unless it
+still lists paths to clean up (below); a job that takes it checks that the file it locked is
+still the one at the path.
 
 The record also lists every path the holder is about to create beside the output (each
 name unique to its run: pid plus a random suffix), written before the path exists, so the
@@ -158,7 +159,8 @@ class OutputLock:
         if self._fd is None:
             return
         try:
-            self.path.unlink(missing_ok=True)
+            if not self._paths:  # else keep the record: the next job removes what it lists
+                self.path.unlink(missing_ok=True)
         finally:
             os.close(self._fd)
             self._fd = None

@@ -56,11 +56,11 @@ def remove_tree(path: Path) -> None:
 class Staging:
     """The staging directory of output `out` (only touched while its `OutputLock` is held)."""
 
-    def __init__(self, out: Path, lock: OutputLock | None = None):
+    def __init__(self, out: Path, lock: OutputLock):
         self.out = Path(out)
         self.dir = staging_dir(self.out)
         self.parent = self.out.parent
-        self.lock = lock if lock is not None else OutputLock(self.out)
+        self.lock = lock  # held by the job: where the paths made here are recorded
         self.owned = False  # set once the directory is known to be this job's (made or verified)
         self.fingerprint: dict | None = None
 
