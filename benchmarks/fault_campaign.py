@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVER = r"""
 import importlib, json, os, sys, time, traceback
 MODULES = ("cmoe_jax.convert.cli", "cmoe_jax.compress.cli", "cmoe_jax.export.cli",
-           "cmoe_jax.train.cli", "cmoe_jax.convert.api", "cmoe_jax.compress.api",
+           "cmoe_jax.train.cli", "cmoe_jax.downcycle", "cmoe_jax.convert.api", "cmoe_jax.compress.api",
            "cmoe_jax.export.api", "cmoe_jax.train.api")
 for m in MODULES:
     importlib.import_module(m)   # imports only: JAX's backend starts in each child
@@ -45,7 +45,8 @@ for line in sys.stdin:
                 fd = os.open(run["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
-                os.environ.pop("CMOE_FAULT_AT", None)
+                for name in ("CMOE_FAULT_AT", "CMOE_FAULT_COUNT"):
+                    os.environ.pop(name, None)
                 os.environ.update(run.get("env", {}))
                 code = importlib.import_module(run["module"]).main(run["argv"])
             except SystemExit as e:
@@ -158,17 +159,28 @@ def differences(ref: Path, got: Path) -> list[str]:
 
 
 # ---- the jobs -------------------------------------------------------------------------------
+# points inside a write (a shard, a JSON file), between the renames of an overwrite, inside
+# the cleanup after publish: the campaign's mid-write mode kills only at these
+MID_WRITE = ("shard:write", "json:write", "publish:swap", "published:swap", "cleanup", "discarded")
+SWAP = ("publish:swap", "published:swap")  # passed only when an existing output is replaced
+
+
 @dataclass
 class Job:
     name: str
     module: str
     argv: list  # without --out / --resume
-    points: dict  # fault point -> how many times one uninterrupted run passes it
+    points: dict = field(default_factory=dict)  # point -> passes of one uninterrupted run (learnt)
     resume_flag: str = "--resume"
     extra_dirs: list = field(default_factory=list)
 
-    def command(self, out: Path, resume: bool) -> list:
-        return [*self.argv, "--out", str(out), *([self.resume_flag] if resume else [])]
+    def command(self, out: Path, resume: bool, overwrite: bool = False) -> list:
+        return [*self.argv, "--out", str(out), *([self.resume_flag] if resume else []),
+                *(["--overwrite"] if overwrite else [])]
+
+    def choices(self, mid_write: bool) -> list[str]:
+        """The points a kill may choose: all but the loading reader's, or the mid-write ones."""
+        return sorted(p for p in self.points if not p.startswith("read:") and (p in MID_WRITE or not mid_write))
 
 
 def make_inputs(root: Path) -> dict:
@@ -184,31 +196,42 @@ def make_inputs(root: Path) -> dict:
     text = root / "calib.txt"
     if not text.exists():
         write_random_text(text, 3000)
-    return {"dense": dense, "text": text}
+    articles = root / "articles.txt"  # WikiText-style articles: ExpertWeaver's calibration tasks
+    if not articles.exists():
+        from tests.test_expertweaver import _articles
+
+        _articles(articles)
+    return {"dense": dense, "text": text, "articles": articles}
 
 
 def jobs(inputs: dict, converted: Path) -> dict[str, Job]:
     """The jobs of a campaign; `converted` (the convert job's reference output) is the
     source of compress, export and train."""
-    d, t = str(inputs["dense"]), str(inputs["text"])
-    conv = ["--model", d, "--data-path", t, "--calib-samples", "2", "--seqlen", "32", "--k-act", "4",
-            "--config", "S1A1E8"]
-    publish = {"staged": 1, "publish": 1, "published": 1}
+    d, t, a = str(inputs["dense"]), str(inputs["text"]), str(inputs["articles"])
+    calib = ["--data-path", t, "--calib-samples", "2", "--seqlen", "32", "--k-act", "4"]
+    conv = ["--model", d, *calib, "--config", "S1A1E8"]
     return {
-        "convert": Job("convert", "cmoe_jax.convert.cli", conv, {"layer": 2, **publish}),
-        "convert-stream": Job("convert-stream", "cmoe_jax.convert.cli", [*conv, "--stream"],
-                              {"layer": 2, **publish}),
+        "convert": Job("convert", "cmoe_jax.convert.cli", conv),
+        "convert-stream": Job("convert-stream", "cmoe_jax.convert.cli", [*conv, "--stream"]),
+        "hierarchical": Job("hierarchical", "cmoe_jax.convert.cli",
+                            ["--model", str(converted), *calib, "--config", "S0A2E2", "--router-neurons", "2"]),
+        "expertweaver": Job("expertweaver", "cmoe_jax.convert.cli",
+                            ["--method", "expertweaver", "--model", d, "--data-path", a, "--experts", "8",
+                             "--calib-tasks", "4", "--samples-per-task", "2", "--seqlen", "32"]),
         "compress": Job("compress", "cmoe_jax.compress.cli",
                         ["--model", str(converted), "--data-path", t, "--calib-samples", "2",
-                         "--seqlen", "32", "--method", "conmoe", "--ratio", "0.5"],
-                        {"layer": 2, **publish}),
+                         "--seqlen", "32", "--method", "conmoe", "--ratio", "0.5"]),
         "export": Job("export", "cmoe_jax.export.cli",
                       ["--model", str(converted), "--calib-samples", "0", "--max-shard-mb", "0.01",
-                       "--no-progress"], {"shard": 4, **publish}),
+                       "--no-progress"]),
         "train": Job("train", "cmoe_jax.train.cli",
                      ["--model", str(converted), "--data-path", t, "--samples", "4", "--seqlen", "16",
                       "--batch-size", "2", "--lora-rank", "2", "--epochs", "2", "--save-every", "1",
-                      "--lr", "1e-2", "--no-progress"], {"step": 4, "checkpoint": 4, **publish}),
+                      "--lr", "1e-2", "--no-progress"]),
+        "downcycle": Job("downcycle", "cmoe_jax.downcycle",
+                         ["--model", d, "--data-path", a, "--experts", "8", "--active", "4",
+                          "--shared-experts", "1", "--calib-tasks", "4", "--steps", "4", "--batch-size", "2",
+                          "--seqlen", "16", "--save-every", "1", "--layers", "1"]),
     }
 
 
@@ -227,20 +250,24 @@ class Tally:
 
 
 def campaign(server: ForkServer, job: Job, ref: Path, work: Path, kills: int, seed: int,
-             tally: Tally | None = None) -> Tally:
+             tally: Tally | None = None, mid_write: bool = False) -> Tally:
     """`kills` runs of `job`, each SIGKILLed at a seeded random (point, pass); every run after
-    the first resumes. Outputs checked against `ref` after each run (see module docstring)."""
+    the first resumes. Outputs checked against `ref` after each run (see module docstring).
+    `mid_write`: kill only inside writes, renames and cleanup (`MID_WRITE`)."""
     tally = tally or Tally()
     rng = random.Random(seed)
     out = work / f"{job.name}-out"
     _clean(out)
-    points = sorted(job.points)
+    points = job.choices(mid_write)
     done_kills = 0
     while done_kills < kills:
         point = rng.choice(points)
         n = rng.randint(1, job.points[point])
         log = work / f"{job.name}-{done_kills}.log"
-        code, = server.run([{"module": job.module, "argv": job.command(out, resume=True),
+        if point in SWAP and not out.exists():  # an output to replace: the reference's copy
+            shutil.copytree(ref, out)
+        # every run may replace: after a kill inside an overwrite the old output is put back
+        code, = server.run([{"module": job.module, "argv": job.command(out, resume=True, overwrite=True),
                              "env": {"CMOE_FAULT_AT": f"{point}:{n}"}, "log": str(log)}])
         if code == -9:
             done_kills += 1
@@ -260,7 +287,7 @@ def campaign(server: ForkServer, job: Job, ref: Path, work: Path, kills: int, se
         _finished(tally, job, ref, out, f"{point}:{n}")
     # the last kill's work is finished by one more --resume run
     log = work / f"{job.name}-final.log"
-    code, = server.run([{"module": job.module, "argv": job.command(out, resume=True), "log": str(log)}])
+    code, = server.run([{"module": job.module, "argv": job.command(out, resume=True, overwrite=True), "log": str(log)}])
     if code != 0:
         tally.broken += 1
         tally.notes.append(f"{job.name} final resume exited {code}: {log.read_text()[-400:]}")
@@ -283,10 +310,22 @@ def _finished(tally: Tally, job: Job, ref: Path, out: Path, where: str) -> None:
 
 
 def reference(server: ForkServer, job: Job, out: Path) -> Path:
+    """The uninterrupted output of `job`; its fault points' passes learnt on the way (a second
+    run replacing the first gives the passes of the overwrite's points, and must equal it)."""
     _clean(out)
-    code, = server.run([{"module": job.module, "argv": job.command(out, resume=False),
-                         "log": str(out.with_name(out.name + ".log"))}])
-    assert code == 0, out.with_name(out.name + ".log").read_text()[-2000:]
+    log, counts = out.with_name(out.name + ".log"), out.with_name(out.name + ".points.json")
+    for overwrite in (False, True):
+        code, = server.run([{"module": job.module, "argv": job.command(out, resume=False, overwrite=overwrite),
+                             "env": {"CMOE_FAULT_COUNT": str(counts)}, "log": str(log)}])
+        assert code == 0, log.read_text()[-2000:]
+        passes = json.loads(counts.read_text())
+        job.points.update({k: v for k, v in passes.items() if (k in SWAP) == overwrite})
+        if not overwrite:
+            first = out.with_name(out.name + ".first")
+            shutil.rmtree(first, ignore_errors=True)
+            shutil.copytree(out, first)
+    assert differences(first, out) == [], "two uninterrupted runs differ"
+    shutil.rmtree(first)
     return out
 
 

@@ -1,12 +1,16 @@
 """A fault-injection campaign larger than the suite's: `--kills N` runs, each SIGKILLed at a
 seeded random point, each followed by a `--resume` run to the end.
 
-    python benchmarks/faults.py --kills 100 [--jobs convert,convert-stream,compress,export,train]
-        [--seed 0] [--race 10]
+    python benchmarks/faults.py --kills 100 [--jobs convert,convert-stream,hierarchical,...]
+        [--seed 0] [--race 10] [--mid-write]
 
-Each kill is a fresh run of one job (round-robin over `--jobs`) killed at a random pass of
-one of its fault points (`CMOE_FAULT_AT`, see `cmoe_jax.jobs.faults`): after it the output
-must be absent, or complete and equal to the uninterrupted reference ("broken" otherwise).
+Each kill is a fresh run of one job (round-robin over `--jobs`: every job that writes an
+output by default) killed at a random pass of one of its fault points (`CMOE_FAULT_AT`, see
+`cmoe_jax.faults`; the passes of each point are learnt from the uninterrupted reference run):
+after it the output must be absent, or complete and equal to the reference ("broken" otherwise).
+`--mid-write` kills only inside writes (a shard, a JSON file), between the renames of an
+overwrite (the run then replaces a copy of the reference) and inside the cleanup after
+publish, and prints its own line ("mid-write kills ...").
 A `--resume` run without a fault then finishes the job, and its output must equal the
 reference tensor by tensor ("resumes identical"). `--race K` adds K runs of two conversions
 started together on one `--out` at seeded offsets. Prints, last:
@@ -28,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.fault_campaign import (ForkServer, _clean, differences, jobs, make_inputs,  # noqa: E402
-                                       race, reference)
+from benchmarks.fault_campaign import (SWAP, ForkServer, _clean, differences, jobs,  # noqa: E402
+                                       make_inputs, race, reference)
 from benchmarks.harness import cpu_model, load_average  # noqa: E402
 
 
@@ -37,19 +41,29 @@ def kill_and_resume(server, job, ref, work, point, n, log) -> tuple[bool, bool, 
     """(killed, resumed identically, what went wrong) for one kill at `point`:`n`."""
     out = work / f"{job.name}-out"
     _clean(out)
-    code, = server.run([{"module": job.module, "argv": job.command(out, resume=False),
+    swap = point in SWAP
+    if swap:  # the run replaces an existing output (a copy of the reference)
+        shutil.copytree(ref, out)
+    code, = server.run([{"module": job.module, "argv": job.command(out, resume=False, overwrite=swap),
                          "env": {"CMOE_FAULT_AT": f"{point}:{n}"}, "log": str(log)}])
     if code != -9:
         return False, False, f"{job.name} {point}:{n}: not killed (exit {code})"
     problem = ""
-    if out.exists():  # killed after the publish
+    leftovers = sorted(p.name for p in work.iterdir() if p.name.startswith(f".{out.name}."))
+    if out.exists():  # killed after the publish, or before it replaced the old output
         diffs = differences(ref, out)
         problem = f"{job.name} {point}:{n}: broken output {diffs[:3]}" if diffs else ""
         shutil.rmtree(out)
-    code, = server.run([{"module": job.module, "argv": job.command(out, resume=True), "log": str(log)}])
+    # after a kill inside an overwrite, the next run may find the old output put back: it
+    # replaces it, as the killed run meant to
+    code, = server.run([{"module": job.module, "argv": job.command(out, resume=True, overwrite=swap),
+                         "log": str(log)}])
     if code != 0:
         return True, False, problem or f"{job.name} {point}:{n}: resume exited {code}"
     diffs = differences(ref, out)
+    stray = sorted(p.name for p in work.iterdir() if p.name.startswith(f".{out.name}."))
+    if stray:  # what the killed run recorded must be gone after the next run on the output
+        problem = problem or f"{job.name} {point}:{n}: left {stray} (after the kill: {leftovers})"
     _clean(out)
     return True, not diffs, problem or (f"{job.name} {point}:{n}: resume differs {diffs[:3]}" if diffs else "")
 
@@ -57,7 +71,10 @@ def kill_and_resume(server, job, ref, work, point, n, log) -> tuple[bool, bool, 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kills", type=int, default=100)
-    p.add_argument("--jobs", default="convert,convert-stream,compress,export,train")
+    p.add_argument("--jobs", default="convert,convert-stream,hierarchical,expertweaver,compress,export,train,"
+                                     "downcycle")
+    p.add_argument("--mid-write", action="store_true",
+                   help="kill only inside writes, between renames and inside cleanup")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--race", type=int, default=10, help="two-job races on one --out (0: none)")
     p.add_argument("--work", help="working directory (default: a temporary one, removed)")
@@ -79,7 +96,7 @@ def main(argv=None) -> int:
                     refs[name] = reference(server, specs[name], work / f"ref-{name}")
             for k in range(args.kills):
                 job = specs[names[k % len(names)]]
-                point = rng.choice(sorted(job.points))
+                point = rng.choice(job.choices(args.mid_write))
                 n = rng.randint(1, job.points[point])
                 killed, same, problem = kill_and_resume(server, job, refs[job.name], work, point, n,
                                                         work / f"run-{k}.log")
@@ -103,7 +120,8 @@ def main(argv=None) -> int:
     print(f"# {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_model()} ({os.cpu_count()} cores, "
           f"load {load_average():.1f}), {time.perf_counter() - t0:.0f} s, jobs {','.join(names)}, "
           f"seed {args.seed}")
-    print(f"kills {kills}, broken outputs {broken}, resumes identical {identical}")
+    print(f"{'mid-write ' if args.mid_write else ''}kills {kills}, broken outputs {broken}, "
+          f"resumes identical {identical}")
     return 0 if not problems and kills == identical == args.kills else 1
 
 

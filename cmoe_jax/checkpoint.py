@@ -15,10 +15,13 @@ interrupted run never leaves a half-written model at the output path. This modul
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import jax
@@ -28,6 +31,7 @@ from flax import nnx
 
 from cmoe_jax import distributed
 from cmoe_jax.errors import CheckpointError
+from cmoe_jax.faults import fault_point
 from cmoe_jax.models import Decoder, ModelConfig
 from cmoe_jax.models.stack import layer_state
 from cmoe_jax.sharding import make_mesh, place_state, placed_split, shardings_of
@@ -46,6 +50,7 @@ def write_json_atomic(path: Path, obj) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1)
             f.write("\n")
+        fault_point("json:write")  # written, not yet in place: a kill here leaves only the temporary
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -136,33 +141,98 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
-def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None) -> Decoder:
-    """The model saved in a converted directory, restored directly onto its shardings."""
-    directory = Path(directory)
-    manifest = read_manifest(directory)
-    cfg = ModelConfig.from_dict(manifest["model_config"])
-    mesh = mesh if mesh is not None else make_mesh(devices=jax.local_devices())
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), stack=False))
-    graphdef, abstract_state = nnx.split(abstract)
-    target = place_state(abstract_state, shardings_of(abstract, mesh))
-    checkpointer = ocp.StandardCheckpointer()
+def _open_manifest(directory: Path) -> int | None:
     try:
-        if manifest.get("state_layout") == PER_LAYER:
-            rest = checkpointer.restore((directory / "state" / "rest").absolute(), without_layers(target))
-            state = target
-            for key in rest:
-                state[key] = rest[key]
-            for i in range(cfg.num_layers):
-                state["layers"][i] = checkpointer.restore(
-                    (directory / "state" / layer_part(i)).absolute(), target["layers"][i])
-        else:
-            state = checkpointer.restore((directory / "state").absolute(), target)
-    except Exception as e:
-        raise CheckpointError(f"cannot restore {directory / 'state'} ({_first_line(e)}): the checkpoint "
-                              "is corrupted or incomplete, or was written by another configuration; "
-                              "write it again with the job that made it") from None
+        return os.open(Path(directory) / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{Path(directory) / MANIFEST} is a symbolic link: a model "
+                                  "directory's files must be its own; write it again") from None
+        raise
+
+
+@contextmanager
+def reading(directory: Path):
+    """Hold the shared side of the directory's readers' lock (an `flock` on its manifest)
+    while reading it: an overwrite waits for it (`readers_excluded`), so a reader sees the
+    old model or the new one, never layers of both."""
+    while True:
+        fd = _open_manifest(directory)
+        if fd is None:  # no manifest: read_manifest says so in one line
+            yield
+            return
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            same = os.fstat(fd).st_ino == os.stat(Path(directory) / MANIFEST).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # replaced between the open and the lock: read the new one
+    try:
+        yield
     finally:
-        checkpointer.close()
+        os.close(fd)
+
+
+@contextmanager
+def readers_excluded(directory: Path):
+    """The exclusive side of `reading`: held while a publish moves `directory` away."""
+    fd = _open_manifest(directory) if Path(directory).is_dir() else None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def verify_layout(directory: Path, manifest: dict) -> None:
+    """One line unless the state on disk is what the manifest describes: every path inside
+    the directory (symbolic links resolved), one `layer_NNNN` per manifest layer, no more."""
+    root = Path(directory).resolve()
+    state = Path(directory) / "state"
+    for base, dirs, files in os.walk(state):
+        for name in dirs + files:
+            p = Path(base) / name
+            if p.is_symlink() and not p.resolve().is_relative_to(root):
+                raise CheckpointError(f"{p} leads outside the model directory {directory}: a model "
+                                      "directory must hold its own state; write it again")
+    if not state.resolve().is_relative_to(root):
+        raise CheckpointError(f"{state} leads outside the model directory: write it again")
+    if manifest.get("state_layout") != PER_LAYER:
+        return
+    n = manifest["model_config"].get("num_layers")
+    found = sorted(p.name for p in state.glob("layer_*")) if state.is_dir() else []
+    if found != [layer_part(i) for i in range(n or 0)]:
+        raise CheckpointError(f"{directory}: the manifest describes {n} layers but state/ holds "
+                              f"{len(found)} layer states ({found[0] if found else 'none'} .. "
+                              f"{found[-1] if found else ''}): the directory is damaged or was "
+                              "edited; write it again with the job that made it")
+
+
+def _check_like(restored, target, where: Path):
+    """The restored arrays have the shapes and dtypes the manifest's config implies."""
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(target)):
+        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            raise CheckpointError(f"{where}: {name} is {got.dtype}{list(got.shape)} but the manifest's "
+                                  f"config implies {want.dtype}{list(want.shape)}: the directory is "
+                                  "damaged or mixed; write it again with the job that made it")
+    return restored
+
+
+def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None) -> Decoder:
+    """The model saved in a converted directory, restored directly onto its shardings, read
+    under the directory's readers' lock and checked against its manifest."""
+    directory = Path(directory)
+    with reading(directory):
+        manifest = read_manifest(directory)
+        verify_layout(directory, manifest)
+        cfg, state, graphdef, mesh = _restore_state(directory, manifest, mesh)
     if jnp.dtype(dtype) != jnp.float32:
         # merge into a graph built for `dtype`, so every module (the MoE layers' compute dtype
         # included) runs in it, not only the parameters
@@ -171,6 +241,39 @@ def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None) -> Decoder:
         graphdef, _ = nnx.split(nnx.eval_shape(
             lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0), stack=False)))
     return stacked_on(nnx.merge(graphdef, state), mesh)
+
+
+def _restore_state(directory: Path, manifest: dict, mesh):
+    cfg = ModelConfig.from_dict(manifest["model_config"])
+    mesh = mesh if mesh is not None else make_mesh(devices=jax.local_devices())
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), stack=False))
+    graphdef, abstract_state = nnx.split(abstract)
+    target = place_state(abstract_state, shardings_of(abstract, mesh))
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        if manifest.get("state_layout") == PER_LAYER:
+            part = (directory / "state" / "rest").absolute()
+            rest = _check_like(checkpointer.restore(part, without_layers(target)), without_layers(target), part)
+            state = target
+            for key in rest:
+                state[key] = rest[key]
+            for i in range(cfg.num_layers):
+                fault_point("read:layer")
+                part = (directory / "state" / layer_part(i)).absolute()
+                state["layers"][i] = _check_like(checkpointer.restore(part, target["layers"][i]),
+                                                 target["layers"][i], part)
+        else:
+            state = _check_like(checkpointer.restore((directory / "state").absolute(), target), target,
+                                directory / "state")
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"cannot restore {directory / 'state'} ({_first_line(e)}): the checkpoint "
+                              "is corrupted or incomplete, or was written by another configuration; "
+                              "write it again with the job that made it") from None
+    finally:
+        checkpointer.close()
+    return cfg, state, graphdef, mesh
 
 
 def _first_line(error: Exception, limit: int = 160) -> str:

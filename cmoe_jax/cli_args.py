@@ -9,6 +9,7 @@ reject a flag that does not apply to the chosen method.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -101,6 +102,8 @@ def _number(kind, low: float, inclusive: bool, what: str):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < low or (value == low and not inclusive):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return value
@@ -123,7 +126,10 @@ def share(text: str) -> float:
 
 
 def seqlen_int(text: str) -> int:
-    value = positive_int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 2:
         raise argparse.ArgumentTypeError(f"must be at least 2 (a window predicts tokens[1:]), got {text}")
     return value
@@ -184,7 +190,7 @@ def add_output_dir(p: Parser, what: str, resume: str | None = "continue an inter
     """--out DIR (required), --overwrite, --resume where the job resumes, --report where it
     draws one."""
     g = p.add_argument_group("output")
-    g.add_argument("--out", required=True, metavar="DIR", help=f"output directory: {what}")
+    g.add_argument("--out", required=True, metavar="DIR", type=out_path, help=f"output directory: {what}")
     g.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     if resume:
         g.add_argument("--resume", action="store_true", help=resume)
@@ -195,7 +201,7 @@ def add_output_dir(p: Parser, what: str, resume: str | None = "continue an inter
 def add_output_json(p: Parser, what: str = "the result") -> None:
     """--out FILE, with --json and lm-eval's --output-path as aliases."""
     g = p.add_argument_group("output")
-    g.add_argument("--out", "--json", "--output-path", dest="out", metavar="FILE",
+    g.add_argument("--out", "--json", "--output-path", dest="out", metavar="FILE", type=out_path,
                    help=f"write {what} as JSON to this file")
 
 
@@ -203,8 +209,17 @@ def add_progress(p: Parser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def out_path(text: str) -> str:
+    """An output path as given, `~` expanded (the same path is checked and written)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a path, got an empty string")
+    return os.path.expanduser(text)
+
+
 def check_writable_file(path: str | None, flag: str) -> None:
-    """Fail before any work when `path` cannot be written (its directory missing or read-only)."""
+    """Fail before any work when `path` cannot be written: its directory missing, or a
+    trial open refused (a read-only or special filesystem such as /proc). A file the trial
+    creates is removed at once."""
     if not path:
         return
     target = Path(path).expanduser()
@@ -213,15 +228,27 @@ def check_writable_file(path: str | None, flag: str) -> None:
     parent = target.resolve().parent
     if not parent.is_dir():
         raise CmoeError(f"{flag}: directory {parent} does not exist: create it first")
-    if not os.access(parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise CmoeError(f"{flag} {path} is not writable: choose another path")
+    existed = target.exists()
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_APPEND | (0 if existed else os.O_CREAT | os.O_EXCL), 0o644)
+        os.close(fd)
+        if not existed:
+            target.unlink()
+    except OSError as e:
+        raise CmoeError(f"{flag} {path} cannot be written ({e.strerror}): choose another path") from None
 
 
-def check_writable_dir(path: str, flag: str = "--out") -> None:
+def check_writable_dir(path: str, flag: str = "--out", source: str | None = None) -> None:
     """Fail before any work when directory `path` (and its `.partial` sibling) cannot be created."""
     target = Path(path).expanduser()
     if target.exists() and not target.is_dir():
         raise CmoeError(f"{flag} {path} is a file: give a directory")
+    here = Path.cwd().resolve()
+    if not target.name or target.resolve() in (here, *here.parents) or target.name in (".", ".."):
+        raise CmoeError(f"{flag} {path!r} names the working directory or one above it: give a new "
+                        "directory for the output (a job replaces its whole --out)")
+    if source and Path(source).exists() and Path(source).resolve().is_relative_to(target.resolve()):
+        raise CmoeError(f"{flag} {path} holds the source model {source}: give another directory")
     parent = target.resolve().parent
     while not parent.exists():
         parent = parent.parent

@@ -107,6 +107,7 @@ def run(args) -> dict:
     from cmoe_jax import distributed
 
     distributed.require_single_process("python -m cmoe_jax.downcycle")
+    import numpy as np
     from tqdm.auto import tqdm
 
     from cmoe_jax.data import load_text_tokens
@@ -117,7 +118,7 @@ def run(args) -> dict:
     if not 0 <= args.shared_experts < args.active <= args.experts:
         raise CmoeError(f"need 0 <= --shared-experts ({args.shared_experts}) < --active ({args.active}) "
                         f"<= --experts ({args.experts})")
-    check_writable_dir(args.out)
+    check_writable_dir(args.out, source=args.model)
     out = Path(args.out)
     settings = {k: v for k, v in vars(args).items()
                 if k not in ("resume", "overwrite", "save_every", "out", "given")}
@@ -125,7 +126,8 @@ def run(args) -> dict:
     source = JobModel(args.model)
     with OutputJob(out, "downcycle", overwrite=args.overwrite, resume=args.resume,
                    resumable=("final/checkpoints/[0-9]*",)) as job:
-        job.open(fingerprint("downcycle", settings, source.path))
+        job.open(fingerprint("downcycle", settings, source.path,
+                             np.fromfile(args.data_path, dtype=np.uint8)))  # the text by content
         work = job.staging.dir / "final"
         work.mkdir(exist_ok=True)
         model, tokenizer = initial_model(args, source)

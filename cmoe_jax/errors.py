@@ -1,4 +1,5 @@
 """Errors users see: one class per kind of bad input, each message says what to do."""
+import errno
 import importlib
 import sys
 
@@ -35,17 +36,38 @@ def require(module: str, extra: str, purpose: str):
 
 EXIT_BAD_INPUT = 2
 
+# what the environment refuses, with what to do about it (any other OSError is a bug)
+PLACE_ERRORS = {
+    errno.ENOSPC: "free some space", errno.EDQUOT: "free some space within the quota",
+    errno.EROFS: "choose a writable place", errno.EACCES: "choose a place you may write",
+    errno.EPERM: "choose a place you may write", errno.EBUSY: "choose a path that is not in use",
+    errno.EIO: "check the disk",
+}
+
+
+def place_error(e: OSError) -> str:
+    """One line for an OSError of the environment (disk full, read-only, refused)."""
+    where = f" at {e.filename}" if e.filename else ""
+    return (f"{e.strerror or errno.errorcode.get(e.errno, 'I/O error')}{where}: "
+            f"{PLACE_ERRORS[e.errno]}, then rerun (with --resume where the job has it: its staged "
+            "work is kept)")
+
 
 def run_job(job, args):
     """`(job(args), 0)`, or `(None, 2)` after printing a user error as one `error:` line.
 
-    The CLIs share this so every bad input reads the same way and exits non-zero. Only the
-    project's own errors (`CmoeError`) are bad input; anything else is a bug and keeps its
-    traceback.
+    The CLIs share this so every bad input reads the same way and exits non-zero. The
+    project's own errors (`CmoeError`) and what the environment refuses (an OSError of
+    `PLACE_ERRORS`: disk full, read-only, permission, busy) are one line; anything else is a
+    bug and keeps its traceback.
     """
     try:
         return job(args), 0
     except CmoeError as e:
         message = " ".join(str(e).split()) or type(e).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return None, EXIT_BAD_INPUT
+    except OSError as e:
+        if e.errno not in PLACE_ERRORS:
+            raise
+        message = " ".join(place_error(e).split())
+    print(f"error: {message}", file=sys.stderr)
+    return None, EXIT_BAD_INPUT

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from cmoe_jax.cli_args import (Parser, add_model, add_seed, nonneg_float, nonneg_int, command_main,
-                               positive_int)
+from cmoe_jax.cli_args import (Parser, add_model, add_seed, command_main, nonneg_float, nonneg_int,
+                               positive_float, positive_int)
 from cmoe_jax.errors import CmoeError
 
 
@@ -34,7 +34,7 @@ def build_parser(prog: str = "python -m cmoe_jax.generate") -> Parser:
     s.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most")
     s.add_argument("--temperature", type=nonneg_float, default=0.0, help="0: greedy; > 0: sampling")
     s.add_argument("--top-k", type=nonneg_int, default=0, help="sample among the k most likely tokens (0: all)")
-    s.add_argument("--top-p", type=float, default=1.0, help="sample among the smallest set of tokens of "
+    s.add_argument("--top-p", type=positive_float, default=1.0, help="sample among the smallest set of tokens of "
                                                              "probability >= p, in (0, 1] (1: all)")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable): the answer "
                                                                "ends before its first occurrence")
@@ -56,7 +56,11 @@ def _prompts(args) -> list[str]:
     path = Path(args.prompts_file).expanduser()
     if not path.is_file():
         raise CmoeError(f"--prompts-file {path} does not exist")
-    prompts = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as e:
+        raise CmoeError(f"--prompts-file {path} is not UTF-8 text (byte {e.start}): save it as "
+                        "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
     if not prompts:
         raise CmoeError(f"--prompts-file {path} holds no prompt (one a line)")
     return prompts

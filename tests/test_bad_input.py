@@ -22,7 +22,9 @@ from cmoe_jax.convert.cli import main as convert_main
 from cmoe_jax.errors import run_job
 from cmoe_jax.export import ExportError, export
 from cmoe_jax.export.cli import main as export_main
+from cmoe_jax.eval.cli import main as eval_main
 from cmoe_jax.export.verify import compare_with_transformers, require_match
+from cmoe_jax.generate import main as generate_main
 from cmoe_jax.jobs import OutputLock
 from cmoe_jax.loading import load_model
 from cmoe_jax.train.cli import main as train_main
@@ -71,6 +73,21 @@ def _train(i, out, *extra, model=None):
     return train_main(["--model", str(model or i["converted"]), "--data-path", str(i["text"]),
                        "--samples", "4", "--seqlen", "16", "--batch-size", "2", "--no-progress",
                        "--out", str(out), *extra])
+
+
+def _generate(i, out, *extra, model=None):
+    """generate writes no directory: `out` is unused, the check is that nothing appears."""
+    return generate_main(["--model", str(model or i["converted"]), "--max-new-tokens", "2", *extra])
+
+
+def _eval(i, out, *extra, model=None):
+    return eval_main(["--model", str(model or i["converted"]), "--data-path", str(i["text"]),
+                      "--seqlen", "16", "--max-windows", "1", "--no-progress", *extra])
+
+
+def _latin1_prompts(tmp):
+    (tmp / "prompts.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    return str(tmp / "prompts.txt")
 
 
 def _copy_dense(i, tmp, edit_config=None):
@@ -137,6 +154,19 @@ CASES = [
     ("train-wrong-shape-after-lock", _train, [], lambda i, t: _copy_dense(i, t, {"intermediate_size": 48}),
      "in the file but the config implies"),
     ("train-bad-targets", _train, ["--targets", "nothing_here"], None, "nothing_here"),
+    ("export-max-shard-nan", _export, ["--max-shard-mb", "nan"], None, "--max-shard-mb must be a finite number"),
+    ("export-max-shard-inf", _export, ["--max-shard-mb", "inf"], None, "--max-shard-mb must be a finite number"),
+    ("convert-out-dot", _convert, ["OUT=.", "--overwrite"], None, "names the working directory"),
+    ("convert-out-dotdot", _convert, ["OUT=..", "--overwrite"], None, "names the working directory"),
+    ("convert-out-empty", _convert, ["OUT=", "--overwrite"], None, "--out must name a path"),
+    ("convert-out-holds-source", _convert, ["OUT=SOURCE_PARENT", "--overwrite"], lambda i, t: _copy_dense(i, t),
+     "holds the source model"),
+    ("convert-seqlen-0", _convert, ["--seqlen", "0"], None, "--seqlen must be at least 2"),
+    ("convert-lock-is-symlink", _convert, ["LOCK_SYMLINK"], None, "out.lock is a symbolic link"),
+    ("generate-temperature-nan", _generate, ["--prompt", "w1", "--temperature", "nan"], None,
+     "--temperature must be a finite number"),
+    ("generate-prompts-latin1", _generate, ["PROMPTS_LATIN1"], None, "is not UTF-8 text"),
+    ("eval-json-in-proc", _eval, ["--json", "/proc/x.json"], None, "--out /proc/x.json cannot be written"),
 ]
 
 
@@ -165,9 +195,17 @@ def test_bad_input_is_one_line_exit_2_nothing_written(inputs, tmp_path, capsys, 
             out = tmp_path / "afile" / "out"
         elif flag == "NONE":
             flags.append(str(tmp_path / "none.txt"))
+        elif flag.startswith("OUT="):
+            out = flag[4:] if flag[4:] != "SOURCE_PARENT" else tmp_path / "copy"
+        elif flag == "LOCK_SYMLINK":
+            (tmp_path / "victim").write_text("another user's")
+            (tmp_path / "out.lock").symlink_to(tmp_path / "victim")
+        elif flag == "PROMPTS_LATIN1":
+            flags += ["--prompts-file", _latin1_prompts(tmp_path)]
         else:
             flags.append(flag)
-    before = sorted(p.name for p in tmp_path.iterdir() if p.name != "out.lock")  # ours, released below
+    before = sorted(p.name for p in tmp_path.iterdir()
+                    if not (p.name == "out.lock" and lock is not None))  # ours, released below
     partial_before = sorted(str(p) for p in (tmp_path / "out.partial").rglob("*")) if staged else None
     capsys.readouterr()
     try:
@@ -183,10 +221,24 @@ def test_bad_input_is_one_line_exit_2_nothing_written(inputs, tmp_path, capsys, 
     assert after == [n for n in before if n not in ("copy", "conv", "elsewhere.safetensors")]
     if "EXISTS" in extra:
         assert (out / "user_file").read_text() == "keep me"
+    if "LOCK_SYMLINK" in extra:
+        assert (tmp_path / "victim").read_text() == "another user's"
     if "FOREIGN_PARTIAL" in extra:
         assert (tmp_path / "out.partial" / "user_file").read_text() == "keep me"
     if staged:  # the staged work is kept, untouched, for a resume with the right settings
         assert sorted(str(p) for p in (tmp_path / "out.partial").rglob("*")) == partial_before
+    _record(case, err[0].replace(str(tmp_path), "."))
+
+
+TABLE_ENV = "CMOE_BAD_INPUT_TABLE"  # scripts/bad_input_table.py: where each passing case is recorded
+
+
+def _record(case, line: str) -> None:
+    """Append a passing case (its id, flags and one line) for the docs' table."""
+    if os.environ.get(TABLE_ENV):
+        with open(os.environ[TABLE_ENV], "a") as f:
+            f.write(json.dumps({"id": case[0], "job": case[1].__name__.strip("_"), "flags": case[2],
+                                "error": line}) + "\n")
 
 
 def test_export_resume_refuses_a_changed_source(inputs, tmp_path, capsys):
@@ -194,8 +246,8 @@ def test_export_resume_refuses_a_changed_source(inputs, tmp_path, capsys):
     shutil.copytree(inputs["converted"], src)
     kw = dict(calib_samples=0, max_shard_mb=0.01, progress=False)
     assert export(str(src), out=tmp_path / "hf", stop_after_shards=2, **kw)["out"] is None
-    shutil.rmtree(src)
-    shutil.copytree(inputs["converted"], src, copy_function=shutil.copy)  # new files, new times
+    manifest = json.loads((src / "cmoe_manifest.json").read_text())
+    (src / "cmoe_manifest.json").write_text(json.dumps(dict(manifest, note="edited")))  # new content
     capsys.readouterr()
     assert _export(inputs, tmp_path / "hf", "--resume", "--max-shard-mb", "0.01", model=src) == 2
     err = capsys.readouterr().err.strip().splitlines()

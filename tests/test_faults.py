@@ -13,7 +13,10 @@ import pytest
 from benchmarks.fault_campaign import ForkServer, campaign, jobs, make_inputs, race, reference
 
 KILLS = 10
-JOBS = ["convert", "convert-stream", "compress", "export", "train"]
+JOBS = ["convert", "convert-stream", "compress", "export", "train", "hierarchical", "expertweaver",
+        "downcycle"]
+FEWER = {"hierarchical": 3, "expertweaver": 3, "downcycle": 3}  # slower jobs: fewer kills in the suite
+MID_WRITE_KILLS = 2
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +40,23 @@ def _reference(setup, name):
 def test_killed_job_leaves_nothing_broken_and_resumes_identically(setup, name):
     server, specs, _, work = setup
     ref = _reference(setup, name)
-    tally = campaign(server, specs[name], ref, work, KILLS, seed=JOBS.index(name))
-    assert tally.kills == KILLS and tally.broken == 0, tally.notes
+    kills = FEWER.get(name, KILLS)
+    tally = campaign(server, specs[name], ref, work, kills, seed=JOBS.index(name))
+    assert tally.kills == kills and tally.broken == 0, tally.notes
     assert tally.identical == tally.finished >= 1, tally
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_killed_inside_a_write_a_rename_or_the_cleanup(setup, name):
+    """Kills inside a shard or JSON file being written, between the renames of an overwrite,
+    and inside the cleanup after publish: nothing broken, nothing left beside the output."""
+    server, specs, _, work = setup
+    ref = _reference(setup, name)
+    tally = campaign(server, specs[name], ref, work, MID_WRITE_KILLS, seed=100 + JOBS.index(name),
+                     mid_write=True)
+    assert tally.kills == MID_WRITE_KILLS and tally.broken == 0, tally.notes
+    assert tally.identical == tally.finished >= 1, tally
+    assert not [p.name for p in work.iterdir() if p.name.startswith(f".{name}-out.")]
 
 
 def test_two_jobs_on_one_output_give_one_output_and_one_error(setup):

@@ -107,7 +107,7 @@ def compress(model: str, config: CompressConfig, *, out, calib: str = "wikitext2
         settings = {"model": str(model), "calib": calib, "calib_split": calib_split,
                     "data_path": data_path, "calib_samples": calib_samples, "seqlen": seqlen,
                     "seed": seed}
-        job.open(fingerprint("compress", settings, source.path))
+        job.open(fingerprint("compress", settings, source.path, windows))
         return _compress(job, source, windows, config, calib=calib, calib_split=calib_split,
                          data_path=data_path, calib_samples=calib_samples, seqlen=seqlen, seed=seed,
                          report=report, progress=progress, stop_after_layers=stop_after_layers, t0=t0)

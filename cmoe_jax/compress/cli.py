@@ -60,7 +60,7 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.compress") -> argparse
 
 
 def run(args) -> dict:
-    check_writable_dir(args.out)
+    check_writable_dir(args.out, source=args.model)
     distributed.require_single_process("python -m cmoe_jax.compress")
 
     config = CompressConfig(method=args.method, ratio=args.ratio, scope=args.scope,

@@ -113,7 +113,7 @@ def _convert(output: OutputJob, source: JobModel, job: ConvertJob, hier: bool, *
                 "data_path": cal.data_path, "calib_samples": cal.samples, "seqlen": cal.seqlen}
     if hier:
         settings["min_expert_tokens"] = min_expert_tokens
-    output.open(fingerprint("convert", settings, path))
+    output.open(fingerprint("convert", settings, path, tokens))
     staging = output.staging.dir
     final = staging / "final"
     main = distributed.is_main()  # the one process that writes files besides Orbax's state

@@ -155,7 +155,7 @@ def run_expertweaver(args) -> dict:
 
 
 def run(args) -> dict:
-    check_writable_dir(args.out)
+    check_writable_dir(args.out, source=args.model)
     distributed.initialize()
     distributed.refuse(**{"--method expertweaver": args.method == "expertweaver"})
     if args.method == "expertweaver":

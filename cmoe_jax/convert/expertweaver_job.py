@@ -127,7 +127,7 @@ def convert_expertweaver(model: str, cc: WeaveConfig, *, out, data_path: str | N
                     "seqlen": seqlen}
         if calib_mix != "wikitext":  # the default keeps the fingerprint of earlier runs
             settings["calib_mix"] = calib_mix
-        job.open(fingerprint("convert-expertweaver", settings, source.path))
+        job.open(fingerprint("convert-expertweaver", settings, source.path, [windows, task_ids]))
         return _weave(job, source, cc, windows, task_ids, names, data_path=data_path,
                       arc_path=arc_path, calib_mix=calib_mix, samples_per_task=samples_per_task, seqlen=seqlen,
                       report=report, progress=progress, stop_after_layers=stop_after_layers,

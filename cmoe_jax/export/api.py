@@ -12,6 +12,8 @@ nothing is published.
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 from tqdm.auto import tqdm
 
 from cmoe_jax.checkpoint import write_json_atomic
@@ -49,14 +51,22 @@ def _shard_plan(cfg, state, max_shard_bytes: int) -> list[list[tuple]]:
     return shards + [current] if current else shards
 
 
-def _write_shard(cfg, values: dict, paths, file: Path) -> dict:
-    """Write one safetensors shard; returns {tensor name: file name}."""
+SHARD_TMP = "shard.tmp"  # in the staging directory, outside final/: publish never takes it
+
+
+def _write_shard(cfg, values: dict, paths, file: Path, tmp: Path) -> dict:
+    """Write one safetensors shard (readable by all, as the JSON files) at `tmp`, then
+    rename it to `file`; returns {tensor name: file name}."""
     tensors = {}
     for path in paths:
         for name, array in hf_tensors(cfg, path, np.asarray(values[path], np.float32)):
             tensors[name] = np.ascontiguousarray(array)
-    tmp = file.with_name(file.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    data = memoryview(save(tensors, metadata={"format": "pt"}))
+    with open(tmp, "wb") as f:
+        os.fchmod(f.fileno(), 0o644)
+        for start in range(0, len(data), 1 << 24):
+            f.write(data[start:start + (1 << 24)])
+            fault_point("shard:write")  # the fault campaign kills inside a shard here
     tmp.replace(file)
     return {name: file.name for name in tensors}
 
@@ -75,7 +85,7 @@ def export(model: str, *, out, fmt: str = "hf", calib: str = "wikitext2",
     if fmt not in FORMATS:
         raise CmoeError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     check_output_free(out, overwrite)
-    if max_shard_mb <= 0 or calib_samples < 0 or seqlen < 2:
+    if not (math.isfinite(max_shard_mb) and max_shard_mb > 0) or calib_samples < 0 or seqlen < 2:
         raise CmoeError("--max-shard-mb must be positive, --calib-samples >= 0 and --seqlen >= 2")
     source = JobModel(model)
     config_json = hf_config(source.config)  # a model the format cannot hold fails here, before any work
@@ -86,7 +96,7 @@ def export(model: str, *, out, fmt: str = "hf", calib: str = "wikitext2",
             windows = verification_windows(source, calib, calib_split, data_path, calib_samples,
                                            seqlen, seed)
         settings = {"model": str(model), "format": fmt, "max_shard_mb": max_shard_mb}
-        job.open(fingerprint("export", settings, source.path))
+        job.open(fingerprint("export", settings, source.path, windows))
         record = _export(job, source, config_json, windows, fmt, max_shard_mb, progress,
                          stop_after_shards)
         if record is None:
@@ -109,7 +119,12 @@ def _staged_shards(staging: Path, final: Path) -> dict:
         if (final / name).exists() and file_digest(final / name) != digest:
             raise ExportError(f"--resume: the staged shard {final / name} differs from the one "
                               "recorded when it was written; rerun without --resume to start over")
-    return {n: d for n, d in done.items() if (final / n).exists()}
+    done = {n: d for n, d in done.items() if (final / n).exists()}
+    for p in final.iterdir():  # anything else (a half-written file) is not kept, never published
+        if p.name not in done:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    (staging / SHARD_TMP).unlink(missing_ok=True)
+    return done
 
 
 def _export(job: OutputJob, source: JobModel, config_json: dict, windows, fmt: str,
@@ -131,7 +146,7 @@ def _export(job: OutputJob, source: JobModel, config_json: dict, windows, fmt: s
             with safe_open(str(file), "np") as f:
                 weight_map.update({name: file.name for name in f.keys()})
             continue
-        weight_map.update(_write_shard(cfg, values, paths, file))
+        weight_map.update(_write_shard(cfg, values, paths, file, staging / SHARD_TMP))
         done[file.name] = file_digest(file)
         write_json_atomic(staging / SHARD_RECORD, done)
         fault_point("shard")

@@ -41,7 +41,7 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.export") -> argparse.N
 
 
 def run(args) -> dict:
-    check_writable_dir(args.out)
+    check_writable_dir(args.out, source=args.model)
     distributed.require_single_process("python -m cmoe_jax.export")
 
     return export(args.model, out=Path(args.out), fmt=args.format, calib=args.dataset,

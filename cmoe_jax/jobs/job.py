@@ -37,9 +37,9 @@ class OutputJob:
         self.out, self.job, self.overwrite, self.resume = Path(out), job, overwrite, resume
         self.resumable = resumable
         self.out_may_exist = overwrite if out_may_exist is None else out_may_exist
-        self.staging = Staging(self.out)
         self.main = distributed.is_main()
         self._lock = OutputLock(self.out)
+        self.staging = Staging(self.out, self._lock)
         self._opened = False
 
     def __enter__(self) -> "OutputJob":
@@ -47,7 +47,7 @@ class OutputJob:
         if self.main:
             try:
                 self._lock.acquire()
-                self.staging.recover()  # what a killed job of this output left half done
+                self.staging.recover()  # what a killed job of this output recorded and left half done
                 if not self.out_may_exist:  # again under the lock: a job may have published it
                     check_output_free(self.out, False)
             except CmoeError as e:
@@ -84,7 +84,10 @@ class OutputJob:
     def __exit__(self, kind, value, tb):
         try:
             if kind is not None and self.main and self._opened and not self.has_resumable_work():
-                self.staging.discard()
+                try:
+                    self.staging.discard()
+                except (CmoeError, OSError):  # a full disk may refuse even this: the error in flight
+                    pass                      # is the one to report; the next job clears it
         finally:
             if self.main:
                 self._lock.release()

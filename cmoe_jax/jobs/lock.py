@@ -3,14 +3,23 @@
 The lock is an `fcntl.flock` on `OUT.lock` beside the output, taken before any work and
 held to the end; the kernel drops it when the holder dies, so a killed job never leaves a
 stale lock. The holder writes its pid, host and command into the file, and a second job
-names them in its one-line error. The file is removed when the lock is released (a job
-that takes it checks that the file it locked is still the one at the path).
+names them in its one-line error. The file is removed when the lock is released, unless it
+still lists paths to clean up (below); a job that takes it checks that the file it locked is
+still the one at the path.
+
+The record also lists every path the holder is about to create beside the output (each
+name unique to its run: pid plus a random suffix), written before the path exists, so the
+next job on the output cleans up exactly what a killed holder left, and never a sibling
+that merely looks like one. The lock file is opened with `O_NOFOLLOW` and must be a
+regular file: a symbolic link planted at `OUT.lock` is refused, never written through.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import stat
 import socket
 import sys
 import time
@@ -30,6 +39,16 @@ class OutputPlaceError(CmoeError):
 def lock_path(out: Path) -> Path:
     out = Path(out)
     return out.with_name(out.name + ".lock")
+
+
+def _recorded_paths(fd: int) -> list[str]:
+    """The names a previous holder recorded in the lock file open at `fd`."""
+    try:
+        info = json.loads(os.pread(fd, 1 << 20, 0) or b"null")
+        paths = info.get("paths", []) if isinstance(info, dict) else []
+    except ValueError:
+        return []
+    return [p for p in paths if isinstance(p, str) and p and "/" not in p and p not in (".", "..")]
 
 
 def _holder(path: Path) -> str:
@@ -53,6 +72,8 @@ class OutputLock:
         self.out = Path(out)
         self.path = lock_path(self.out)
         self._fd = None
+        self.left: list[str] = []  # paths a killed previous holder recorded (see `record`)
+        self._paths: list[str] = []
         self._made: list[Path] = []  # parent directories made here (removed again if left empty)
 
     def _make_parents(self) -> None:
@@ -77,12 +98,7 @@ class OutputLock:
     def acquire(self) -> "OutputLock":
         self._make_parents()
         while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:
-                self._remove_made()
-                raise OutputPlaceError(f"cannot write beside {self.out} ({e.strerror}): choose a "
-                                       "writable --out") from None
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -98,17 +114,53 @@ class OutputLock:
             if same:
                 break
             os.close(fd)  # the previous holder removed the file after we opened it: retry
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
+        self.left = _recorded_paths(fd)  # a released lock's file is gone: these are a dead job's
         self._fd = fd
+        self._write()
         return self
+
+    def _open(self) -> int:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            self._remove_made()
+            if e.errno == errno.ELOOP:
+                raise OutputPlaceError(f"{self.path} is a symbolic link: a job never writes through "
+                                       "one; remove it (it is not ours) or choose another --out") from None
+            raise OutputPlaceError(f"cannot write beside {self.out} ({e.strerror}): choose a "
+                                   "writable --out") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            self._remove_made()
+            raise OutputPlaceError(f"{self.path} is not a regular file: remove it (it is not ours) "
+                                   "or choose another --out")
+        return fd
+
+    def _write(self) -> None:
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
+                  "paths": self._paths}
+        data = json.dumps(record).encode()
+        os.pwrite(self._fd, data, 0)
+        os.ftruncate(self._fd, len(data))
+        os.fsync(self._fd)
+
+    def record(self, name: str) -> None:
+        """Note `name` (a path beside the output, by name) before creating it."""
+        self._paths.append(name)
+        self._write()
+
+    def forget(self, name: str) -> None:
+        """`name` is gone again: drop it from the record."""
+        if name in self._paths:
+            self._paths.remove(name)
+            self._write()
 
     def release(self) -> None:
         if self._fd is None:
             return
         try:
-            self.path.unlink(missing_ok=True)
+            if not self._paths:  # else keep the record: the next job removes what it lists
+                self.path.unlink(missing_ok=True)
         finally:
             os.close(self._fd)
             self._fd = None

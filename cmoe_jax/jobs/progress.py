@@ -2,7 +2,6 @@
 goes, and reads back on `--resume` (each file written whole, so a kill never leaves half)."""
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -12,6 +11,7 @@ import numpy as np
 
 from cmoe_jax.checkpoint import write_json_atomic
 from cmoe_jax.jobs.faults import fault_point
+from cmoe_jax.jobs.fingerprint import content_digest as file_digest  # noqa: F401 (shards' digests)
 
 
 class LayerLog:
@@ -57,12 +57,3 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of a file (staged shards are checked against it on resume)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

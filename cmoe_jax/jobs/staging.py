@@ -2,62 +2,107 @@
 
 A staging directory is created whole (a temporary directory holding its owner record,
 `cmoe_job.json`, renamed into place), so a directory at `OUT.partial` without that record
-was not made by a cmoe_jax job and is never deleted. The record holds the job's
-fingerprint; `--resume` keeps the staged work only when the fingerprint is the same.
+was not made by a cmoe_jax job and is never deleted; a symbolic link there is refused. The
+record holds the job's fingerprint; `--resume` keeps the staged work only when the
+fingerprint is the same.
 
-Publishing renames the finished directory to `OUT`. Replacing an existing `OUT` moves it
-first into a fresh hidden directory beside it (`.OUT.old-XXXX`, created here and removed
-after the swap), so no path the job did not create is ever deleted; a crash between the two
-renames is repaired by the next job on that output, which puts the old `OUT` back.
+Every other path a job makes beside the output (the temporary staging directory, the old
+output moved aside by an overwrite, a directory being deleted) has a name unique to the run
+(`.OUT.new-PID-XXXXXXXX`, `.OUT.old-...`, `.OUT.trash-...`), made with `mkdir` (never an
+existing one) and recorded in the lock file before it exists. The next job on the output
+repairs exactly those paths of a killed job (an old output put back when `OUT` is missing,
+the rest removed) and never touches a sibling that merely matches the pattern.
+
+Publishing renames the finished directory to `OUT`; replacing an existing converted model
+first takes the exclusive side of its readers' lock (`cmoe_jax.checkpoint.readers_excluded`),
+so a reader loading it sees the old model or the new one, never a mix.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
-import tempfile
+import secrets
 from pathlib import Path
 
-from cmoe_jax.checkpoint import staging_dir, write_json_atomic
+from cmoe_jax.checkpoint import readers_excluded, staging_dir, write_json_atomic
 from cmoe_jax.errors import CheckpointError, CmoeError
 from cmoe_jax.jobs.faults import fault_point
 from cmoe_jax.jobs.fingerprint import check_same
+from cmoe_jax.jobs.lock import OutputLock
 
 OWNER = "cmoe_job.json"
+TAGS = ("new", "old", "trash")
 
 
 class StagingError(CmoeError):
     """The staging directory cannot be used (not ours, or left in a state we cannot resume)."""
 
 
+def remove_tree(path: Path) -> None:
+    """Delete a directory of ours file by file (a fault point per file: a kill inside the
+    cleanup is part of what the fault campaign tries)."""
+    for root, dirs, files in os.walk(path, topdown=False):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            os.unlink(os.path.join(root, name))
+            fault_point("cleanup")
+        for name in dirs:
+            if not os.path.islink(os.path.join(root, name)):
+                os.rmdir(os.path.join(root, name))
+    if os.path.isdir(path) and not os.path.islink(path):
+        os.rmdir(path)
+
+
 class Staging:
     """The staging directory of output `out` (only touched while its `OutputLock` is held)."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, lock: OutputLock):
         self.out = Path(out)
         self.dir = staging_dir(self.out)
         self.parent = self.out.parent
+        self.lock = lock  # held by the job: where the paths made here are recorded
         self.owned = False  # set once the directory is known to be this job's (made or verified)
+        self.fingerprint: dict | None = None
 
-    def _hidden(self, tag: str) -> str:
-        return f".{self.out.name}.{tag}-"
+    def _unique(self, tag: str) -> Path:
+        """A new empty directory beside the output, recorded in the lock before it exists."""
+        name = f".{self.out.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.lock.record(name)
+        try:
+            os.mkdir(self.parent / name, 0o700)
+        except OSError as e:
+            self.lock.forget(name)
+            raise StagingError(f"cannot create a directory beside {self.out} ({e.strerror}): "
+                               "choose a writable --out") from None
+        return self.parent / name
+
+    def _drop(self, path: Path) -> None:
+        """Remove a directory of ours (recorded), then its record."""
+        if path.is_dir() and not path.is_symlink():
+            remove_tree(path)
+        self.lock.forget(path.name)
 
     def recover(self) -> None:
-        """Undo what a killed job of this output left half done: temporary staging
-        directories (never renamed into place) are removed; an old output moved aside by an
-        interrupted publish is put back when `OUT` is missing, else removed."""
-        if not self.parent.is_dir():
-            return
-        for p in sorted(self.parent.glob(self._hidden("new") + "*")):
-            shutil.rmtree(p, ignore_errors=True)
-        for p in sorted(self.parent.glob(self._hidden("old") + "*")):
-            held = p / self.out.name
-            if held.exists() and not self.out.exists():
+        """Undo what a killed job of this output left half done, by its lock's record only:
+        an old output it moved aside is put back when `OUT` is missing; the rest is removed."""
+        for name in self.lock.left:
+            tag = name.removeprefix(f".{self.out.name}.").split("-", 1)[0]
+            path = self.parent / name
+            if tag not in TAGS or not name.startswith(f".{self.out.name}.") or path.is_symlink():
+                continue
+            self.lock.record(name)  # ours now, until it is gone
+            held = path / self.out.name
+            if tag == "old" and (held.exists() or held.is_symlink()) and not (
+                    self.out.exists() or self.out.is_symlink()):
                 os.replace(held, self.out)
-            shutil.rmtree(p, ignore_errors=True)
+            self._drop(path)
+        self.lock.left = []
 
     def owner_record(self) -> dict:
         path = self.dir / OWNER
+        if self.dir.is_symlink():
+            raise StagingError(f"{self.dir} is a symbolic link, not a staging directory of ours: "
+                               "remove it or choose another --out")
         try:
             return json.loads(path.read_text())
         except FileNotFoundError:
@@ -67,7 +112,7 @@ class Staging:
             raise StagingError(f"{path} is damaged: remove {self.dir} to start over") from None
 
     def exists(self) -> bool:
-        return self.dir.exists()
+        return self.dir.exists() or self.dir.is_symlink()
 
     def open(self, fingerprint: dict, resume: bool, files: dict | None = None) -> bool:
         """Make the staging directory ready; True when it holds work to resume from.
@@ -75,23 +120,21 @@ class Staging:
         With `resume` an existing staging directory must carry the same fingerprint (else a
         one-line error); without it, a staging directory of ours is started over. `files`
         ({name: JSON object}) are written into a new staging directory before it appears."""
-        if self.dir.exists():
+        self.fingerprint = fingerprint
+        if self.exists():
             saved = self.owner_record()
             if resume:
                 check_same(saved, fingerprint, self.dir)
                 self.owned = True
                 return True
-            shutil.rmtree(self.dir)
-        try:
-            tmp = Path(tempfile.mkdtemp(dir=self.parent, prefix=self._hidden("new")))
-        except OSError as e:
-            raise StagingError(f"cannot create a staging directory beside {self.out} ({e.strerror}): "
-                               "choose a writable --out") from None
+            self._discard_dir()
+        tmp = self._unique("new")
         write_json_atomic(tmp / OWNER, fingerprint)
         for name, obj in (files or {}).items():
             write_json_atomic(tmp / name, obj)
         os.chmod(tmp, 0o755)
         os.rename(tmp, self.dir)
+        self.lock.forget(tmp.name)
         self.owned = True
         fault_point("staged")
         return False
@@ -100,21 +143,52 @@ class Staging:
         """Rename `finished` (inside the staging directory) to `out`, then remove the
         staging directory. An existing `out` is replaced only with `overwrite`."""
         finished = Path(finished)
+        self._record_inputs(finished)
         fault_point("publish")
         if self.out.exists() or self.out.is_symlink():
             if not overwrite:
                 raise CheckpointError(f"{self.out} exists: pass --overwrite to replace it")
-            aside = Path(tempfile.mkdtemp(dir=self.parent, prefix=self._hidden("old")))
-            os.replace(self.out, aside / self.out.name)
-            fault_point("publish:swap")
-            os.replace(finished, self.out)
-            shutil.rmtree(aside, ignore_errors=True)
+            aside = self._unique("old")
+            with readers_excluded(self.out):
+                os.replace(self.out, aside / self.out.name)
+                fault_point("publish:swap")
+                os.replace(finished, self.out)
+            fault_point("published:swap")
+            self._drop(aside)
         else:
             os.replace(finished, self.out)
         fault_point("published")
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._discard_dir()
+
+    def _record_inputs(self, finished: Path) -> None:
+        """The fingerprint's content digests, added to the finished output's manifest."""
+        if self.fingerprint is None:
+            return
+        for name in ("cmoe_manifest.json", "cmoe_export.json"):
+            path = finished / name
+            if path.is_file():
+                manifest = json.loads(path.read_text())
+                manifest["inputs"] = input_digests(self.fingerprint)
+                write_json_atomic(path, manifest)
+
+    def _discard_dir(self) -> None:
+        """Move the staging directory to a recorded trash name, then delete it there: a kill
+        in between leaves nothing at `OUT.partial` that a rerun could not clear."""
+        trash = self._unique("trash")
+        os.replace(self.dir, trash / self.dir.name)
+        fault_point("discarded")
+        self._drop(trash)
 
     def discard(self) -> None:
         """Remove the staging directory, only when it is this job's."""
-        if self.owned:
-            shutil.rmtree(self.dir, ignore_errors=True)
+        if self.owned and self.exists():
+            self._discard_dir()
+
+
+def input_digests(fingerprint: dict) -> dict:
+    """What a manifest records of a job's inputs: the data's token digest, the source's
+    total size and one sha256 over its files' (name, size, sha256)."""
+    source = fingerprint.get("source", {})
+    return {"data_sha256": fingerprint.get("data"),
+            "source_bytes": sum(v[0] for v in source.values()),
+            "source_sha256": hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()}

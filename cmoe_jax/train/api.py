@@ -38,6 +38,9 @@ def _prepare_dirs(staging: Staging, fp: dict, settings: dict, resume: bool, over
     out = staging.out
     if resume and staging.exists():
         staging.open(fp, resume=True)
+        moved = staging.dir / "final" / "checkpoints"  # killed between this move and publish
+        if moved.is_dir() and not (staging.dir / "checkpoints").exists():
+            moved.rename(staging.dir / "checkpoints")
         return out.exists()
     if resume and (out / "checkpoints").exists():  # continue a finished (e.g. time-limited) run
         check_run_config(out, settings)
@@ -123,7 +126,7 @@ def finetune(model: str, job: TrainJob = TrainJob(), *, out, resume: bool = Fals
                          "--scope > 1): per-layer adapters cannot be merged into a shared table; "
                          "compress with --scope 1, or leave the routed experts out of --targets")
     with OutputJob(out, "train", overwrite=overwrite, resume=resume, out_may_exist=overwrite or resume,
-                   resumable=("checkpoints/[0-9]*",)) as job:
+                   resumable=("checkpoints/[0-9]*", "final/checkpoints/[0-9]*")) as job:
         tokenizer = source.require_tokenizer("the training text cannot be tokenized")
         tokens = load_text_tokens(dataset, tokenizer, split=split, data_path=data_path)
         windows = training_windows(tokens, samples, seqlen, seed,
@@ -150,7 +153,7 @@ def finetune(model: str, job: TrainJob = TrainJob(), *, out, resume: bool = Fals
                     "lora_rank": lora_rank, "lora_alpha": float(lora_alpha), "dropout": float(dropout),
                     "targets": list(targets), "lr": lr, "router_lr": router_lr,
                     "bias_speed": bias_speed, "epochs": epochs, "seed": seed, "dtype": dtype}
-        fp = fingerprint("train", settings, path)
+        fp = fingerprint("train", settings, path, tokens)
         # process 0 alone touches the directories (the others wait for it)
         replace_out = job.on_main(lambda st: _prepare_dirs(st, fp, settings, resume, overwrite))
         staging, main = job.staging.dir, job.main
