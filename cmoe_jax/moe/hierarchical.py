@@ -194,6 +194,8 @@ class HierMoEFFN(MoEFFN):
         flattened sub-expert choice, is not what the top-level losses need)."""
         keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
         logits = router_logits(self.router, x, self._top_arrays(), self.top_experts, keep)
+        if x.shape[0] == 0:
+            return logits, jnp.zeros((0, self.top_top_k), jnp.int32)
         return logits, self.top_route(x, keep=keep)[0]
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:

@@ -82,8 +82,8 @@ class MoEFFN(nnx.Module):
         entered with `with mesh:` warns).
       kernel_init: initializer `init(key, shape, dtype)` of every weight matrix, called with
         the 2-D `[in, out]` shape (stacked experts get one call each); default normal(0.02).
-      sow_router: sow each call's `RouterOutput` as `nnx.Intermediate` "router" (for a layer
-        deep inside a model; `nnx.pop(model, nnx.Intermediate)` collects them).
+      sow_router: sow each call's `RouterOutput` as `nnx.Intermediate` "router_outputs" (for
+        a layer deep inside a model; `nnx.pop(model, nnx.Intermediate)` collects them).
 
     Parameters (JAX layout, `[in, out]`): `shared_gate/shared_up [d, S]`,
     `shared_down [S, d]`; `expert_gate/expert_up [E, d, m]`, `expert_down [E, m, d]`;
@@ -237,7 +237,7 @@ class MoEFFN(nnx.Module):
         if return_router or self.sow_router:
             router = router_output(*self.router_logits(x, ids), shape[:-1])
             if self.sow_router:
-                self.sow(nnx.Intermediate, "router", router)
+                self.sow(nnx.Intermediate, "router_outputs", router)
         out = (y,) + ((counts,) if return_load else ()) + ((router,) if return_router else ())
         return out[0] if len(out) == 1 else out
 

@@ -34,6 +34,8 @@ def router_logits(router: str, x: jax.Array, arrays: tuple, num_experts: int, ke
     """float32 `[T, E]` logits of a router kind ("linear"/"topsum": `x W_r`; "cmoe": the
     representative neurons' summed |h|; "sum": zeros) for tokens `x [T, d]`."""
     x = x.astype(jnp.float32)
+    if x.shape[0] == 0:
+        return jnp.zeros((0, num_experts), jnp.float32)
     if router in ("linear", "topsum"):
         logits = x @ arrays[0].astype(jnp.float32)
     elif router == "cmoe":
