@@ -27,16 +27,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from cmoe_jax.moe.dispatch import combine, expert_swiglu, plan, routed_experts
+from cmoe_jax.moe.modes import DEFAULT_EXPERT_AXIS, expert_axis_size, expert_parallel_active
 
-DEFAULT_EXPERT_AXIS = "expert"
-
-
-def expert_axis_size(axis: str | None, mesh=None) -> int:
-    """Devices along `axis` of `mesh` (default: the mesh set by `jax.set_mesh`), 1 if absent."""
-    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    if axis is None or axis not in mesh.axis_names:
-        return 1
-    return dict(mesh.shape)[axis]
+__all__ = ["DEFAULT_EXPERT_AXIS", "expert_axis_size", "routed_experts_sharded",
+           "routed_swiglu_experts", "tokens_sharded"]
 
 
 def _exchange(x, expert_ids, gates, params, apply, axis, tokens_axes):
@@ -112,9 +106,11 @@ def routed_experts_sharded(x: jax.Array, expert_ids: jax.Array, gates: jax.Array
 
 def routed_swiglu_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: tuple,
                           gmm: Callable, *, expert_axis: str | None = DEFAULT_EXPERT_AXIS,
-                          adapters: dict | None = None, make_lora: Callable | None = None):
+                          adapters: dict | None = None, make_lora: Callable | None = None,
+                          expert_parallel: bool | None = None):
     """The routed SwiGLU experts `weights = (w_gate, w_up, w_down)`, expert-parallel when the
-    mesh set with `jax.set_mesh` has `expert_axis` (size > 1), else the one-device dispatch.
+    mesh set with `jax.set_mesh` has `expert_axis` (size > 1), else the one-device dispatch
+    (`expert_parallel`: that decision when the caller already made it, `cmoe_jax.moe.modes`).
 
     `adapters`, optional: a pytree of per-expert arrays (expert axis first, e.g. stacked LoRA
     factors), split over the devices like the weights; `make_lora(adapters)` turns a
@@ -123,7 +119,9 @@ def routed_swiglu_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
     def lora_of(ad):
         return make_lora(ad) if make_lora is not None and ad else None
 
-    if expert_axis_size(expert_axis) == 1:
+    if expert_parallel is None:
+        expert_parallel = expert_parallel_active(expert_axis, weights[0])
+    if not expert_parallel:
         return routed_experts(x, expert_ids, gates, *weights, gmm, lora=lora_of(adapters))
 
     def apply(rows, sizes, params):

@@ -32,7 +32,9 @@ from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.dispatch import plan
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, tokens_sharded
 from cmoe_jax.moe.gmm import get_gmm
-from cmoe_jax.moe.layer import MoEFFN, _init, few_tokens
+from cmoe_jax.moe.layer import MoEFFN, make_param
+from cmoe_jax.moe.modes import check_input, dispatch_mode
+from cmoe_jax.moe.router_outputs import router_logits
 from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
 from cmoe_jax.moe.routers import cmoe_route, linear_route
 
@@ -47,7 +49,7 @@ def sub_route(x, top_ids, top_w, sub_gate, sub_up, u, bias, sub_shared: int, sub
     n_top, _, cols = sub_gate.shape
     n_routed = u.shape[1]
     n_sub = sub_shared + n_routed
-    if few_tokens(top_ids, n_top):  # a decoding step: read only the chosen sub-routers
+    if dispatch_mode(top_ids.size, n_top, None) == "gather":  # read only the chosen sub-routers
         rows, flat = jnp.repeat(x.astype(jnp.float32), top_k, axis=0), top_ids.reshape(-1)
         mm = lambda w: jnp.einsum("rd,rdc->rc", rows, jnp.take(w, flat, axis=0).astype(jnp.float32))
         h = jax.nn.silu(mm(sub_gate)) * mm(sub_up)
@@ -102,7 +104,8 @@ class HierMoEFFN(MoEFFN):
                  shared_width: int = 0, router: str = "linear", norm_topk_prob: bool = False,
                  router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32,
                  backend="auto", expert_axis: str | None = DEFAULT_EXPERT_AXIS,
-                 num_prototypes: int = 0, duplicate_gates: str = "sum", rngs: nnx.Rngs):
+                 num_prototypes: int = 0, duplicate_gates: str = "sum", rngs: nnx.Rngs,
+                 kernel_init=None, sow_router: bool = False):
         if router not in ("linear", "cmoe"):
             raise ValueError(f"hierarchical top-level router must be linear or cmoe, got {router!r}")
         n_routed = sub_experts - sub_shared
@@ -111,7 +114,8 @@ class HierMoEFFN(MoEFFN):
         super().__init__(d_model, expert_width, num_experts * sub_experts, top_k * (sub_shared + sub_top_k),
                          shared_width=shared_width, router="cmoe",
                          router_neurons=1, dtype=dtype, param_dtype=param_dtype, backend=backend,
-                         expert_axis=expert_axis, rngs=rngs)
+                         expert_axis=expert_axis, rngs=rngs, kernel_init=kernel_init,
+                         sow_router=sow_router)
         # the base built a flat cmoe router over all sub-experts: replace it by the two levels
         del self.router_gate, self.router_up
         self.router, self.norm_topk_prob, self.router_neurons = router, norm_topk_prob, router_neurons
@@ -120,9 +124,7 @@ class HierMoEFFN(MoEFFN):
         self.sub_router_neurons = sub_router_neurons
         d, n = d_model, num_experts
 
-        def param(*shape):
-            return nnx.Param(_init(rngs.params(), shape, param_dtype))
-
+        param = make_param(rngs, param_dtype, kernel_init)
         self.num_prototypes, self.duplicate_gates = num_prototypes, duplicate_gates
         if num_prototypes > 0:  # K stored families behind the N top-level slots
             self.slot_map = SlotMap(jnp.arange(n, dtype=jnp.int32) % num_prototypes)
@@ -145,10 +147,8 @@ class HierMoEFFN(MoEFFN):
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Flattened sub-expert ids and combine weights `[T, k*(N'_s+N'_k)]`."""
-        if self.router == "linear":
-            top = (self.router_kernel[...],)
-        else:
-            top = (self.top_gate[...], self.top_up[...], self.top_u[...], self.top_bias[...])
+        check_input(x, self.d_model, type(self).__name__)
+        top = self._top_arrays()
         slots = (self.slot_map[...],) if self.num_prototypes > 0 else ()
         arrays = (top, self.sub_gate[...], self.sub_up[...], self.u[...], self.router_bias[...]) + slots
         if self._expert_parallel():
@@ -169,22 +169,34 @@ class HierMoEFFN(MoEFFN):
     def top_route(self, x, top=None, keep=None):
         """The unchanged top-level choice: expert ids int32 `[T, k]` and weights w `[T, k]`
         (`keep`, bool `[N]`: slots not kept are never chosen)."""
-        if top is None:
-            top = ((self.router_kernel[...],) if self.router == "linear" else
-                   (self.top_gate[...], self.top_up[...], self.top_u[...], self.top_bias[...]))
+        top = self._top_arrays() if top is None else top
         if self.router == "linear":
             return linear_route(x, *top, self.top_top_k, self.norm_topk_prob, keep=keep)
         return cmoe_route(x, *top, self.top_top_k, keep=keep)
 
-    def __call__(self, x: jax.Array, *, return_load: bool = False, key=None):
-        shape = x.shape
-        x = x.reshape(-1, self.d_model).astype(self.dtype)
+    def _top_arrays(self) -> tuple:
+        if self.router == "linear":
+            return (self.router_kernel[...],)
+        return (self.top_gate[...], self.top_up[...], self.top_u[...], self.top_bias[...])
+
+    def forward(self, x: jax.Array, key=None):
+        """`MoEFFN.forward`; the loads are the routed sub-experts' `[N, N'_r]`."""
         ids, weights = self.route(x)
         routed, counts = self.routed(x, ids, weights, key)
-        y = (self.shared(x, key).astype(jnp.float32) + routed).astype(self.dtype).reshape(shape)
-        if not return_load:
-            return y
-        return y, counts.reshape(-1, self.sub_experts)[:, self.sub_shared:]
+        y = (self.shared(x, key).astype(jnp.float32) + routed).astype(self.dtype)
+        return ids, y, counts.reshape(-1, self.sub_experts)[:, self.sub_shared:]
+
+    def empty_load(self) -> jax.Array:
+        return jnp.zeros((self.u.shape[0], self.sub_experts - self.sub_shared), jnp.int32)
+
+    def router_logits(self, x: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The top-level router's logits `[T, N]` and chosen slots `[T, k]` (`ids`, the
+        flattened sub-expert choice, is not what the top-level losses need)."""
+        keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
+        logits = router_logits(self.router, x, self._top_arrays(), self.top_experts, keep)
+        if x.shape[0] == 0:
+            return logits, jnp.zeros((0, self.top_top_k), jnp.int32)
+        return logits, self.top_route(x, keep=keep)[0]
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:
         """Balance every sub-router against its own mean load (`counts [N, N'_r]`)."""

@@ -17,6 +17,10 @@ Example::
                    router="cmoe", rngs=nnx.Rngs(0))
     y, counts = layer(jnp.ones((4, 16, 64)), return_load=True)   # counts: int32 [8]
     layer.update_bias(counts, gamma=1e-3)                        # load balancing step
+    y, r = layer(jnp.ones((4, 16, 64)), return_router=True)      # r: `RouterOutput`
+
+A guide with every argument, the routers, backends and expert parallelism:
+docs/guides/moe-layer.md.
 """
 from __future__ import annotations
 
@@ -26,14 +30,30 @@ from flax import nnx
 
 from cmoe_jax.lora import factors, grouped_delta, project
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
-from cmoe_jax.moe.expert_parallel import (DEFAULT_EXPERT_AXIS, expert_axis_size,
-                                          routed_swiglu_experts, tokens_sharded)
+from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_experts, tokens_sharded
 from cmoe_jax.moe.gmm import get_gmm, resolve_backend
+from cmoe_jax.moe.modes import check_input, dispatch_mode, expert_parallel_active
 from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
+from cmoe_jax.moe.router_outputs import RouterOutput, router_logits, router_output
 from cmoe_jax.moe.routers import (ROUTER_KINDS, RouterKind, cmoe_route, linear_route, sum_route,
                                    topsum_route)
 
 _init = nnx.initializers.normal(0.02)
+
+
+def make_param(rngs: nnx.Rngs, dtype, kernel_init=None):
+    """`param(*shape) -> nnx.Param`: the default init draws the whole tensor at once (as
+    checkpoints were made with); a user's `kernel_init` sees 2-D `[in, out]` matrices, one
+    call per stacked expert, so fan-in scaled inits (lecun, he) get the right fans."""
+    def param(*shape):
+        key = rngs.params()
+        if kernel_init is None:
+            return nnx.Param(_init(key, shape, dtype))
+        if len(shape) == 2:
+            return nnx.Param(kernel_init(key, shape, dtype))
+        keys = jax.random.split(key, shape[0])
+        return nnx.Param(jax.vmap(lambda k: kernel_init(k, shape[1:], dtype))(keys))
+    return param
 
 
 class MoEFFN(nnx.Module):
@@ -45,7 +65,10 @@ class MoEFFN(nnx.Module):
       num_experts: number E of routed experts.
       top_k: routed experts per token (`== num_experts` for `router="sum"`).
       shared_width: width of the always-on shared SwiGLU MLP (0: none).
-      router: "cmoe", "linear", "topsum" or "sum" (see `cmoe_jax.moe.routers`).
+      router: "linear" (default: softmax gates, trains from scratch), "cmoe", "topsum" or
+        "sum" (see `cmoe_jax.moe.routers`). A fresh "cmoe" router gets zero gradients (its
+        gates `1 + s' u` start at `u = 0`) and "topsum"/"sum" have constant gates: they are
+        for converted models, whose router weights are carved, not trained.
       norm_topk_prob: linear router only: renormalise the k gates to sum 1 (Mixtral).
       router_neurons: cmoe router only: neurons r scoring each expert (their |h| summed).
       dtype: compute dtype of the FFN (routing always runs in float32).
@@ -55,7 +78,12 @@ class MoEFFN(nnx.Module):
       expert_axis: mesh axis the routed experts are split over. When the mesh set with
         `jax.set_mesh` has this axis (size > 1) the layer runs expert-parallel
         (`cmoe_jax.moe.expert_parallel`: tokens exchanged by all-to-all); otherwise, or with
-        None, every device runs the single-device dispatch.
+        None, every device runs the single-device dispatch (`cmoe_jax.moe.modes`; a mesh
+        entered with `with mesh:` warns).
+      kernel_init: initializer `init(key, shape, dtype)` of every weight matrix, called with
+        the 2-D `[in, out]` shape (stacked experts get one call each); default normal(0.02).
+      sow_router: sow each call's `RouterOutput` as `nnx.Intermediate` "router_outputs" (for
+        a layer deep inside a model; `nnx.pop(model, nnx.Intermediate)` collects them).
 
     Parameters (JAX layout, `[in, out]`): `shared_gate/shared_up [d, S]`,
     `shared_down [S, d]`; `expert_gate/expert_up [E, d, m]`, `expert_down [E, m, d]`;
@@ -73,10 +101,11 @@ class MoEFFN(nnx.Module):
     TABLE_NAMES = TABLE_NAMES  # what a cross-layer ConMoE scope shares
 
     def __init__(self, d_model: int, expert_width: int, num_experts: int, top_k: int, *,
-                 shared_width: int = 0, router: RouterKind = "cmoe", norm_topk_prob: bool = False,
+                 shared_width: int = 0, router: RouterKind = "linear", norm_topk_prob: bool = False,
                  router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
                  expert_axis: str | None = DEFAULT_EXPERT_AXIS, num_prototypes: int = 0,
-                 duplicate_gates: str = "sum", rngs: nnx.Rngs):
+                 duplicate_gates: str = "sum", rngs: nnx.Rngs,
+                 kernel_init=None, sow_router: bool = False):
         if router not in ROUTER_KINDS:
             raise ValueError(f"router must be one of {ROUTER_KINDS}, got {router!r}")
         if not 1 <= top_k <= num_experts:
@@ -85,6 +114,9 @@ class MoEFFN(nnx.Module):
             raise ValueError(f"router='sum' activates every expert: top_k must be {num_experts}")
         if router_neurons < 1:
             raise ValueError(f"router_neurons={router_neurons} must be at least 1")
+        if min(d_model, expert_width, num_experts) < 1 or shared_width < 0:
+            raise ValueError(f"d_model={d_model}, expert_width={expert_width} and num_experts="
+                             f"{num_experts} must be positive, shared_width={shared_width} >= 0")
         if not callable(backend):
             resolve_backend(backend)  # fail early on a typo
         self.d_model, self.expert_width = d_model, expert_width
@@ -95,9 +127,8 @@ class MoEFFN(nnx.Module):
         self.expert_axis = expert_axis
         # ConMoE (`cmoe_jax.moe.prototypes`): K stored prototypes behind the E router slots
         self.num_prototypes, self.duplicate_gates = num_prototypes, duplicate_gates
-
-        def param(*shape):
-            return nnx.Param(_init(rngs.params(), shape, param_dtype))
+        self.sow_router = sow_router
+        param = make_param(rngs, param_dtype, kernel_init)
 
         d, m, e, s = d_model, expert_width, num_experts, shared_width
         if s > 0:
@@ -120,17 +151,29 @@ class MoEFFN(nnx.Module):
 
         Expert-parallel, each device routes its own tokens (XLA would otherwise gather the
         router scores of all tokens for the top-k)."""
-        if self.router in ("linear", "topsum"):
-            arrays = (self.router_kernel[...],)
-        elif self.router == "cmoe":
-            arrays = (self.router_gate[...], self.router_up[...], self.u[...], self.router_bias[...])
-        else:
-            arrays = ()
+        if getattr(x, "ndim", 0) != 2:
+            raise ValueError(f"route expects flattened tokens [T, d_model={self.d_model}], got "
+                             f"shape {getattr(x, 'shape', None)}")
+        check_input(x, self.d_model, type(self).__name__)
+        arrays = self._router_arrays()
         if self.num_prototypes > 0:  # pruned slots (map -1) are never selected
             arrays = arrays + (self.slot_map[...] >= 0,)
         if self._expert_parallel():
             return tokens_sharded(self._route, x, arrays)
         return self._route(x, arrays)
+
+    def _router_arrays(self) -> tuple:
+        if self.router in ("linear", "topsum"):
+            return (self.router_kernel[...],)
+        if self.router == "cmoe":
+            return (self.router_gate[...], self.router_up[...], self.u[...], self.router_bias[...])
+        return ()
+
+    def router_logits(self, x: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """float32 router logits `[T, E]` of tokens `x [T, d]` (`RouterOutput.logits`) and the
+        router slots `[T, k]` chosen there (`ids`, what `forward` returned)."""
+        keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
+        return router_logits(self.router, x, self._router_arrays(), self.num_experts, keep), ids
 
     def _route(self, x, arrays):
         keep = arrays[-1] if self.num_prototypes > 0 else None
@@ -144,7 +187,7 @@ class MoEFFN(nnx.Module):
         return sum_route(x.shape[0], self.num_experts)
 
     def _expert_parallel(self) -> bool:
-        return expert_axis_size(self.expert_axis) > 1
+        return expert_parallel_active(self.expert_axis, self.expert_gate.get_value())
 
     def shared(self, x: jax.Array, key=None) -> jax.Array:
         """The shared MLP `down(silu(x W_gate) * (x W_up))` (zeros when there is none)."""
@@ -153,22 +196,50 @@ class MoEFFN(nnx.Module):
         proj = lambda name, inp: project(self, name, inp, getattr(self, name)[...].astype(self.dtype), key)
         return proj("shared_down", jax.nn.silu(proj("shared_gate", x)) * proj("shared_up", x))
 
-    def __call__(self, x: jax.Array, *, return_load: bool = False, key=None):
-        """`x [..., d_model] -> [..., d_model]`; with `return_load` also int32 `[E]` counts.
+    def __call__(self, x: jax.Array, *, return_load: bool = False, return_router: bool = False,
+                 key=None):
+        """`x [..., d_model] -> [..., d_model]` (in `dtype`); with `return_load` also the int32
+        `[E]` loads, with `return_router` also a `RouterOutput` (logits, probabilities, load,
+        Switch and z losses; computed only then), in that order.
 
         Adapted weights (`cmoe_jax.lora`) add their low-rank updates, the routed experts'
         through the same grouped matmuls; `key` drives the adapters' dropout."""
+        check_input(x, self.d_model, type(self).__name__)
         shape = x.shape
         x = x.reshape(-1, self.d_model).astype(self.dtype)
+        if x.shape[0] == 0:
+            ids = jnp.zeros((0, self.top_k), jnp.int32)
+            y, counts = jnp.zeros(shape, self.dtype), self.empty_load()
+        else:
+            ids, y, counts = self.forward(x, key)
+            y = y.reshape(shape)
+        return self.outputs(x, shape, y, counts, ids, return_load, return_router)
+
+    def forward(self, x: jax.Array, key=None):
+        """Tokens `x [T, d]` (T > 0) -> (router slot ids `[T, k]`, y `[T, d]`, loads)."""
         ids, gates = self.route(x)
+        slot_ids = ids
         if self.num_prototypes > 0:  # load per router slot; dispatch on the prototypes
             slot_counts = jnp.bincount(ids.reshape(-1), length=self.num_experts).astype(jnp.int32)
             ids, gates = to_prototypes(ids, gates, self.slot_map[...], self.duplicate_gates)
         routed, counts = self.routed(x, ids, gates, key)
         if self.num_prototypes > 0:
             counts = slot_counts
-        y = (self.shared(x, key).astype(jnp.float32) + routed).astype(self.dtype).reshape(shape)
-        return (y, counts) if return_load else y
+        return slot_ids, (self.shared(x, key).astype(jnp.float32) + routed).astype(self.dtype), counts
+
+    def empty_load(self) -> jax.Array:
+        """The loads `return_load` gives for zero tokens."""
+        return jnp.zeros((self.num_experts,), jnp.int32)
+
+    def outputs(self, x, shape, y, counts, ids, return_load: bool, return_router: bool):
+        """`y`, plus the loads and the router outputs asked for (computed only then)."""
+        router = None
+        if return_router or self.sow_router:
+            router = router_output(*self.router_logits(x, ids), shape[:-1])
+            if self.sow_router:
+                self.sow(nnx.Intermediate, "router_outputs", router)
+        out = (y,) + ((counts,) if return_load else ()) + ((router,) if return_router else ())
+        return out[0] if len(out) == 1 else out
 
     def routed(self, x: jax.Array, ids: jax.Array, gates: jax.Array, key=None
                ) -> tuple[jax.Array, jax.Array]:
@@ -186,22 +257,19 @@ class MoEFFN(nnx.Module):
             return lambda name, rows, sizes: (grouped_delta(self, "expert_" + name, rows, sizes, gmm,
                                                             key, ab=ad[name]) if name in ad else None)
 
-        if not adapters and not self._expert_parallel() and few_tokens(ids, weights[0].shape[0]):
+        mode = dispatch_mode(ids.size, weights[0].shape[0], self.expert_axis,
+                             adapters=bool(adapters), weight=self.expert_gate.get_value())
+        if mode == "gather":
             return gathered_experts(x, ids, gates, *weights)
         return routed_swiglu_experts(x, ids, gates, weights, gmm, expert_axis=self.expert_axis,
-                                     adapters=adapters or None, make_lora=make_lora)
+                                     adapters=adapters or None, make_lora=make_lora,
+                                     expert_parallel=mode == "expert_parallel")
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:
         """CMoE load balancing step in place: `b += gamma * sign(mean(counts) - counts)`."""
         if self.router != "cmoe":
             raise ValueError(f"only the cmoe router has a balancing bias (router={self.router!r})")
         self.router_bias[...] = update_router_bias(self.router_bias, counts, gamma)
-
-
-def few_tokens(ids: jax.Array, num_experts: int) -> bool:
-    """Whether a step's `ids [T, k]` are few enough (T*k <= E, e.g. one decoding step) that
-    reading only the chosen experts' weights beats sorting tokens into every expert's group."""
-    return ids.size <= num_experts
 
 
 def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax.Array,

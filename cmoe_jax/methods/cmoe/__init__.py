@@ -1,9 +1,11 @@
 """CMoE: carve each dense SwiGLU FFN into shared and routed experts with an analytical router.
 
 `convert_model` converts a loaded model in memory; `convert_streamed` reads one layer at a
-time from the checkpoint. `MoEPlan` is the SxAyEz configuration.
+time from the checkpoint. `MoEPlan` is the SxAyEz configuration. `carve_ffn` carves one FFN
+of your own (its weights and calibration inputs) into a filled `MoEFFN` in one call.
 """
 from cmoe_jax.methods.cmoe.carve import LayerCarving, carve_layer, slice_ffn
+from cmoe_jax.methods.cmoe.carve_ffn import carve_ffn
 from cmoe_jax.methods.cmoe.convert import (ConversionError, ConvertConfig, LayerRecord, check_router,
                                            conversion_mesh, convert_model)
 from cmoe_jax.methods.cmoe.plan import MoEPlan
@@ -16,4 +18,4 @@ from cmoe_jax.methods.cmoe.streamed import convert_streamed
 __all__ = ["LayerCarving", "carve_layer", "slice_ffn", "ConversionError", "ConvertConfig",
            "LayerRecord", "convert_model", "MoEPlan", "representative_neurons", "router_weights",
            "split_shared", "convert_streamed", "check_router", "conversion_mesh", "plot_expert_load",
-           "write_report", "router_fit_sums", "scale_router_up"]
+           "write_report", "router_fit_sums", "scale_router_up", "carve_ffn"]

@@ -163,11 +163,7 @@ def carve_one_layer(layer, x, cc: ConvertConfig) -> tuple[LayerCarving, np.ndarr
     carving = None
     if distributed.is_main():
         try:
-            carving = carve_layer(markers, mu, cc.plan, k_act=cc.k_act, kmeans_iters=cc.kmeans_iters,
-                                  router_neurons=cc.router_neurons,
-                                  shared_score=energy if cc.shared_by == "energy" else None,
-                                  representative_score=energy if cc.router_reps == "energy" else None,
-                                  seed=cc.seed)
+            carving = carve_profiled(markers, mu, energy, cc)
         except Exception as e:  # every process fails, none waits for the broadcast
             carving = e
     carving = distributed.broadcast_from_main(carving)
@@ -175,6 +171,16 @@ def carve_one_layer(layer, x, cc: ConvertConfig) -> tuple[LayerCarving, np.ndarr
         raise carving
     t2 = time.perf_counter()
     return carving, mu, {"profile": t1 - t0, "cluster": t2 - t1}
+
+
+def carve_profiled(markers, mu, energy, cc: ConvertConfig) -> LayerCarving:
+    """`carve_layer` with the options of `cc` on one FFN's profile (markers [T, d_h], rates
+    mu and output energies [d_h]): the conversion's carve, also `carve_ffn`'s."""
+    return carve_layer(markers, mu, cc.plan, k_act=cc.k_act, kmeans_iters=cc.kmeans_iters,
+                       router_neurons=cc.router_neurons,
+                       shared_score=energy if cc.shared_by == "energy" else None,
+                       representative_score=energy if cc.router_reps == "energy" else None,
+                       seed=cc.seed)
 
 
 def slices_for(layer, carving: LayerCarving) -> dict:

@@ -74,8 +74,9 @@ def router_fit_sums(x, router_gate, router_up, expert_gate, expert_up, expert_do
     return (s * y).sum(0), (s * s).sum(0)
 
 
-def scale_router_up(router_up, num, den, num_experts: int):
-    """router_up [d, E*r] with expert j's columns times c_j = num_j / den_j (1 where den_j = 0).
+def scale_router_up(router_up, num, den, num_experts: int) -> tuple:
+    """(scaled router_up [d, E*r] in its dtype, float64 scales c [E]): expert j's columns
+    times c_j = num_j / den_j (1 where den_j = 0 or c_j <= 0).
 
     |silu(a) * (b c)| = c |silu(a) b| for c > 0, so the scale folds into the weights: the
     layer's router is unchanged in form and cost."""

@@ -10,30 +10,65 @@ Every backend is exact (same products as the dense reference) and differentiable
 "megablox_tpu"     JAX's megablox Pallas kernels, the TPU default
 "ragged_dot"       `jax.lax.ragged_dot` (XLA; dense masked work on CPU)
 "dense"            reference: every row against every group's weights, masked
+"tokamax"          `tokamax.ragged_dot` (optional extra: Mosaic/Triton/XLA, its own choice)
 =================  =============================================================
 
-`"auto"` picks by `jax.default_backend()`.
+`resolve_backend` is the one place that chooses: `"auto"` takes the first available backend
+of the platform's chain (`CHAINS`), and a named backend this platform cannot run (a GPU
+kernel on CPU, tokamax not installed) falls back along the same chain with a
+`BackendFallbackWarning` instead of failing at the first call.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+import warnings
 from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
 
-Backend = Literal["auto", "cpu", "pallas_gpu", "megablox_tpu", "ragged_dot", "dense"]
-BACKENDS = ("cpu", "pallas_gpu", "megablox_tpu", "ragged_dot", "dense")
-_AUTO = {"cpu": "cpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu",
-         "tpu": "megablox_tpu"}
+Backend = Literal["auto", "cpu", "pallas_gpu", "megablox_tpu", "ragged_dot", "dense", "tokamax"]
+BACKENDS = ("cpu", "pallas_gpu", "megablox_tpu", "ragged_dot", "dense", "tokamax")
+_GPU = ("gpu", "cuda", "rocm")
+CHAINS = {**{p: ("pallas_gpu", "tokamax", "ragged_dot") for p in _GPU},
+          "tpu": ("megablox_tpu", "tokamax", "ragged_dot"), "cpu": ("cpu", "ragged_dot")}
+
+
+class BackendFallbackWarning(UserWarning):
+    """The grouped-matmul backend asked for cannot run here; another one is used."""
+
+
+def unavailable(backend: str, platform: str) -> str | None:
+    """Why `backend` cannot run on `platform` (None: it can)."""
+    if backend == "pallas_gpu" and platform not in _GPU:
+        return f"needs a GPU (Triton kernels), this platform is {platform}"
+    if backend == "megablox_tpu" and platform != "tpu":
+        return f"needs a TPU, this platform is {platform}"
+    if backend == "tokamax" and importlib.util.find_spec("tokamax") is None:
+        return "tokamax is not installed (pip install 'cmoe_jax[tokamax]')"
+    return None
+
+
+@functools.cache
+def _resolve(backend: str, platform: str) -> str:
+    chain = CHAINS.get(platform, ("ragged_dot",))
+    if backend != "auto":
+        chain = (backend,) + tuple(b for b in chain if b != backend)
+    for name in chain:
+        if unavailable(name, platform) is None:
+            if backend not in ("auto", name):
+                warnings.warn(f"gmm backend {backend!r} {unavailable(backend, platform)}: using "
+                              f"{name!r}", BackendFallbackWarning, stacklevel=4)
+            return name
+    return "dense"  # pragma: no cover - ragged_dot runs everywhere
 
 
 def resolve_backend(backend: str = "auto") -> str:
-    """The concrete backend name `"auto"` stands for on this platform."""
-    if backend == "auto":
-        return _AUTO.get(jax.default_backend(), "ragged_dot")
-    if backend not in BACKENDS:
+    """The concrete backend that runs for `backend` on this platform (module docstring)."""
+    if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown gmm backend {backend!r}; choose one of {('auto',) + BACKENDS}")
-    return backend
+    return _resolve(backend, jax.default_backend())
 
 
 def gmm_dense(lhs, rhs, group_sizes, transpose_rhs=False):
@@ -69,6 +104,8 @@ def get_gmm(backend: str | Callable = "auto") -> Callable:
         from cmoe_jax.moe.gmm.pallas_gpu import gmm as fn
     elif backend == "megablox_tpu":
         from cmoe_jax.moe.gmm.tpu import gmm as fn
+    elif backend == "tokamax":
+        from cmoe_jax.moe.gmm.tokamax_gmm import gmm as fn
     elif backend == "ragged_dot":
         fn = gmm_ragged_dot
     else:

@@ -31,6 +31,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from cmoe_jax.moe.gmm.vjp import differentiable_gmm
 
+# the Triton dot moved from `pallas` to `pallas.triton` in jax 0.10.2 (same signature)
+_dot = getattr(plgpu, "dot", None) or pl.dot
+
 PRECISIONS = {
     "highest": jax.lax.Precision.HIGHEST,
     "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
@@ -105,7 +108,7 @@ def _gmm_kernel(vg_ref, vt_ref, start_ref, end_ref, lhs_ref, rhs_ref, _zeros_ref
     def body(kk, acc):
         a = plgpu.load(lhs_ref.at[rows, pl.ds(kk * tk, tk)])
         b = plgpu.load(rhs_ref.at[pl.ds(gw * kp + kk * tk, tk), cols])
-        return acc + plgpu.dot(a, b, precision=precision)
+        return acc + _dot(a, b, precision=precision)
 
     acc = jax.lax.fori_loop(0, kp // tk, body, jnp.zeros((tm, tn), jnp.float32))
     r = t * tm + jnp.arange(tm)
@@ -125,7 +128,7 @@ def _tgmm_kernel(start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, tm, tk, tn, k
         a = plgpu.load(lhs_ref.at[rows, ks])
         a = jnp.where(keep, a, jnp.zeros((), a.dtype))
         b = plgpu.load(rhs_ref.at[rows, cols])
-        return acc + plgpu.dot(a, b, trans_a=True, precision=precision)
+        return acc + _dot(a, b, trans_a=True, precision=precision)
 
     first = lo // tm
     last = jnp.where(hi > lo, (hi + tm - 1) // tm, first)

@@ -1,0 +1,99 @@
+"""Where a layer's routed experts run, decided in one place, and the layer's input checks.
+
+Three ways to run the (token, expert) pairs of one call:
+
+- "expert_parallel": the mesh set with `jax.set_mesh` has the layer's expert axis (size > 1):
+  experts split over it, tokens exchanged by all-to-all (`cmoe_jax.moe.expert_parallel`);
+- "gather": few pairs (at most one per expert, e.g. one decoding step) and no adapters: each
+  pair reads only its own expert's weights;
+- "sort": otherwise, tokens sorted by expert and run through grouped matmuls
+  (`cmoe_jax.moe.dispatch`).
+
+A mesh entered the old way (`with mesh:`) is not seen by `jax.get_abstract_mesh`, so a
+layer under it would silently run every expert on every device: that case warns.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_EXPERT_AXIS = "expert"
+Mode = Literal["expert_parallel", "gather", "sort"]
+
+
+class ExpertParallelWarning(UserWarning):
+    """A mesh with an expert axis is around, but the layer does not run expert-parallel."""
+
+
+def expert_axis_size(axis: str | None, mesh=None) -> int:
+    """Devices along `axis` of `mesh` (default: the mesh set by `jax.set_mesh`), 1 if absent."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if axis is None or axis not in mesh.axis_names:
+        return 1
+    return dict(mesh.shape)[axis]
+
+
+def _legacy_mesh_size(axis: str) -> int:
+    """Size of `axis` in a mesh entered with `with mesh:` (1 if none or on a JAX without it)."""
+    try:
+        from jax._src.mesh import thread_resources
+        mesh = thread_resources.env.physical_mesh
+    except (ImportError, AttributeError):  # pragma: no cover - other JAX versions
+        return 1
+    return dict(mesh.shape).get(axis, 1) if not mesh.empty else 1
+
+
+def _sharded_size(axis: str, weight) -> int:
+    """Devices a concrete weight array is split over along mesh axis `axis` (1: none)."""
+    try:  # a tracer (inside jit) has no concrete sharding
+        mesh = weight.sharding.mesh if isinstance(weight, jax.Array) else None
+    except Exception:
+        mesh = None
+    if mesh is None or axis not in getattr(mesh, "axis_names", ()):
+        return 1
+    return dict(mesh.shape)[axis]
+
+
+def expert_parallel_active(axis: str | None, weight=None) -> bool:
+    """Whether the layer runs expert-parallel; warns (`ExpertParallelWarning`) when a mesh
+    with `axis` is entered with `with mesh:` or holds the expert weights, but not set with
+    `jax.set_mesh`, which is the only way expert parallelism engages."""
+    if axis is None:
+        return False
+    if expert_axis_size(axis) > 1:
+        return True
+    n = max(_legacy_mesh_size(axis), _sharded_size(axis, weight))
+    if n > 1:
+        warnings.warn(f"a mesh with expert axis {axis!r} ({n} devices) is present but not set "
+                      "with `jax.set_mesh(mesh)`: the MoE layer runs every expert on every "
+                      "device (no expert parallelism); use `with jax.set_mesh(mesh):`, or "
+                      "build the layer with expert_axis=None to silence this",
+                      ExpertParallelWarning, stacklevel=3)
+    return False
+
+
+def dispatch_mode(num_pairs: int, num_experts: int, expert_axis: str | None, *,
+                  adapters: bool = False, weight=None) -> Mode:
+    """How to run `num_pairs` (token, slot) pairs over `num_experts` experts (module doc)."""
+    if expert_parallel_active(expert_axis, weight):
+        return "expert_parallel"
+    if not adapters and num_pairs <= num_experts:
+        return "gather"
+    return "sort"
+
+
+def check_input(x, d_model: int, owner: str = "MoEFFN") -> None:
+    """Refuse an input that is not floating point `[..., d_model]` with one line naming both
+    widths (a wrong width would otherwise be silently regrouped into tokens)."""
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) == 0:
+        raise ValueError(f"{owner} expects an array [..., d_model={d_model}], got "
+                         f"{type(x).__name__} of shape {shape}")
+    if shape[-1] != d_model:
+        raise ValueError(f"{owner} was built for d_model={d_model} but the input's last "
+                         f"dimension is {shape[-1]} (shape {tuple(shape)})")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{owner} expects a floating-point input, got dtype {x.dtype}")

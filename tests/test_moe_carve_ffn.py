@@ -1,0 +1,84 @@
+"""`carve_ffn`: a user's own dense FFN carved into a filled `MoEFFN` in one call; with every
+expert active it is the dense FFN (numpy recomputation), sparse it matches the per-token
+numpy reference of the layer, and bad arguments are refused before any work."""
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from cmoe_jax import carve_ffn
+from cmoe_jax.methods.cmoe import MoEPlan
+from tests import moe_numpy
+
+D, DH = 24, 96
+
+
+def dense_ffn(rng_seed=0):
+    rng = np.random.default_rng(rng_seed)
+    w = [rng.normal(size=s).astype(np.float32) * 0.3 for s in ((D, DH), (D, DH), (DH, D))]
+    x = rng.normal(size=(3, 40, D)).astype(np.float32)
+    return w, x
+
+
+def numpy_dense(w, x):
+    g, u = x.astype(np.float64) @ w[0], x.astype(np.float64) @ w[1]
+    return (moe_numpy.silu(g) * u) @ w[2]
+
+
+@pytest.mark.parametrize("plan", ["S1A2E8", "S0A1E4", "S2A3E6"])
+def test_every_expert_active_is_the_dense_ffn(plan):
+    w, x = dense_ffn()
+    moe, carving = carve_ffn(*w, x, plan, return_carving=True, router_neurons=2)
+    p = MoEPlan.parse(plan)
+    assert (moe.num_experts, moe.top_k, moe.router) == (p.routed, p.active, "cmoe")
+    assert moe.shared_width == p.shared_width(DH) and moe.expert_width == DH // p.total
+    ids = np.sort(np.concatenate([carving.shared_idx, carving.expert_idx.ravel()]))
+    np.testing.assert_array_equal(ids, np.arange(DH))
+    moe.top_k = moe.num_experts
+    np.testing.assert_allclose(np.asarray(moe(jnp.asarray(x))), numpy_dense(w, x), rtol=1e-4, atol=1e-4)
+
+
+def test_the_sparse_layer_routes_as_the_numpy_reference():
+    w, x = dense_ffn(1)
+    moe = carve_ffn(*w, x, "S1A2E8")
+    flat = x.reshape(-1, D)
+    want, load, _ = moe_numpy.forward(moe, flat)
+    y, counts = moe(jnp.asarray(flat), return_load=True)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(counts), load)
+
+
+def test_router_scales_are_fitted_unless_asked_not_to():
+    w, x = dense_ffn(2)
+    fitted = carve_ffn(*w, x, "S1A2E8", router_neurons=2)
+    plain = carve_ffn(*w, x, "S1A2E8", router_neurons=2, router_scale=False)
+    np.testing.assert_array_equal(np.asarray(fitted.router_gate[...]), np.asarray(plain.router_gate[...]))
+    assert not np.allclose(np.asarray(fitted.router_up[...]), np.asarray(plain.router_up[...]))
+
+
+def test_dtype_follows_the_weights():
+    w, x = dense_ffn(3)
+    moe = carve_ffn(*(jnp.asarray(a, jnp.bfloat16) for a in w), x, "S1A1E4")
+    assert moe.expert_gate[...].dtype == jnp.bfloat16 and moe.dtype == jnp.bfloat16
+    assert moe(jnp.asarray(x, jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(plan="S1A2E7"), "do not divide"),
+    (dict(plan="S1A8E8"), "exceed"),
+    (dict(plan="1-2-8"), "SxAyEz"),
+    (dict(x=np.zeros((0, D), np.float32)), "no token"),
+    (dict(x=np.zeros((5, D + 1), np.float32)), r"\[\.\.\., d=24\]"),
+    (dict(w_down=np.zeros((D, DH), np.float32)), r"\[d, d_h\], \[d, d_h\], \[d_h, d\]"),
+    (dict(router_neurons=13), "router_neurons 13"),
+    (dict(bogus=1), "unknown carve_ffn option"),
+    (dict(backend="cuda"), "unknown gmm backend"),
+])
+def test_bad_arguments_are_refused_with_one_line(change, message):
+    w, x = dense_ffn()
+    args = dict(w_gate=w[0], w_up=w[1], w_down=w[2], x=x, plan="S1A2E8")
+    args.update(change)
+    w_gate, w_up, w_down, x, plan = (args.pop(k) for k in ("w_gate", "w_up", "w_down", "x", "plan"))
+    with pytest.raises(ValueError, match=message) as err:
+        carve_ffn(w_gate, w_up, w_down, x, plan, **args)
+    assert "\n" not in str(err.value)
