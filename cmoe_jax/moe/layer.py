@@ -34,7 +34,7 @@ from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_expe
 from cmoe_jax.moe.gmm import get_gmm, resolve_backend
 from cmoe_jax.moe.modes import check_input, dispatch_mode, expert_parallel_active
 from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
-from cmoe_jax.moe.router_outputs import RouterOutput, router_logits, router_output
+from cmoe_jax.moe.router_outputs import router_logits, router_output
 from cmoe_jax.moe.routers import (ROUTER_KINDS, RouterKind, cmoe_route, linear_route, sum_route,
                                    topsum_route)
 
