@@ -17,8 +17,8 @@ and pipeline stages follow the tile (`launch_params`). fp32 products use the cal
 `precision` ("highest": IEEE fp32, the default, matches the CPU backends; "tf32";
 "bf16x3": three bf16 products); bf16/fp16 inputs run on tensor cores and accumulate in fp32.
 
-Lowering for CUDA is tested on CPU with `jax.export` (tests/test_gmm_lowering.py); GPU
-timing is not measured yet (no GPU was available when this was written).
+Lowering for CUDA is tested on CPU with `jax.export` (tests/test_gmm_lowering.py); the compiled
+kernels are checked on a GPU by `benchmarks/gpu_check.py` (docs/results/performance.md).
 """
 from __future__ import annotations
 
