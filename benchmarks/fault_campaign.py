@@ -209,6 +209,14 @@ def jobs(inputs: dict, converted: Path) -> dict[str, Job]:
                      ["--model", str(converted), "--data-path", t, "--samples", "4", "--seqlen", "16",
                       "--batch-size", "2", "--lora-rank", "2", "--epochs", "2", "--save-every", "1",
                       "--lr", "1e-2", "--no-progress"], {"step": 4, "checkpoint": 4, **publish}),
+        # distillation from the converted model's dense source, after layer-wise recovery
+        "train-distill": Job("train-distill", "cmoe_jax.train.cli",
+                             ["--model", str(converted), "--data-path", t, "--samples", "4",
+                              "--seqlen", "16", "--batch-size", "2", "--lora-rank", "2", "--epochs",
+                              "2", "--save-every", "1", "--lr", "1e-2", "--no-progress", "--distill",
+                              "--kd-temperature", "2", "--kd-weight", "0.5", "--hidden-weight", "0.5",
+                              "--recover", "layerwise", "--recover-samples", "2", "--recover-steps",
+                              "5"], {"recover": 1, "step": 4, "checkpoint": 4, **publish}),
     }
 
 

@@ -1,7 +1,7 @@
 """A fault-injection campaign larger than the suite's: `--kills N` runs, each SIGKILLed at a
 seeded random point, each followed by a `--resume` run to the end.
 
-    python benchmarks/faults.py --kills 100 [--jobs convert,convert-stream,compress,export,train]
+    python benchmarks/faults.py --kills 100 [--jobs convert,convert-stream,compress,export,train,train-distill]
         [--seed 0] [--race 10]
 
 Each kill is a fresh run of one job (round-robin over `--jobs`) killed at a random pass of
@@ -57,7 +57,7 @@ def kill_and_resume(server, job, ref, work, point, n, log) -> tuple[bool, bool, 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kills", type=int, default=100)
-    p.add_argument("--jobs", default="convert,convert-stream,compress,export,train")
+    p.add_argument("--jobs", default="convert,convert-stream,compress,export,train,train-distill")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--race", type=int, default=10, help="two-job races on one --out (0: none)")
     p.add_argument("--work", help="working directory (default: a temporary one, removed)")

@@ -17,7 +17,6 @@ from benchmarks.ffn_layer_error import dense_targets, layer_errors
 from cmoe_jax.checkpoint import save_converted
 from cmoe_jax.data import load_text_tokens
 from cmoe_jax.loading import load_model
-from cmoe_jax.models import ModelConfig
 from cmoe_jax.sharding import make_mesh, placed_split
 from cmoe_jax.train import (DistillConfig, LoRAConfig, RecoverConfig, SharedTeacher, TrainJob,
                             chunked_kd, distill_objective, finetune, init_adapters, kd_tile,
@@ -25,14 +24,7 @@ from cmoe_jax.train import (DistillConfig, LoRAConfig, RecoverConfig, SharedTeac
 from cmoe_jax.train.cli import main as train_main
 from cmoe_jax.train.data import training_windows
 from conftest import WORDS, dense_and_converted, save_tiny_tokenizer, write_random_text
-
-CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
-                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
-
-
-@pytest.fixture(scope="module")
-def models():
-    return dense_and_converted(CFG, "S2A2E8")
+from test_train import CFG, models  # noqa: F401  (the tiny dense model and its S2A2E8 conversion)
 
 
 @pytest.fixture(scope="module")

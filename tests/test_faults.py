@@ -13,7 +13,7 @@ import pytest
 from benchmarks.fault_campaign import ForkServer, campaign, jobs, make_inputs, race, reference
 
 KILLS = 10
-JOBS = ["convert", "convert-stream", "compress", "export", "train"]
+JOBS = ["convert", "convert-stream", "compress", "export", "train", "train-distill"]
 
 
 @pytest.fixture(scope="module")

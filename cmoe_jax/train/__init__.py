@@ -12,7 +12,7 @@ from cmoe_jax.sharding import make_mesh
 from cmoe_jax.train.api import finetune
 from cmoe_jax.train.job import TrainJob
 from cmoe_jax.train.checkpoint import load_adapters
-from cmoe_jax.train.distill import DistillConfig, chunked_kd, distill_objective, kd_tile
+from cmoe_jax.train.distill import DistillConfig, chunked_kd, distill_loss, distill_objective, kd_tile
 from cmoe_jax.train.layerwise import RecoverConfig, layerwise_recover
 from cmoe_jax.train.teacher import SharedTeacher
 from cmoe_jax.train.lora import (
@@ -34,7 +34,7 @@ from cmoe_jax.train.step import OptimConfig, init_state, make_train_step, split_
 
 
 __all__ = ["finetune", "TrainJob", "load_adapters", "adapted_run", "lora_hidden", "lora_logits",
-           "lora_loss", "DistillConfig", "chunked_kd", "distill_objective", "kd_tile",
+           "lora_loss", "DistillConfig", "chunked_kd", "distill_loss", "distill_objective", "kd_tile",
            "RecoverConfig", "layerwise_recover", "SharedTeacher",
            "DEFAULT_TARGETS", "LoRAConfig", "TrainError", "adapted_weights", "init_adapters",
            "merge_adapters", "parse_targets", "router_params", "with_adapters", "OptimConfig", "init_state",

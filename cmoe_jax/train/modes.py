@@ -13,7 +13,7 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from cmoe_jax.jobs import JobModel
+from cmoe_jax.jobs import JobModel, fault_point
 from cmoe_jax.train.distill import DistillConfig
 from cmoe_jax.train.job import TrainJob
 from cmoe_jax.train.layerwise import RecoverConfig
@@ -100,6 +100,7 @@ class RecoveryModes:
             save_adapters(tmp, adapters, us, {}, {"scale": lora.scale, "layers": self.records})
             if distributed.is_main():
                 tmp.rename(saved)  # whole or not at all
+            fault_point("recover")
         return merge_adapters(model, adapters, lora.scale, us, None)
 
     def objective(self, graphdef, frozen, frozen_sh, lora, remat: bool, mesh):
