@@ -268,3 +268,42 @@ def test_layerwise_alone_publishes_the_recovered_model(dirs, tmp_path):
                recover_samples=4, recover_steps=20)
     assert res["steps"] == 0 and res["teacher"] == str(dirs / "dense")
     assert (tmp_path / "lw" / "recover").is_dir() and (tmp_path / "lw" / "state").is_dir()
+
+
+SHARDED = r'''
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, numpy as np
+from cmoe_jax.train import TrainJob, finetune, load_adapters
+root, out = sys.argv[1], sys.argv[2]
+kw = dict(data_path=root + "/text.txt", samples=8, seqlen=32, batch_size=4, lora_rank=4, lr=1e-2,
+          router_lr=1e-2, bias_speed=1e-2, epochs=2, distill=True, kd_temperature=2.0,
+          kd_weight=0.7, kd_top_k=20, hidden_weight=0.5)
+one = finetune(root + "/moe", TrainJob(mesh_shape=(1, 1), **kw), out=out + "/one",
+               devices=jax.devices()[:1], progress=False)
+many = finetune(root + "/moe", TrainJob(mesh_shape=(4, 2), **kw), out=out + "/many", progress=False)
+logs = {k: [s["loss"] for s in json.load(open(f"{out}/{k}/train_log.json"))["steps"]] for k in ("one", "many")}
+a, _ = load_adapters(out + "/one/adapters")
+b, _ = load_adapters(out + "/many/adapters")
+diff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+print(json.dumps({**logs, "mesh": many["mesh"], "param_diff": diff}))
+'''
+
+
+def test_distillation_on_eight_devices_trains_like_one(dirs, tmp_path):
+    """Data x model = 4 x 2 simulated CPU devices against one: the teacher's own weights are
+    sharded like the student's; per-step losses within 1e-5 relative, adapters within 1e-5."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, "-c", SHARDED, str(dirs), str(tmp_path)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["mesh"] == {"data": 4, "model": 2} and len(res["one"]) == len(res["many"]) == 4
+    np.testing.assert_allclose(res["many"], res["one"], rtol=1e-5)
+    assert res["param_diff"] < 1e-5

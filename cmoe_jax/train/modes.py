@@ -101,6 +101,8 @@ class RecoveryModes:
             if distributed.is_main():
                 tmp.rename(saved)  # whole or not at all
             fault_point("recover")
+        if not self.distill:
+            self.teacher_model = None  # not needed by the global training
         return merge_adapters(model, adapters, lora.scale, us, None)
 
     def objective(self, graphdef, frozen, frozen_sh, lora, remat: bool, mesh):
