@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kills", type=int, default=100)
     p.add_argument("--jobs", default="convert,convert-stream,hierarchical,expertweaver,compress,export,train,"
-                                     "downcycle")
+                                     "train-distill,downcycle")
     p.add_argument("--mid-write", action="store_true",
                    help="kill only inside writes, between renames and inside cleanup")
     p.add_argument("--seed", type=int, default=0)

@@ -45,6 +45,26 @@ def oracle_outputs(mlp, x):
     return oracle, shared + every.sum(1), hit
 
 
+def dense_targets(dense, tokens):
+    """(every layer's FFN input [B, T, d], the dense FFN's output on it) of `dense` on `tokens`."""
+    import jax
+
+    _, xs = jax.jit(lambda t: dense(t, capture_ffn_inputs=True))(tokens)
+    return xs, [np.asarray(layer.mlp(x)) for layer, x in zip(dense.layers, xs)]
+
+
+def rel(y, y0) -> float:
+    return float(np.linalg.norm(np.asarray(y).reshape(y0.shape) - y0) / np.linalg.norm(y0))
+
+
+def layer_errors(model, xs, ys, layer_out=None) -> list[float]:
+    """Relative error of each of `model`'s FFNs against the dense outputs `ys` on inputs `xs`."""
+    import jax
+
+    layer_out = layer_out or jax.jit(lambda m, x: m(x))
+    return [rel(layer_out(layer.mlp, x), y0) for layer, x, y0 in zip(model.layers, xs, ys)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dirs", nargs="*")
@@ -67,12 +87,7 @@ def main() -> None:
     toks = eval_windows(load_text_tokens("wikitext2", lm.tokenizer,
                                          data_path=f"{args.data_dir}/test.txt"),
                         "wikitext2", 2048, args.windows)
-    _, xs = jax.jit(lambda t: dense(t, capture_ffn_inputs=True))(toks)
-    ys = [np.asarray(layer.mlp(x)) for layer, x in zip(dense.layers, xs)]
-
-    def rel(y, y0):
-        return float(np.linalg.norm(np.asarray(y).reshape(y0.shape) - y0) / np.linalg.norm(y0))
-
+    xs, ys = dense_targets(dense, toks)
     table = {}
     for s in args.abstopk:
         keep = int(round((1 - s) * dense.config.intermediate_size))
@@ -83,8 +98,7 @@ def main() -> None:
     for d in args.dirs:
         conv = load_model(d, progress=False).model
         name = Path(d).name
-        table[name] = [rel(layer_out(l.mlp, x), y0)
-                       for l, x, y0 in zip(conv.layers, xs, ys)]
+        table[name] = layer_errors(conv, xs, ys, layer_out)
         if args.oracle:
             parts = [oracle(l.mlp, x) for l, x in zip(conv.layers, xs)]
             exact = max(rel(everything, y0) for (_, everything, _), y0 in zip(parts, ys))

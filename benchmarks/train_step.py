@@ -30,6 +30,13 @@ Then the sides alternate (reference, cmoe_jax, ...) --repeats times, each --step
 (`benchmarks/harness.py`): median and min per side, the load average at start and end, and
 last `ratio (...): N.NNx` = reference time / cmoe_jax time of the medians (above 1: cmoe_jax
 is faster), withheld when the load average exceeds the core count.
+
+Distillation (`--distill`, a converted model): the cmoe_jax LoRA step on the LM loss against
+the distillation step (`train --distill`: the dense source as teacher in the same jit, its
+shared weights borrowed from the student), interleaved the same way; `ratio` = LoRA time /
+distillation time (below 1: distillation is slower). It also prints the teacher's own and
+borrowed weight bytes and each compiled step's memory (arguments + temporaries, XLA's
+memory analysis), i.e. the step's peak.
 """
 from __future__ import annotations
 
@@ -57,7 +64,7 @@ def local_wikitext_valid() -> str | None:
 class JaxSide:
     """The cmoe_jax trainer: `first_step` compiles and runs one step, `run` times steps."""
 
-    def __init__(self, model_name: str, args):
+    def __init__(self, model_name: str, args, distill=None):
         import jax
 
         from cmoe_jax.loading import load_model
@@ -72,7 +79,22 @@ class JaxSide:
         # the initial adapters, for the reference (the state is donated by the first step)
         self.initial_adapters = jax.tree.map(np.asarray, self.state["trainable"]["lora"])
         graphdef, self.frozen, frozen_sh = split_frozen(self.lm.model, self.mesh)
-        self.step = make_train_step(graphdef, lora, oc, tx, shardings, frozen_sh, self.mesh)
+        loss, self.memory = None, {}
+        if distill is not None:
+            from cmoe_jax.sharding import placed_split
+            from cmoe_jax.train import SharedTeacher, distill_loss
+            from cmoe_jax.train.teacher import teacher_name
+
+            name = teacher_name(self.lm.path, model_name, args.teacher)
+            t_graphdef, t_state = placed_split(load_model(name, mesh=self.mesh, progress=False).model,
+                                               self.mesh)
+            teacher = SharedTeacher(t_graphdef, t_state, self.frozen)
+            del t_state  # the teacher keeps only its own weights (the dense FFNs)
+            self.memory = teacher.memory()
+            self.frozen = {"model": self.frozen, "teacher": teacher.own}
+            frozen_sh = {"model": frozen_sh, "teacher": jax.tree.map(lambda a: a.sharding, teacher.own)}
+            loss = distill_loss(graphdef, teacher, lora, distill)
+        self.step = make_train_step(graphdef, lora, oc, tx, shardings, frozen_sh, self.mesh, loss=loss)
 
     def first_step(self, batch: np.ndarray) -> float:
         import jax
@@ -83,6 +105,10 @@ class JaxSide:
         t0 = time.perf_counter()
         self.compiled = self.step.lower(self.state, self.frozen, self.x).compile()
         self.compile_seconds = time.perf_counter() - t0
+        mem = self.compiled.memory_analysis()
+        self.step_bytes = (None if mem is None else
+                           mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+                           - mem.alias_size_in_bytes)
         return self.run(1)
 
     def run(self, steps: int) -> float:
@@ -142,7 +168,39 @@ def parse_args(argv):
     p.add_argument("--loss-tol", type=float, default=1e-3,
                    help="largest allowed |difference| of the two first-step losses")
     p.add_argument("--data-path", default=None, help="WikiText-2 validation file (default: the shared copy)")
+    p.add_argument("--distill", action="store_true",
+                   help="compare the LoRA step with the distillation step (a converted model)")
+    p.add_argument("--teacher", default=None, help="with --distill: the teacher (default: the source)")
+    p.add_argument("--kd-temperature", type=float, default=1.0)
+    p.add_argument("--kd-weight", type=float, default=1.0)
+    p.add_argument("--kd-top-k", type=int, default=None)
+    p.add_argument("--hidden-weight", type=float, default=0.0)
     return p.parse_args(argv)
+
+
+def distill_main(args, model_name: str, batch_of, load_start: float) -> None:
+    """LoRA on the LM loss against distillation, both cmoe_jax, interleaved (see the docstring)."""
+    from cmoe_jax.train import DistillConfig
+
+    cfg = DistillConfig(temperature=args.kd_temperature, kd_weight=args.kd_weight,
+                        top_k=args.kd_top_k, hidden_weight=args.hidden_weight)
+    plain, kd = JaxSide(model_name, args), JaxSide(model_name, args, distill=cfg)
+    batch, data = batch_of(plain.lm.tokenizer)
+    loss_plain, loss_kd = plain.first_step(batch), kd.first_step(batch)
+    mib = lambda b: "?" if b is None else f"{b / 2**20:,.0f} MiB"  # noqa: E731
+    print(machine_line())
+    print(f"model: {model_name}; batch: {args.batch_size} x {args.seqlen} tokens of {data}; "
+          f"distillation {cfg}; {args.steps} timed steps x {args.repeats} repeats")
+    print(f"teacher: own weights {mib(kd.memory['teacher_own_bytes'])}, borrowed from the student "
+          f"{mib(kd.memory['teacher_shared_bytes'])}")
+    print(f"step memory (arguments + temporaries + outputs): LoRA {mib(plain.step_bytes)}, "
+          f"distillation {mib(kd.step_bytes)}; compile {plain.compile_seconds:.1f} s / "
+          f"{kd.compile_seconds:.1f} s (not counted)")
+    print(f"first-step loss: LM {loss_plain:.5f}, distillation {loss_kd:.5f}")
+    times = interleaved_times([lambda: plain.run(args.steps), lambda: kd.run(args.steps)],
+                              args.repeats, warmup=0)
+    report(["LoRA (LM loss)", "LoRA + distillation"], times, load_start,
+           work=batch.size * args.steps)
 
 
 def model_to_train(args) -> tuple[str, bool]:
@@ -171,9 +229,18 @@ def main(argv=None) -> None:
     from cmoe_jax.loading import resolve
 
     data = args.data_path or local_wikitext_valid()
+
+    def batch_of(tokenizer):
+        tokens = load_text_tokens("wikitext2", tokenizer, "validation", data)
+        return calibration_windows(tokens, args.batch_size, args.seqlen, seed=0), data or "datasets"
+
+    if args.distill:
+        if not converted:
+            raise SystemExit("error: --distill needs a converted model (--model converted or a "
+                             "converted directory)")
+        return distill_main(args, model_name, batch_of, load_start)
     ours = JaxSide(model_name, args)
-    tokens = load_text_tokens("wikitext2", ours.lm.tokenizer, "validation", data)
-    batch = calibration_windows(tokens, args.batch_size, args.seqlen, seed=0)
+    batch, _ = batch_of(ours.lm.tokenizer)
     if converted:
         from benchmarks.cmoe_torch_reference import reference_llama
 

@@ -13,9 +13,9 @@ import pytest
 from benchmarks.fault_campaign import ForkServer, campaign, jobs, make_inputs, race, reference
 
 KILLS = 10
-JOBS = ["convert", "convert-stream", "compress", "export", "train", "hierarchical", "expertweaver",
-        "downcycle"]
-FEWER = {"hierarchical": 3, "expertweaver": 3, "downcycle": 3}  # slower jobs: fewer kills in the suite
+JOBS = ["convert", "convert-stream", "compress", "export", "train", "train-distill", "hierarchical",
+        "expertweaver", "downcycle"]
+FEWER = {"hierarchical": 3, "expertweaver": 3, "downcycle": 3, "train-distill": 3}  # slower jobs: fewer kills in the suite
 MID_WRITE_KILLS = 2
 
 

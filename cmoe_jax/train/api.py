@@ -32,6 +32,7 @@ from cmoe_jax.jobs import JobModel, OutputJob, Staging, fault_point, fingerprint
 from cmoe_jax.train.checkpoint import RUN_CONFIG, check_run_config
 from cmoe_jax.train.job import TrainJob
 from cmoe_jax.train.lora import LoRAConfig, TrainError, parse_targets
+from cmoe_jax.train.modes import RECOVER_DIR, RecoveryModes
 
 def _prepare_dirs(staging: Staging, fp: dict, settings: dict, resume: bool, overwrite: bool) -> bool:
     """Open the staging directory (process 0); True when the output must be replaced at the end."""
@@ -45,9 +46,10 @@ def _prepare_dirs(staging: Staging, fp: dict, settings: dict, resume: bool, over
     if resume and (out / "checkpoints").exists():  # continue a finished (e.g. time-limited) run
         check_run_config(out, settings)
         staging.open(fp, resume=False, files={RUN_CONFIG: settings})
-        copy = staging.dir / ".checkpoints.copy"
-        shutil.copytree(out / "checkpoints", copy)
-        copy.rename(staging.dir / "checkpoints")  # whole or not at all
+        for part in ("checkpoints", RECOVER_DIR) if (out / RECOVER_DIR).is_dir() else ("checkpoints",):
+            copy = staging.dir / f".{part}.copy"
+            shutil.copytree(out / part, copy)
+            copy.rename(staging.dir / part)  # whole or not at all
         return True
     if out.exists() and not overwrite:
         raise TrainError(f"output directory {out} exists: pass --overwrite to replace it "
@@ -78,6 +80,7 @@ def finetune(model: str, job: TrainJob = TrainJob(), *, out, resume: bool = Fals
     bias_speed, epochs, seed, save_every = job.bias_speed, job.epochs, job.seed, job.save_every
     max_steps, max_minutes, mesh_shape, expert_parallel = job.max_steps, job.max_minutes, job.mesh_shape, job.expert_parallel
     remat, dtype = job.remat, job.dtype
+    modes = RecoveryModes.of(job)  # --distill / --recover checked before anything is read
     t_start = time.perf_counter()
     out = Path(out)
     targets = parse_targets(targets)
@@ -89,8 +92,8 @@ def finetune(model: str, job: TrainJob = TrainJob(), *, out, resume: bool = Fals
         raise TrainError(f"--seqlen must be at least 2, got {seqlen}")
     if save_every is not None and save_every < 1:
         raise TrainError(f"--save-every must be at least 1, got {save_every}")
-    if max_steps is not None and max_steps < 1:
-        raise TrainError(f"--max-steps must be at least 1, got {max_steps}")
+    if max_steps is not None and max_steps < 0:
+        raise TrainError(f"--max-steps must be non-negative, got {max_steps}")
     if dtype not in ("float32", "bfloat16"):
         raise TrainError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     for name, value in (("--lr", lr), ("--router-lr", router_lr), ("--bias-speed", bias_speed)):
@@ -126,8 +129,9 @@ def finetune(model: str, job: TrainJob = TrainJob(), *, out, resume: bool = Fals
                          "--scope > 1): per-layer adapters cannot be merged into a shared table; "
                          "compress with --scope 1, or leave the routed experts out of --targets")
     with OutputJob(out, "train", overwrite=overwrite, resume=resume, out_may_exist=overwrite or resume,
-                   resumable=("checkpoints/[0-9]*", "final/checkpoints/[0-9]*")) as job:
+                   resumable=("checkpoints/[0-9]*", "final/checkpoints/[0-9]*", RECOVER_DIR)) as job:
         tokenizer = source.require_tokenizer("the training text cannot be tokenized")
+        mode_settings = modes.open(source, tokenizer)  # the teacher fits the student, or one line
         tokens = load_text_tokens(dataset, tokenizer, split=split, data_path=data_path)
         windows = training_windows(tokens, samples, seqlen, seed,
                                    name=f"{dataset} ({data_path or split})")
@@ -152,7 +156,8 @@ def finetune(model: str, job: TrainJob = TrainJob(), *, out, resume: bool = Fals
                     "samples": samples, "seqlen": seqlen, "batch_size": batch_size,
                     "lora_rank": lora_rank, "lora_alpha": float(lora_alpha), "dropout": float(dropout),
                     "targets": list(targets), "lr": lr, "router_lr": router_lr,
-                    "bias_speed": bias_speed, "epochs": epochs, "seed": seed, "dtype": dtype}
+                    "bias_speed": bias_speed, "epochs": epochs, "seed": seed, "dtype": dtype,
+                    **mode_settings}
         fp = fingerprint("train", settings, path, tokens)
         # process 0 alone touches the directories (the others wait for it)
         replace_out = job.on_main(lambda st: _prepare_dirs(st, fp, settings, resume, overwrite))
@@ -161,10 +166,13 @@ def finetune(model: str, job: TrainJob = TrainJob(), *, out, resume: bool = Fals
 
         # ---- load and set up ------------------------------------------------------------------
         lm = source.load(dtype=getattr(jnp, dtype), mesh=mesh, progress=progress)
+        modes.load_teacher(getattr(jnp, dtype), mesh, progress)
+        lm.model = modes.recover_model(lm.model, windows, lora, seed, staging, progress)
         state, shardings, tx = init_state(lm.model, lora, oc, jax.random.key(seed), mesh)
         graphdef, frozen, frozen_sh = split_frozen(lm.model, mesh)
+        frozen, frozen_sh, objective = modes.objective(graphdef, frozen, frozen_sh, lora, remat, mesh)
         step_fn = make_train_step(graphdef, lora, oc, tx, shardings, frozen_sh, mesh, seed=seed,
-                                  remat=remat)
+                                  remat=remat, loss=objective)
         ckpts = RunCheckpoints(staging / "checkpoints")
         log: list[dict] = []
         start = 0
@@ -181,7 +189,8 @@ def finetune(model: str, job: TrainJob = TrainJob(), *, out, resume: bool = Fals
 
         t_compile = time.perf_counter()
         with jax.set_mesh(mesh):  # an "expert" axis makes the MoE layers run expert-parallel
-            compiled = step_fn.lower(state, frozen, batch(min(start, total - 1))).compile()
+            compiled = (step_fn.lower(state, frozen, batch(min(start, total - 1))).compile()
+                        if total else None)
         compile_seconds = time.perf_counter() - t_compile
 
         def save(step):
@@ -238,7 +247,8 @@ def finetune(model: str, job: TrainJob = TrainJob(), *, out, resume: bool = Fals
                              if measured else None),
             "train_seconds": train_seconds, "compile_seconds": compile_seconds,
             "mesh": dict(mesh.shape), "platform": jax.devices()[0].platform,
-            "wall_seconds": time.perf_counter() - t_start,
+            "wall_seconds": time.perf_counter() - t_start, **modes.memory,
+            **({"recover_layers": modes.records} if modes.records else {}),
         }
         manifest = _source_manifest(path, model)
         manifest["finetune"] = {k: summary[k] for k in (*settings, "steps", "final_loss")}
@@ -253,6 +263,8 @@ def finetune(model: str, job: TrainJob = TrainJob(), *, out, resume: bool = Fals
                        "steps": done})
         if main:
             shutil.move(str(staging / "checkpoints"), str(final / "checkpoints"))
+            if (staging / RECOVER_DIR).is_dir():
+                shutil.move(str(staging / RECOVER_DIR), str(final / RECOVER_DIR))
             shutil.copy(staging / "run_config.json", final / "run_config.json")
             write_log(final / "train_log.json", summary, log)
             plot_loss(final / "loss.png", log, title=f"LoRA r={lora_rank} on {Path(str(model)).name}")

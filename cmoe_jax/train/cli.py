@@ -11,7 +11,7 @@ import json
 
 from cmoe_jax import distributed
 from cmoe_jax.cli_args import (Parser, add_data, add_model, add_output_dir, add_progress, add_seed,
-                               add_seqlen, check_writable_dir, command_main, nonneg_float,
+                               add_seqlen, check_writable_dir, command_main, nonneg_float, nonneg_int,
                                positive_float, positive_int)
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.train.api import finetune
@@ -45,9 +45,11 @@ def build_parser(prog: str = "python -m cmoe_jax.train") -> Parser:
     lora.add_argument("--bias-speed", type=nonneg_float, default=1e-3, help="load-balancing bias step gamma")
     lora.add_argument("--epochs", type=positive_int, default=1, help="passes over the --samples windows")
     add_seed(p)
+    add_recovery(p)
     job = p.add_argument_group("run")
     job.add_argument("--save-every", type=positive_int, default=100, help="checkpoint every N steps")
-    job.add_argument("--max-steps", type=positive_int, default=None, help="stop after N steps")
+    job.add_argument("--max-steps", type=nonneg_int, default=None,
+                     help="stop after N steps (0: none, only the --recover layerwise pass)")
     job.add_argument("--max-minutes", type=positive_float, default=None,
                      help="stop before a step would end past this wall-clock budget (whole job)")
     job.add_argument("--mesh", default=None, metavar="DATAxMODEL",
@@ -62,6 +64,35 @@ def build_parser(prog: str = "python -m cmoe_jax.train") -> Parser:
                    "continue the run in --out from its last checkpoint")
     add_progress(p)
     return p
+
+
+def add_recovery(p: Parser) -> None:
+    kd = p.add_argument_group("recovery from the dense model (distillation, layer-wise)")
+    kd.add_argument("--distill", action="store_true",
+                    help="train on the KL divergence to the teacher's next-token distribution")
+    kd.add_argument("--teacher", default=None, metavar="MODEL",
+                    help="model to distil from (default: the converted model's source)")
+    kd.add_argument("--kd-temperature", type=positive_float, default=1.0, help="softmax temperature T")
+    kd.add_argument("--kd-weight", type=unit_weight, default=1.0,
+                    help="weight of the KL term; the LM loss gets 1 - weight")
+    kd.add_argument("--kd-top-k", type=positive_int, default=None, metavar="K",
+                    help="compare only the teacher's K most likely tokens (default: all)")
+    kd.add_argument("--hidden-weight", type=nonneg_float, default=0.0,
+                    help="weight of per-layer matching of the FFN inputs to the teacher's")
+    kd.add_argument("--recover", choices=["layerwise"], default=None,
+                    help="first fit each converted FFN's adapters / router scales to the dense "
+                         "FFN's output, layer by layer (then the global training)")
+    kd.add_argument("--recover-samples", type=positive_int, default=16,
+                    help="calibration windows of --recover (the first training windows)")
+    kd.add_argument("--recover-steps", type=positive_int, default=200, help="Adam steps per layer")
+    kd.add_argument("--recover-lr", type=positive_float, default=1e-3, help="layer-wise learning rate")
+
+
+def unit_weight(text: str) -> float:
+    value = nonneg_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
 
 
 def dropout_rate(text: str) -> float:
@@ -96,7 +127,11 @@ def run(args) -> dict:
                    bias_speed=args.bias_speed, epochs=args.epochs, seed=args.seed,
                    save_every=args.save_every, max_steps=args.max_steps, max_minutes=args.max_minutes,
                    mesh_shape=_mesh(args.mesh), expert_parallel=args.expert_parallel,
-                   remat=args.remat, dtype=args.dtype)
+                   remat=args.remat, dtype=args.dtype, distill=args.distill, teacher=args.teacher,
+                   kd_temperature=args.kd_temperature, kd_weight=args.kd_weight,
+                   kd_top_k=args.kd_top_k, hidden_weight=args.hidden_weight, recover=args.recover,
+                   recover_samples=args.recover_samples, recover_steps=args.recover_steps,
+                   recover_lr=args.recover_lr)
     return finetune(args.model, job, out=args.out, resume=args.resume, overwrite=args.overwrite,
                     progress=not args.no_progress)
 

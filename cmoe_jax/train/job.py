@@ -33,6 +33,18 @@ class TrainJob:
     expert_parallel: int = 1
     remat: bool = False
     dtype: str = "float32"
+    # distillation from the dense teacher (`cmoe_jax.train.distill`)
+    distill: bool = False
+    teacher: str | None = None  # None: the converted model's source
+    kd_temperature: float = 1.0
+    kd_weight: float = 1.0
+    kd_top_k: int | None = None
+    hidden_weight: float = 0.0
+    # layer-wise reconstruction before the global training (`cmoe_jax.train.layerwise`)
+    recover: str | None = None
+    recover_samples: int = 16
+    recover_steps: int = 200
+    recover_lr: float = 1e-3
 
     @classmethod
     def split_options(cls, options: dict) -> tuple["TrainJob", dict]:

@@ -228,16 +228,26 @@ def with_adapters(model, adapters: dict, scale: float, u: dict | None = None,
     return out
 
 
+def adapted_run(model, adapters: dict, u: dict, bias: dict, tokens: jax.Array, *,
+                scale: float, dropout: float = 0.0, key: jax.Array | None = None,
+                remat: bool = False, capture: bool = False):
+    """(residual stream after the last layer of the adapted model, every layer's FFN input
+    when `capture` else [], the expert loads `{layer: int32 [E]}` of its CMoE layers).
+    Layer i's dropout masks come from `fold_in(key, i)` (no dropout without a key)."""
+    adapted = with_adapters(model, adapters, scale, u, bias, dropout)
+    h, inputs, loads = adapted.run_layers(tokens, key=key, remat=remat, capture=capture)
+    cmoe = {str(i) for i, (layer, _) in enumerate(each_layer(model)) if _trains_router(layer.mlp)}
+    return h, inputs, {k: v for k, v in loads.items() if k in cmoe}
+
+
 def lora_hidden(model, adapters: dict, u: dict, bias: dict, tokens: jax.Array, *,
                 scale: float, dropout: float = 0.0, key: jax.Array | None = None,
                 remat: bool = False):
-    """Residual stream after the last layer of the adapted model, and the expert loads
-    `{layer: int32 [E]}` of its CMoE layers. Layer i's dropout masks come from
-    `fold_in(key, i)` (no dropout without a key)."""
-    adapted = with_adapters(model, adapters, scale, u, bias, dropout)
-    h, _, loads = adapted.run_layers(tokens, key=key, remat=remat)
-    cmoe = {str(i) for i, (layer, _) in enumerate(each_layer(model)) if _trains_router(layer.mlp)}
-    return h, {k: v for k, v in loads.items() if k in cmoe}
+    """Residual stream after the last layer of the adapted model, and the expert loads of
+    its CMoE layers (`adapted_run` without the captured inputs)."""
+    h, _, loads = adapted_run(model, adapters, u, bias, tokens, scale=scale, dropout=dropout,
+                              key=key, remat=remat)
+    return h, loads
 
 
 def lora_logits(model, adapters: dict, u: dict | None = None, bias: dict | None = None,

@@ -84,14 +84,21 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def make_train_step(graphdef, lora: LoRAConfig, oc: OptimConfig, tx, shardings, frozen_sh,
-                    mesh: Mesh, seed: int = 0, remat: bool = False) -> Callable:
-    """`step(state, frozen, tokens) -> (state, loss, loads)`, jitted, state donated."""
+                    mesh: Mesh, seed: int = 0, remat: bool = False,
+                    loss: Callable | None = None) -> Callable:
+    """`step(state, frozen, tokens) -> (state, loss, loads)`, jitted, state donated.
+
+    `loss(trainable, frozen, bias, tokens, key) -> (loss, loads)`: the objective (default:
+    the next-token NLL of `lora_loss` on the model `graphdef` + `frozen`; distillation passes
+    its own, `cmoe_jax.train.distill.distill_loss`)."""
     replicated = NamedSharding(mesh, P())
 
-    def loss_fn(trainable, frozen, bias, tokens, key):
+    def lm_loss(trainable, frozen, bias, tokens, key):
         model = nnx.merge(graphdef, frozen)
         return lora_loss(model, trainable["lora"], trainable["u"], bias, tokens,
                          scale=lora.scale, dropout=lora.dropout, key=key, remat=remat)
+
+    loss_fn = lm_loss if loss is None else loss
 
     def step(state, frozen, tokens):
         key = jax.random.fold_in(jax.random.key(seed), state["step"])
