@@ -25,7 +25,8 @@ ZERO_START = frozenset({"u", "router_bias", "top_u", "top_bias"})
 def make_ffn(cfg: ModelConfig, spec: FFNSpec | None, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
     """The FFN of one decoder layer: dense SwiGLU (`spec` None), MoE, or hierarchical MoE."""
     if spec is None:
-        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
+                      activation=cfg.activation)
     if spec.sub_experts:  # hierarchical CMoE: experts carved into sub-experts
         return HierMoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts, spec.top_k,
                           sub_experts=spec.sub_experts, sub_shared=spec.sub_shared,
