@@ -31,6 +31,7 @@ from cmoe_jax.errors import CmoeError, run_job
 from cmoe_jax.eval.perplexity import perplexity
 from cmoe_jax.eval.tasks import TASKS, evaluate_task, get_task, load_documents
 from cmoe_jax.jobs import JobModel
+from cmoe_jax.loading import window_bos
 
 PERPLEXITY_ONLY = ("dataset", "split", "source", "seqlen", "max_windows")
 EXAMPLE = ("{prog} --model smollm2 --data-path wikitext-2/wiki.test.raw --max-windows 40 --out ppl.json\n"
@@ -93,7 +94,8 @@ def run(args) -> dict:
     tokens = load_text_tokens(args.dataset, tokenizer, split=split, data_path=args.data_path,
                               source=args.source)
     windows = eval_windows(tokens, args.dataset, args.seqlen, args.max_windows,
-                           name=f"{args.dataset} ({args.data_path or split})")
+                           name=f"{args.dataset} ({args.data_path or split})",
+                           bos=window_bos(cfg.model_type, tokenizer))
     lm = source.load(dtype=getattr(jnp, args.dtype), progress=not args.no_progress)
     result = perplexity(lm.model, windows, batch_size=args.batch_size, progress=not args.no_progress)
     return {"model": args.model, "dataset": args.dataset, "split": split, "data_path": args.data_path,

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cmoe_jax.lora import factors, grouped_delta, project
+from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.expert_parallel import (DEFAULT_EXPERT_AXIS, expert_axis_size,
                                           routed_swiglu_experts, tokens_sharded)
@@ -76,7 +77,7 @@ class MoEFFN(nnx.Module):
                  shared_width: int = 0, router: RouterKind = "cmoe", norm_topk_prob: bool = False,
                  router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
                  expert_axis: str | None = DEFAULT_EXPERT_AXIS, num_prototypes: int = 0,
-                 duplicate_gates: str = "sum", rngs: nnx.Rngs):
+                 duplicate_gates: str = "sum", activation: str = "silu", rngs: nnx.Rngs):
         if router not in ROUTER_KINDS:
             raise ValueError(f"router must be one of {ROUTER_KINDS}, got {router!r}")
         if not 1 <= top_k <= num_experts:
@@ -93,6 +94,7 @@ class MoEFFN(nnx.Module):
         self.router_neurons = router_neurons
         self.dtype, self.param_dtype, self.backend = dtype, param_dtype, backend
         self.expert_axis = expert_axis
+        self.activation = activation  # the GLU activation of every expert and router neuron
         # ConMoE (`cmoe_jax.moe.prototypes`): K stored prototypes behind the E router slots
         self.num_prototypes, self.duplicate_gates = num_prototypes, duplicate_gates
 
@@ -138,7 +140,7 @@ class MoEFFN(nnx.Module):
         if self.router == "linear":
             return linear_route(x, *arrays, self.top_k, self.norm_topk_prob, keep=keep)
         if self.router == "cmoe":
-            return cmoe_route(x, *arrays, self.top_k, keep=keep)
+            return cmoe_route(x, *arrays, self.top_k, keep=keep, activation=self.activation)
         if self.router == "topsum":
             return topsum_route(x, *arrays, self.top_k, keep=keep)
         return sum_route(x.shape[0], self.num_experts)
@@ -147,11 +149,12 @@ class MoEFFN(nnx.Module):
         return expert_axis_size(self.expert_axis) > 1
 
     def shared(self, x: jax.Array, key=None) -> jax.Array:
-        """The shared MLP `down(silu(x W_gate) * (x W_up))` (zeros when there is none)."""
+        """The shared MLP `down(act(x W_gate) * (x W_up))` (zeros when there is none)."""
         if self.shared_width == 0:
             return jnp.zeros_like(x)
         proj = lambda name, inp: project(self, name, inp, getattr(self, name)[...].astype(self.dtype), key)
-        return proj("shared_down", jax.nn.silu(proj("shared_gate", x)) * proj("shared_up", x))
+        act = glu_activation(self.activation)
+        return proj("shared_down", act(proj("shared_gate", x)) * proj("shared_up", x))
 
     def __call__(self, x: jax.Array, *, return_load: bool = False, key=None):
         """`x [..., d_model] -> [..., d_model]`; with `return_load` also int32 `[E]` counts.
@@ -187,9 +190,10 @@ class MoEFFN(nnx.Module):
                                                             key, ab=ad[name]) if name in ad else None)
 
         if not adapters and not self._expert_parallel() and few_tokens(ids, weights[0].shape[0]):
-            return gathered_experts(x, ids, gates, *weights)
+            return gathered_experts(x, ids, gates, *weights, activation=self.activation)
         return routed_swiglu_experts(x, ids, gates, weights, gmm, expert_axis=self.expert_axis,
-                                     adapters=adapters or None, make_lora=make_lora)
+                                     adapters=adapters or None, make_lora=make_lora,
+                                     activation=self.activation)
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:
         """CMoE load balancing step in place: `b += gamma * sign(mean(counts) - counts)`."""
@@ -205,7 +209,8 @@ def few_tokens(ids: jax.Array, num_experts: int) -> bool:
 
 
 def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
-                     w_up: jax.Array, w_down: jax.Array) -> tuple[jax.Array, jax.Array]:
+                     w_up: jax.Array, w_down: jax.Array, activation: str = "silu"
+                     ) -> tuple[jax.Array, jax.Array]:
     """`routed_experts` for few tokens: each (token, slot) pair multiplies its own expert's
     weights, gathered from the stacked `[E, ...]` tensors, so only the chosen experts are
     read. Same products, dtypes and float32 combine as the sort dispatch."""
@@ -214,7 +219,7 @@ def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax
     rows = jnp.repeat(x, top_k, axis=0)                                   # [T*k, d]
     mm = lambda a, w, spec: jnp.einsum(spec, a, jnp.take(w, flat, axis=0),
                                        preferred_element_type=jnp.float32).astype(a.dtype)
-    h = jax.nn.silu(mm(rows, w_gate, "rd,rdm->rm")) * mm(rows, w_up, "rd,rdm->rm")
+    h = glu_activation(activation)(mm(rows, w_gate, "rd,rdm->rm")) * mm(rows, w_up, "rd,rdm->rm")
     ys = mm(h.astype(rows.dtype), w_down, "rm,rmd->rd")
     y = jnp.einsum("tkd,tk->td", ys.astype(jnp.float32).reshape(num_tokens, top_k, -1),
                    gates.astype(jnp.float32))

@@ -74,7 +74,7 @@ def _gguf_config(field) -> dict:
 
 
 GEMMA3_TEXT = Family(
-    "gemma3_text", "Gemma3ForCausalLM", _parse, _export,
+    "gemma3_text", "Gemma3ForCausalLM", _parse, _export, remote="CmoeGemma3",
     norms=MappingProxyType({"input_norm": "input_layernorm",
                             "attn_out_norm": "post_attention_layernorm",
                             "post_attn_norm": "pre_feedforward_layernorm",

@@ -23,4 +23,4 @@ def _export_mistral(cfg) -> dict:
 
 LLAMA = Family("llama", "LlamaForCausalLM", _llama, _export_llama, remote="CmoeLlama",
                gguf_arch="llama", gguf_permute_qk=True)
-MISTRAL = Family("mistral", "MistralForCausalLM", _mistral, _export_mistral)
+MISTRAL = Family("mistral", "MistralForCausalLM", _mistral, _export_mistral, remote="CmoeMistral")
