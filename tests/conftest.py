@@ -56,6 +56,14 @@ def tiny_hf_model(family: str, **overrides):
     elif family == "mixtral":
         cfg = tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
         cls = tf.MixtralForCausalLM
+    elif family == "olmoe":
+        cfg = tf.OlmoeConfig(num_experts=8, num_experts_per_tok=3, **common)
+        cls = tf.OlmoeForCausalLM
+    elif family == "qwen2_moe":  # layer 0 dense; a shared expert with a sigmoid gate
+        cfg = tf.Qwen2MoeConfig(moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                                mlp_only_layers=[0], **common)
+        cls = tf.Qwen2MoeForCausalLM
     elif family == "mistral":  # a window shorter than the test sequences
         common.setdefault("sliding_window", 7)
         cfg, cls = tf.MistralConfig(**common), tf.MistralForCausalLM

@@ -68,7 +68,7 @@ def test_carved_model_exports_with_remote_code(save_tiny, tmp_path, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2", "qwen3_moe_norm", "mixtral",
-                                    "mistral", "gemma3_text"])
+                                    "mistral", "gemma3_text", "olmoe", "qwen2_moe"])
 def test_dense_and_sparse_families_export_to_their_own_architecture(save_tiny, tmp_path, family):
     _, path = save_tiny(family)
     ours = np.asarray(load_model(str(path), progress=False).model(TOKENS))

@@ -13,6 +13,7 @@ from cmoe_jax.export.hf_config import ExportError, keeps_original_architecture
 from cmoe_jax.models import ModelConfig
 from cmoe_jax.models.families import family
 from cmoe_jax.models.families.base import ATTENTION as _ATTN, DENSE_MLP as _DENSE_MLP
+from cmoe_jax.models.families.base import SHARED_EXPERT as _SHARED_EXPERT
 
 
 def _t(a: np.ndarray) -> np.ndarray:
@@ -47,6 +48,8 @@ def _mlp_tensors(cfg: ModelConfig, layer: int, leaf: str, value: np.ndarray):
         yield f"{base}.mlp.{_DENSE_MLP[leaf]}.weight", _t(value)
     elif not keeps_original_architecture(cfg):
         yield f"{base}.mlp.{leaf}", value  # the remote code's MoEMLP, cmoe_jax layout
+    elif leaf in _SHARED_EXPERT:
+        yield f"{base}.mlp.{_SHARED_EXPERT[leaf]}.weight", _t(value)
     elif leaf == "router_kernel":
         yield f"{base}.{family(cfg.model_type).moe_prefix}.gate.weight", _t(value)
     elif leaf in family(cfg.model_type).experts:

@@ -11,6 +11,7 @@ from cmoe_jax.errors import CheckpointError
 from cmoe_jax.loading.sources import TensorSource
 from cmoe_jax.models.families import family
 from cmoe_jax.models.families.base import ATTENTION as _ATTN, DENSE_MLP as _DENSE_MLP
+from cmoe_jax.models.families.base import SHARED_EXPERT as _SHARED_EXPERT
 # Per-expert tensor names: Qwen3-MoE style, then Mixtral's w1/w3/w2.
 _EXPERT_NAMES = {"expert_gate": ("gate_proj", "w1"), "expert_up": ("up_proj", "w3"),
                  "expert_down": ("down_proj", "w2")}
@@ -82,6 +83,9 @@ def fetch(source: TensorSource, path: tuple, model_type: str) -> tuple[str, np.n
     if module == "mlp":
         if leaf[0] in _DENSE_MLP:
             name = f"{base}.mlp.{_DENSE_MLP[leaf[0]]}.weight"
+            return name, _get(source, name).T
+        if leaf[0] in _SHARED_EXPERT:  # Qwen2-MoE's shared expert and its sigmoid gate
+            name = f"{base}.mlp.{_SHARED_EXPERT[leaf[0]]}.weight"
             return name, _get(source, name).T
         if leaf[0] == "router_kernel":
             candidates = [f"{base}.{pre}.gate.weight" for pre in _MOE_PREFIXES]

@@ -49,6 +49,7 @@ class ModelConfig:
     norm_offset: float = 0.0  # RMSNorm weights apply as offset + w (Gemma: 1)
     sandwich_norms: bool = False  # norms after attention and after the FFN too (Gemma)
     query_scale: float = 0.0  # attention score scale (0: head_dim ** -0.5)
+    qk_norm_scope: str = "head"  # q/k RMSNorm per head, or over "all" heads at once (OLMoE)
 
     def ffn_spec(self, layer: int) -> FFNSpec | None:
         return self.moe_layers[layer] if self.moe_layers else None

@@ -35,12 +35,13 @@ def make_ffn(cfg: ModelConfig, spec: FFNSpec | None, *, dtype, rngs: nnx.Rngs) -
                           norm_topk_prob=spec.norm_topk_prob, router_neurons=spec.router_neurons,
                           dtype=dtype, param_dtype=dtype, num_prototypes=spec.num_prototypes,
                           duplicate_gates=spec.duplicate_gates, activation=cfg.activation,
-                          rngs=rngs)
+                          shared_gated=spec.shared_gated, rngs=rngs)
     return MoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts, spec.top_k,
                   shared_width=spec.shared_width, router=spec.router,
                   norm_topk_prob=spec.norm_topk_prob, router_neurons=spec.router_neurons,
                   dtype=dtype, param_dtype=dtype, num_prototypes=spec.num_prototypes,
-                  duplicate_gates=spec.duplicate_gates, activation=cfg.activation, rngs=rngs)
+                  duplicate_gates=spec.duplicate_gates, activation=cfg.activation,
+                  shared_gated=spec.shared_gated, rngs=rngs)
 
 
 def filled_ffn(cfg: ModelConfig, spec: FFNSpec | None, values: MutableMapping[str, np.ndarray],

@@ -36,3 +36,5 @@ class FFNSpec:
     num_prototypes: int = 0
     prototype_owner: int = -1
     duplicate_gates: str = "sum"
+    # Qwen2-MoE: the shared MLP's output is scaled by sigmoid(x W_sg), W_sg [d, 1]
+    shared_gated: bool = False

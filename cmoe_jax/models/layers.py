@@ -82,8 +82,10 @@ class Attention(nnx.Module):
             self.v_bias = nnx.Param(jnp.zeros((kv * h,), dtype))
         self.use_qk_norm = cfg.qk_norm
         if self.use_qk_norm:
-            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
-            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
+            self.qk_norm_all = cfg.qk_norm_scope == "all"  # OLMoE: over the whole projection
+            q_dim, k_dim = (n * h, kv * h) if self.qk_norm_all else (h, h)
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
+            self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, key=None,
                  segments: jax.Array | None = None, cache=None):
@@ -97,10 +99,12 @@ class Attention(nnx.Module):
         v = project(self, "v_proj", x, self.v_proj[...], key)
         if self.use_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.use_qk_norm and self.qk_norm_all:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, t, self.num_heads, self.head_dim)
         k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
-        if self.use_qk_norm:
+        if self.use_qk_norm and not self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:

@@ -106,7 +106,7 @@ class HierMoEFFN(MoEFFN):
                  router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32,
                  backend="auto", expert_axis: str | None = DEFAULT_EXPERT_AXIS,
                  num_prototypes: int = 0, duplicate_gates: str = "sum", activation: str = "silu",
-                 rngs: nnx.Rngs):
+                 shared_gated: bool = False, rngs: nnx.Rngs):
         if router not in ("linear", "cmoe"):
             raise ValueError(f"hierarchical top-level router must be linear or cmoe, got {router!r}")
         n_routed = sub_experts - sub_shared
@@ -115,7 +115,8 @@ class HierMoEFFN(MoEFFN):
         super().__init__(d_model, expert_width, num_experts * sub_experts, top_k * (sub_shared + sub_top_k),
                          shared_width=shared_width, router="cmoe",
                          router_neurons=1, dtype=dtype, param_dtype=param_dtype, backend=backend,
-                         expert_axis=expert_axis, activation=activation, rngs=rngs)
+                         expert_axis=expert_axis, activation=activation,
+                         shared_gated=shared_gated, rngs=rngs)
         # the base built a flat cmoe router over all sub-experts: replace it by the two levels
         del self.router_gate, self.router_up
         self.router, self.norm_topk_prob, self.router_neurons = router, norm_topk_prob, router_neurons

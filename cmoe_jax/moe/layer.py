@@ -70,14 +70,16 @@ class MoEFFN(nnx.Module):
         "expert_gate": ("expert", "embed", "mlp"), "expert_up": ("expert", "embed", "mlp"),
         "expert_down": ("expert", "mlp", "embed"), "router_kernel": ("embed", "router"),
         "router_gate": ("embed", "router"), "router_up": ("embed", "router"),
-        "u": ("router",), "router_bias": ("router",), "slot_map": ("router",)}
+        "u": ("router",), "router_bias": ("router",), "slot_map": ("router",),
+        "shared_gate_kernel": ("embed", None)}
     TABLE_NAMES = TABLE_NAMES  # what a cross-layer ConMoE scope shares
 
     def __init__(self, d_model: int, expert_width: int, num_experts: int, top_k: int, *,
                  shared_width: int = 0, router: RouterKind = "cmoe", norm_topk_prob: bool = False,
                  router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
                  expert_axis: str | None = DEFAULT_EXPERT_AXIS, num_prototypes: int = 0,
-                 duplicate_gates: str = "sum", activation: str = "silu", rngs: nnx.Rngs):
+                 duplicate_gates: str = "sum", activation: str = "silu", shared_gated: bool = False,
+                 rngs: nnx.Rngs):
         if router not in ROUTER_KINDS:
             raise ValueError(f"router must be one of {ROUTER_KINDS}, got {router!r}")
         if not 1 <= top_k <= num_experts:
@@ -104,6 +106,10 @@ class MoEFFN(nnx.Module):
         d, m, e, s = d_model, expert_width, num_experts, shared_width
         if s > 0:
             self.shared_gate, self.shared_up, self.shared_down = param(d, s), param(d, s), param(s, d)
+        # Qwen2-MoE: the shared MLP's output times sigmoid(x W_sg), `shared_gate_kernel [d, 1]`
+        self.shared_gated = shared_gated and s > 0
+        if self.shared_gated:
+            self.shared_gate_kernel = param(d, 1)
         if num_prototypes > 0:
             self.slot_map = SlotMap(jnp.arange(e, dtype=jnp.int32) % num_prototypes)
             e = num_prototypes
@@ -154,7 +160,10 @@ class MoEFFN(nnx.Module):
             return jnp.zeros_like(x)
         proj = lambda name, inp: project(self, name, inp, getattr(self, name)[...].astype(self.dtype), key)
         act = glu_activation(self.activation)
-        return proj("shared_down", act(proj("shared_gate", x)) * proj("shared_up", x))
+        out = proj("shared_down", act(proj("shared_gate", x)) * proj("shared_up", x))
+        if self.shared_gated:
+            out = out * jax.nn.sigmoid(x @ self.shared_gate_kernel[...].astype(self.dtype))
+        return out
 
     def __call__(self, x: jax.Array, *, return_load: bool = False, key=None):
         """`x [..., d_model] -> [..., d_model]`; with `return_load` also int32 `[E]` counts.

@@ -22,6 +22,11 @@ ATTENTION = MappingProxyType({"q_proj": "q_proj.weight", "k_proj": "k_proj.weigh
                               "q_bias": "q_proj.bias", "k_bias": "k_proj.bias",
                               "v_bias": "v_proj.bias"})
 DENSE_MLP = MappingProxyType({"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+# a shared expert beside the routed ones (Qwen2-MoE), our MoEFFN names -> transformers'
+SHARED_EXPERT = MappingProxyType({"shared_gate": "shared_expert.gate_proj",
+                                  "shared_up": "shared_expert.up_proj",
+                                  "shared_down": "shared_expert.down_proj",
+                                  "shared_gate_kernel": "shared_expert_gate"})
 EXPERTS = MappingProxyType({"expert_gate": "gate_proj", "expert_up": "up_proj",
                             "expert_down": "down_proj"})
 # llama.cpp's per-layer tensor names (blk.N.<name>.weight) -> transformers' module names
