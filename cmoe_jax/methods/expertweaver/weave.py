@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cmoe_jax.carving.assignment import balanced_assignment
+from cmoe_jax.moe.activations import glu_activation
 
 ASSIGNMENTS = ("greedy", "exact")
 

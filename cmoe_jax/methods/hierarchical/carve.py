@@ -22,7 +22,8 @@ from cmoe_jax.methods.cmoe import router_fit_sums, scale_router_up
 # top-level router variables of a source MoEFFN -> their names in a HierMoEFFN
 TOP_ROUTER_NAMES = {"router_kernel": "router_kernel", "router_gate": "top_gate",
                     "router_up": "top_up", "u": "top_u", "router_bias": "top_bias"}
-HOST_NAMES = ("shared_gate", "shared_up", "shared_down")
+# the host layer's always-on shared MLP and its sigmoid gate (Qwen2-MoE), copied unchanged
+HOST_NAMES = ("shared_gate", "shared_up", "shared_down", "shared_gate_kernel")
 
 
 @dataclasses.dataclass
