@@ -122,7 +122,9 @@ def run_task(args) -> dict:
     source = _checked_source(args)
     tokenizer = source.tokenizer
     lm = source.load(dtype=getattr(jnp, args.dtype), progress=not args.no_progress)
-    result = evaluate_task(lm.model, tokenizer.encode, task, docs, batch_size=args.batch_size or 32,
+    bos = window_bos(lm.config.model_type, tokenizer)  # lm-eval's add_bos_token, per family
+    encode = tokenizer.encode if bos is None else (lambda text: [bos, *tokenizer.encode(text)])
+    result = evaluate_task(lm.model, encode, task, docs, batch_size=args.batch_size or 32,
                            progress=not args.no_progress)
     return {"model": args.model, "data_path": args.data_path, "limit": args.limit, "dtype": args.dtype,
             "platform": jax.devices()[0].platform, **result}
