@@ -51,3 +51,18 @@ def test_activations_match_torch(name):
     x = np.linspace(-6, 6, 101, dtype=np.float32)
     ref = ACT2FN[to_hf_name(name)](torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(np.asarray(glu_activation(name)(jnp.asarray(x))), ref, atol=1e-6)
+
+
+def test_mistral_without_a_window_exports_none_not_the_transformers_default():
+    import transformers
+
+    from cmoe_jax.export.hf_config import hf_config
+
+    cfg = ModelConfig.from_hf({"model_type": "mistral", "vocab_size": 96, "hidden_size": 32,
+                               "intermediate_size": 48, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "sliding_window": None})
+    assert cfg.sliding_window == 0 and cfg.window(1) == 0
+    out = hf_config(cfg)
+    assert out["sliding_window"] is None and out["architectures"] == ["MistralForCausalLM"]
+    assert transformers.MistralConfig(**out).sliding_window is None

@@ -70,7 +70,7 @@ def hf_config(cfg: ModelConfig) -> dict:
            "torch_dtype": "float32", "dtype": "float32"}
     unit = family(cfg.model_type)
     out.update(unit.export(cfg))
-    out = {k: v for k, v in out.items() if v is not None}
+    out = {k: v for k, v in out.items() if k not in unit.export_drops}
     if keeps_original_architecture(cfg):
         out["architectures"] = [unit.architecture]
         return out

@@ -56,7 +56,7 @@ def _parse(get) -> dict:
 
 def _export(cfg) -> dict:
     full = {"rope_type": "default", "rope_theta": cfg.rope_theta, **dict(cfg.rope_scaling or {})}
-    return {"hidden_act": None, "hidden_activation": to_hf_name(cfg.activation),
+    return {"hidden_activation": to_hf_name(cfg.activation),
             "query_pre_attn_scalar": int(round(cfg.query_scale ** -2)),
             "sliding_window": cfg.sliding_window, "layer_types": list(cfg.layer_types),
             "attention_bias": cfg.attention_bias,
@@ -74,7 +74,7 @@ def _gguf_config(field) -> dict:
 
 
 GEMMA3_TEXT = Family(
-    "gemma3_text", "Gemma3ForCausalLM", _parse, _export, remote="CmoeGemma3",
+    "gemma3_text", "Gemma3ForCausalLM", _parse, _export, ("hidden_act",), remote="CmoeGemma3",
     norms=MappingProxyType({"input_norm": "input_layernorm",
                             "attn_out_norm": "post_attention_layernorm",
                             "post_attn_norm": "pre_feedforward_layernorm",

@@ -18,7 +18,7 @@ def _mistral(get) -> dict:
 
 
 def _export_mistral(cfg) -> dict:
-    return {"sliding_window": cfg.sliding_window or None}
+    return {"sliding_window": cfg.sliding_window or None}  # None: no window (not the 4096 default)
 
 
 LLAMA = Family("llama", "LlamaForCausalLM", _llama, _export_llama, remote="CmoeLlama",
