@@ -25,7 +25,7 @@ from cmoe_jax.convert import cli as convert_cli
 from cmoe_jax.data import load_text_tokens, text_windows
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.eval import perplexity
-from cmoe_jax.loading import load_config, load_model
+from cmoe_jax.loading import load_config, load_model, window_bos
 from cmoe_jax.methods.cmoe import MoEPlan
 
 DEFAULT_CONFIGS = "S3A3E8:energy,S2A2E16,S1A1E8"
@@ -139,7 +139,8 @@ def run(args) -> list[dict]:
           f"{valid_path or 'WikiText-2 via datasets'}")
     dense = load_model(args.model, progress=False)
     tokens = load_text_tokens("wikitext2", dense.tokenizer, split="test", data_path=test_path)
-    windows = text_windows(tokens, args.seqlen, max_windows=args.max_windows)
+    windows = text_windows(tokens, args.seqlen, max_windows=args.max_windows,
+                           bos=window_bos(dense.config.model_type, dense.tokenizer))
     rows = []
     r = perplexity(dense.model, windows)
     rows.append({"model": "dense", "ppl": r["ppl"], "convert_s": None, "tokens_per_s": r["tokens_per_s"]})

@@ -56,6 +56,27 @@ def tiny_hf_model(family: str, **overrides):
     elif family == "mixtral":
         cfg = tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
         cls = tf.MixtralForCausalLM
+    elif family == "olmoe":
+        cfg = tf.OlmoeConfig(num_experts=8, num_experts_per_tok=3, **common)
+        cls = tf.OlmoeForCausalLM
+    elif family == "qwen2_moe":  # layer 0 dense; a shared expert with a sigmoid gate
+        cfg = tf.Qwen2MoeConfig(moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                                mlp_only_layers=[0], **common)
+        cls = tf.Qwen2MoeForCausalLM
+    elif family == "mistral":  # a window shorter than the test sequences
+        common.setdefault("sliding_window", 7)
+        cfg, cls = tf.MistralConfig(**common), tf.MistralForCausalLM
+    elif family == "gemma3_text":  # local, local, global layers; windows shorter than the tests
+        common.update(num_hidden_layers=overrides.get("num_hidden_layers", 3))
+        common.setdefault("sliding_window", 6)
+        common.setdefault("layer_types", ["sliding_attention", "sliding_attention", "full_attention"]
+                          [:common["num_hidden_layers"]])
+        common.setdefault("rope_parameters", {
+            "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
+        cfg = tf.Gemma3TextConfig(head_dim=16, query_pre_attn_scalar=12, **common)
+        cls = tf.Gemma3ForCausalLM
     else:
         raise ValueError(family)
     model = cls(cfg).eval()

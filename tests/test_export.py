@@ -49,7 +49,7 @@ def converted_dir(save_tiny, tmp_path, family, plan="S2A2E8", trained=True):
     return moe, out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma3_text"])
 def test_carved_model_exports_with_remote_code(save_tiny, tmp_path, family):
     moe, src = converted_dir(save_tiny, tmp_path, family)
     text = write_random_text(tmp_path / "text.txt", 2000)
@@ -67,7 +67,8 @@ def test_carved_model_exports_with_remote_code(save_tiny, tmp_path, family):
     assert tok("w1 w2")["input_ids"][-2:] == [3, 4]
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2", "qwen3_moe_norm", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2", "qwen3_moe_norm", "mixtral",
+                                    "mistral", "gemma3_text", "olmoe", "qwen2_moe"])
 def test_dense_and_sparse_families_export_to_their_own_architecture(save_tiny, tmp_path, family):
     _, path = save_tiny(family)
     ours = np.asarray(load_model(str(path), progress=False).model(TOKENS))

@@ -33,7 +33,8 @@ def _hf_greedy(hf, prompts, new_tokens):
     return out[:, width:].tolist()
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3", "llama_tied"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3", "llama_tied", "mistral",
+                                    "gemma3_text", "olmoe", "qwen2_moe"])
 def test_greedy_equals_transformers_generate(family, tmp_path):
     hf = tiny_hf_model(family)
     hf.save_pretrained(tmp_path)

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 
 from cmoe_jax.loading import load_model
 
-DENSE = ["llama", "llama3", "llama_tied", "qwen2", "qwen3"]
-SPARSE = ["qwen3_moe", "qwen3_moe_norm", "mixtral"]
+DENSE = ["llama", "llama3", "llama_tied", "qwen2", "qwen3", "mistral", "gemma3_text"]
+SPARSE = ["qwen3_moe", "qwen3_moe_norm", "mixtral", "olmoe", "qwen2_moe"]
 
 
 def _compare(hf_model, path, seq_len=40, batch=3, tol=1e-4):

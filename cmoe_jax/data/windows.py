@@ -21,15 +21,23 @@ def _check_seqlen(seqlen: int) -> None:
 
 
 def text_windows(tokens, seqlen: int, max_windows: int | None = None,
-                 name: str = "the dataset") -> np.ndarray:
+                 name: str = "the dataset", bos: int | None = None) -> np.ndarray:
     """Non-overlapping int32 [N, seqlen] windows from the start of the stream (remainder dropped).
 
-    N = len(tokens) // seqlen, capped at `max_windows` (the first windows are kept).
+    N = len(tokens) // seqlen, capped at `max_windows` (the first windows are kept). With
+    `bos` (a token id; families whose tokenizer adds BOS, as lm-eval's `add_bos_token`)
+    every window is that token followed by the next seqlen - 1 tokens of the stream, so each
+    window is read as a fresh document (Gemma needs BOS; without it its NLL is far worse).
     """
     tokens = _as_tokens(tokens)
     _check_seqlen(seqlen)
     if max_windows is not None and max_windows < 1:
         raise DataError(f"max_windows must be at least 1, got {max_windows}")
+    if bos is not None:
+        body = text_windows(tokens, seqlen - 1, max_windows, name) if seqlen > 2 else None
+        if body is None:
+            raise DataError(f"seqlen must be at least 3 with a BOS token per window, got {seqlen}")
+        return np.concatenate([np.full((len(body), 1), bos, np.int32), body], axis=1)
     n = len(tokens) // seqlen
     if n == 0:
         raise DataError(f"{name} has {len(tokens)} tokens, fewer than one window of {seqlen}: "
@@ -40,12 +48,13 @@ def text_windows(tokens, seqlen: int, max_windows: int | None = None,
 
 
 def eval_windows(tokens, dataset: str, seqlen: int, max_windows: int | None = None,
-                 name: str | None = None) -> np.ndarray:
-    """The GPTQ evaluation windows of a dataset: all of WikiText-2's, the first 256 of C4's."""
+                 name: str | None = None, bos: int | None = None) -> np.ndarray:
+    """The GPTQ evaluation windows of a dataset: all of WikiText-2's, the first 256 of C4's
+    (`bos`: a BOS token opening every window, see `text_windows`)."""
     cap = max_windows
     if dataset == "c4":
         cap = C4_WINDOWS if max_windows is None else min(max_windows, C4_WINDOWS)
-    return text_windows(tokens, seqlen, cap, name=name or dataset)
+    return text_windows(tokens, seqlen, cap, name=name or dataset, bos=bos)
 
 
 def calibration_windows(tokens, n_samples: int, seqlen: int, seed: int,

@@ -22,6 +22,7 @@ from cmoe_jax.errors import CmoeError
 from cmoe_jax.eval.perplexity import perplexity
 from cmoe_jax.eval.tasks import TASKS, evaluate_task, get_task, load_documents
 from cmoe_jax.jobs import JobModel
+from cmoe_jax.loading import window_bos
 
 PERPLEXITY_ONLY = ("dataset", "split", "source", "seqlen", "max_windows")
 EXAMPLE = ("{prog} --model smollm2 --data-path wikitext-2/wiki.test.raw --max-windows 40 --out ppl.json\n"
@@ -84,7 +85,8 @@ def run(args) -> dict:
     tokens = load_text_tokens(args.dataset, tokenizer, split=split, data_path=args.data_path,
                               source=args.source)
     windows = eval_windows(tokens, args.dataset, args.seqlen, args.max_windows,
-                           name=f"{args.dataset} ({args.data_path or split})")
+                           name=f"{args.dataset} ({args.data_path or split})",
+                           bos=window_bos(cfg.model_type, tokenizer))
     lm = source.load(dtype=getattr(jnp, args.dtype), progress=not args.no_progress)
     result = perplexity(lm.model, windows, batch_size=args.batch_size, progress=not args.no_progress)
     return {"model": args.model, "dataset": args.dataset, "split": split, "data_path": args.data_path,
@@ -111,7 +113,9 @@ def run_task(args) -> dict:
     source = _checked_source(args)
     tokenizer = source.tokenizer
     lm = source.load(dtype=getattr(jnp, args.dtype), progress=not args.no_progress)
-    result = evaluate_task(lm.model, tokenizer.encode, task, docs, batch_size=args.batch_size or 32,
+    bos = window_bos(lm.config.model_type, tokenizer)  # lm-eval's add_bos_token, per family
+    encode = tokenizer.encode if bos is None else (lambda text: [bos, *tokenizer.encode(text)])
+    result = evaluate_task(lm.model, encode, task, docs, batch_size=args.batch_size or 32,
                            progress=not args.no_progress)
     return {"model": args.model, "data_path": args.data_path, "limit": args.limit, "dtype": args.dtype,
             "platform": jax.devices()[0].platform, **result}

@@ -12,12 +12,10 @@ import dataclasses
 
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import ModelConfig
+from cmoe_jax.models.families import FAMILIES, family
+from cmoe_jax.moe.activations import to_hf_name
 
 REMOTE_CODE = "modeling_cmoe.py"
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "mixtral": "MixtralForCausalLM"}
-_REMOTE = {"llama": "CmoeLlama", "qwen2": "CmoeQwen2", "qwen3": "CmoeQwen3"}
 
 
 class ExportError(CmoeError):
@@ -36,17 +34,9 @@ def _rope(cfg: ModelConfig) -> dict:
 
 
 def keeps_original_architecture(cfg: ModelConfig) -> bool:
-    """Dense, or the unchanged MoE layers of a Qwen3-MoE / Mixtral checkpoint."""
+    """Dense, or the unchanged MoE layers of a sparse family (its unit's `own_moe`)."""
     specs = [s for s in cfg.moe_layers if s is not None]
-    if not specs:
-        return True
-    if cfg.model_type == "mixtral":
-        return all(s.router == "linear" and s.shared_width == 0 and s.norm_topk_prob
-                   and s.expert_width == cfg.intermediate_size for s in specs)
-    if cfg.model_type == "qwen3_moe":
-        return len({(s.num_experts, s.top_k, s.expert_width, s.norm_topk_prob) for s in specs}) == 1 \
-            and all(s.router == "linear" and s.shared_width == 0 for s in specs)
-    return False
+    return not specs or family(cfg.model_type).own_moe(cfg, specs)
 
 
 # FFNSpec fields the remote code's MoEMLP understands; any other field must keep its default
@@ -74,28 +64,21 @@ def hf_config(cfg: ModelConfig) -> dict:
            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-           "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+           "hidden_act": to_hf_name(cfg.activation), "rms_norm_eps": cfg.rms_norm_eps,
            "max_position_embeddings": cfg.max_position_embeddings,
            "tie_word_embeddings": cfg.tie_word_embeddings, "rope_parameters": _rope(cfg),
            "torch_dtype": "float32", "dtype": "float32"}
-    if cfg.model_type == "llama":
-        out["attention_bias"] = cfg.attention_bias
-    specs = [s for s in cfg.moe_layers if s is not None]
+    unit = family(cfg.model_type)
+    out.update(unit.export(cfg))
+    out = {k: v for k, v in out.items() if k not in unit.export_drops}
     if keeps_original_architecture(cfg):
-        if cfg.model_type == "qwen3_moe":
-            s = specs[0]
-            out.update(num_experts=s.num_experts, num_experts_per_tok=s.top_k,
-                       moe_intermediate_size=s.expert_width, norm_topk_prob=s.norm_topk_prob,
-                       decoder_sparse_step=1,
-                       mlp_only_layers=[i for i, x in enumerate(cfg.moe_layers) if x is None])
-        elif cfg.model_type == "mixtral":
-            out.update(num_local_experts=specs[0].num_experts, num_experts_per_tok=specs[0].top_k)
-        out["architectures"] = [_ARCHITECTURES[cfg.model_type]]
+        out["architectures"] = [unit.architecture]
         return out
-    if cfg.model_type not in _REMOTE:
+    if unit.remote is None:
+        remote = [f.model_type for f in FAMILIES.values() if f.remote]
         raise ExportError(f"a carved {cfg.model_type} model has no transformers form yet "
-                          f"(remote code covers carved {', '.join(_REMOTE)} models)")
-    name = _REMOTE[cfg.model_type]
+                          f"(remote code covers carved {', '.join(remote)} models)")
+    name = unit.remote
     out.update(model_type=f"cmoe_{cfg.model_type}", architectures=[f"{name}ForCausalLM"],
                moe_layers=[_moe_layer(s) for s in cfg.moe_layers],
                auto_map={"AutoConfig": f"modeling_cmoe.{name}Config",

@@ -11,16 +11,9 @@ import numpy as np
 
 from cmoe_jax.export.hf_config import ExportError, keeps_original_architecture
 from cmoe_jax.models import ModelConfig
-
-_ATTN = {"q_proj": "q_proj.weight", "k_proj": "k_proj.weight", "v_proj": "v_proj.weight",
-         "o_proj": "o_proj.weight", "q_bias": "q_proj.bias", "k_bias": "k_proj.bias",
-         "v_bias": "v_proj.bias"}
-_NORMS = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
-_DENSE_MLP = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-_EXPERTS = {"qwen3_moe": ("mlp", {"expert_gate": "gate_proj", "expert_up": "up_proj",
-                                  "expert_down": "down_proj"}),
-            "mixtral": ("block_sparse_moe", {"expert_gate": "w1", "expert_up": "w3",
-                                             "expert_down": "w2"})}
+from cmoe_jax.models.families import family
+from cmoe_jax.models.families.base import ATTENTION as _ATTN, DENSE_MLP as _DENSE_MLP
+from cmoe_jax.models.families.base import SHARED_EXPERT as _SHARED_EXPERT
 
 
 def _t(a: np.ndarray) -> np.ndarray:
@@ -35,8 +28,8 @@ def hf_tensors(cfg: ModelConfig, path: tuple, value: np.ndarray) -> Iterator[tup
         yield "lm_head.weight", _t(value)
     elif path == ("norm", "weight"):
         yield "model.norm.weight", value
-    elif path[0] == "layers" and path[2] in _NORMS:
-        yield f"model.layers.{path[1]}.{_NORMS[path[2]]}.weight", value
+    elif path[0] == "layers" and path[2] in family(cfg.model_type).norms:
+        yield f"model.layers.{path[1]}.{family(cfg.model_type).norms[path[2]]}.weight", value
     elif path[0] == "layers" and path[2] == "attn":
         base = f"model.layers.{path[1]}.self_attn"
         if path[3] in ("q_norm", "k_norm"):
@@ -55,10 +48,12 @@ def _mlp_tensors(cfg: ModelConfig, layer: int, leaf: str, value: np.ndarray):
         yield f"{base}.mlp.{_DENSE_MLP[leaf]}.weight", _t(value)
     elif not keeps_original_architecture(cfg):
         yield f"{base}.mlp.{leaf}", value  # the remote code's MoEMLP, cmoe_jax layout
+    elif leaf in _SHARED_EXPERT:
+        yield f"{base}.mlp.{_SHARED_EXPERT[leaf]}.weight", _t(value)
     elif leaf == "router_kernel":
-        yield f"{base}.{_EXPERTS[cfg.model_type][0]}.gate.weight", _t(value)
-    elif leaf in _EXPERTS.get(cfg.model_type, ("", {}))[1]:
-        prefix, names = _EXPERTS[cfg.model_type]
+        yield f"{base}.{family(cfg.model_type).moe_prefix}.gate.weight", _t(value)
+    elif leaf in family(cfg.model_type).experts:
+        prefix, names = family(cfg.model_type).moe_prefix, family(cfg.model_type).experts
         for e in range(value.shape[0]):
             yield f"{base}.{prefix}.experts.{e}.{names[leaf]}.weight", _t(value[e])
     else:

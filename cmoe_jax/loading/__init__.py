@@ -2,8 +2,8 @@
 from cmoe_jax.loading.load import (LoadedModel, load_config, load_converted, load_model, load_weights,
                                    open_model)
 from cmoe_jax.loading.sources import open_source
-from cmoe_jax.loading.tokenizer import Tokenizer, load_tokenizer
+from cmoe_jax.loading.tokenizer import Tokenizer, load_tokenizer, window_bos
 from cmoe_jax.loading.zoo import DEFAULT_MODEL, resolve, smollm2_gguf
 
 __all__ = ["LoadedModel", "load_config", "load_converted", "load_model", "load_weights", "open_model",
-           "open_source", "Tokenizer", "load_tokenizer", "DEFAULT_MODEL", "resolve", "smollm2_gguf"]
+           "open_source", "Tokenizer", "load_tokenizer", "window_bos", "DEFAULT_MODEL", "resolve", "smollm2_gguf"]

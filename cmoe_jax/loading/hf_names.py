@@ -9,11 +9,9 @@ import numpy as np
 
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.loading.sources import TensorSource
-
-_ATTN = {"q_proj": "q_proj.weight", "k_proj": "k_proj.weight", "v_proj": "v_proj.weight",
-         "o_proj": "o_proj.weight", "q_bias": "q_proj.bias", "k_bias": "k_proj.bias",
-         "v_bias": "v_proj.bias"}
-_DENSE_MLP = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+from cmoe_jax.models.families import family
+from cmoe_jax.models.families.base import ATTENTION as _ATTN, DENSE_MLP as _DENSE_MLP
+from cmoe_jax.models.families.base import SHARED_EXPERT as _SHARED_EXPERT
 # Per-expert tensor names: Qwen3-MoE style, then Mixtral's w1/w3/w2.
 _EXPERT_NAMES = {"expert_gate": ("gate_proj", "w1"), "expert_up": ("up_proj", "w3"),
                  "expert_down": ("down_proj", "w2")}
@@ -55,8 +53,9 @@ def _experts(source: TensorSource, layer: int, kind: str, num_experts: int) -> n
     return np.stack(stacked)
 
 
-def fetch(source: TensorSource, path: tuple, tie_word_embeddings: bool) -> tuple[str, np.ndarray]:
-    """(checkpoint name, array in JAX layout) for one Decoder parameter path."""
+def fetch(source: TensorSource, path: tuple, model_type: str) -> tuple[str, np.ndarray]:
+    """(checkpoint name, array in JAX layout) for one Decoder parameter path of a
+    `model_type` checkpoint (its family unit names the norms)."""
     if path == ("embed",):
         name = "model.embed_tokens.weight"
         return name, _get(source, name)
@@ -70,11 +69,9 @@ def fetch(source: TensorSource, path: tuple, tie_word_embeddings: bool) -> tuple
         raise CheckpointError(f"no checkpoint tensor known for parameter {'/'.join(map(str, path))}")
     layer, module, leaf = path[1], path[2], path[3:]
     base = f"model.layers.{layer}"
-    if module == "input_norm":
-        name = f"{base}.input_layernorm.weight"
-        return name, _get(source, name)
-    if module == "post_attn_norm":
-        name = f"{base}.post_attention_layernorm.weight"
+    norms = family(model_type).norms
+    if module in norms:
+        name = f"{base}.{norms[module]}.weight"
         return name, _get(source, name)
     if module == "attn":
         if leaf[0] in ("q_norm", "k_norm"):
@@ -86,6 +83,9 @@ def fetch(source: TensorSource, path: tuple, tie_word_embeddings: bool) -> tuple
     if module == "mlp":
         if leaf[0] in _DENSE_MLP:
             name = f"{base}.mlp.{_DENSE_MLP[leaf[0]]}.weight"
+            return name, _get(source, name).T
+        if leaf[0] in _SHARED_EXPERT:  # Qwen2-MoE's shared expert and its sigmoid gate
+            name = f"{base}.mlp.{_SHARED_EXPERT[leaf[0]]}.weight"
             return name, _get(source, name).T
         if leaf[0] == "router_kernel":
             candidates = [f"{base}.{pre}.gate.weight" for pre in _MOE_PREFIXES]

@@ -79,7 +79,7 @@ def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected
         name = f"model.layers.{path[1]}.mlp.experts.*.{path[3]}"
         arr = hf_names.fetch_experts(source, path, expected[0])
     else:
-        name, arr = hf_names.fetch(source, path, cfg.tie_word_embeddings)
+        name, arr = hf_names.fetch(source, path, cfg.model_type)
     if tuple(arr.shape) != tuple(expected):
         held, implied = _as_in_file(source, name, arr.shape, expected)
         raise CheckpointError(f"tensor {name!r} has shape {held} in the file but the config "

@@ -19,6 +19,7 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 
 from cmoe_jax.errors import CheckpointError, UnsupportedModelError, require
+from cmoe_jax.models.families import by_gguf_arch
 
 
 class TensorSource(abc.ABC):
@@ -141,24 +142,17 @@ class TorchBinSource(_InMemoryIndex):
         return t.numpy()
 
 
-# GGUF tensor names -> transformers names (llama.cpp's convention for llama-like archs).
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                       "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 class GGUFSource(_InMemoryIndex):
     """A GGUF file, dequantised with the `gguf` package and renamed to `transformers` names.
 
-    llama.cpp permutes the rows of Q and K for its interleaved RoPE on llama models; the
-    permutation is undone here so the weights match the Hugging Face rotate-half RoPE.
+    The family unit (`cmoe_jax.models.families`) of the file's architecture names its
+    tensors and says what llama.cpp changed: the rows of Q and K permuted for its interleaved
+    RoPE (llama; undone here so the weights match the rotate-half RoPE), norm weights stored
+    shifted (Gemma's `1 + w`; shifted back).
     """
 
     def __init__(self, path: Path):
@@ -168,9 +162,7 @@ class GGUFSource(_InMemoryIndex):
             raise CheckpointError(f"{path} is not a readable GGUF file ({e})") from e
         self.path = Path(path)
         self.arch = self.field("general.architecture")
-        if self.arch not in GGUF_ARCHS:
-            raise UnsupportedModelError(f"unsupported GGUF architecture {self.arch!r}: cmoe_jax "
-                                        f"reads GGUF files of {', '.join(GGUF_ARCHS)}")
+        self.family = by_gguf_arch(self.arch)
         self._tensors = {}
         self._rope_freqs = None
         for t in self.reader.tensors:
@@ -192,20 +184,19 @@ class GGUFSource(_InMemoryIndex):
         f = self.reader.fields.get(key)
         return default if f is None else f.contents()
 
-    @staticmethod
-    def _hf_name(name: str) -> str | None:
+    def _hf_name(self, name: str) -> str | None:
         if name in _GGUF_GLOBAL_NAMES:
             return _GGUF_GLOBAL_NAMES[name]
-        parts = name.split(".")
-        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
-            return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+        parts, layer_names = name.split("."), self.family.gguf_layer
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+            return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
         return None
 
     def hf_config(self) -> dict:
         a = self.arch
         heads = self.field(f"{a}.attention.head_count")
         cfg = {
-            "model_type": GGUF_ARCHS[a],
+            "model_type": self.family.model_type,
             "vocab_size": self.field(f"{a}.vocab_size") or len(self.field("tokenizer.ggml.tokens")),
             "hidden_size": self.field(f"{a}.embedding_length"),
             "intermediate_size": self.field(f"{a}.feed_forward_length"),
@@ -223,6 +214,7 @@ class GGUFSource(_InMemoryIndex):
         scaling = self.rope_scaling()
         if scaling:
             cfg["rope_scaling"] = scaling
+        cfg.update(self.family.gguf_config(self.field))
         return cfg
 
     def rope_scaling(self) -> dict | None:
@@ -250,7 +242,9 @@ class GGUFSource(_InMemoryIndex):
         t = self._tensors[name]
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = w.reshape(tuple(int(s) for s in reversed(t.shape)))
-        if self.arch == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+        if self.family.gguf_norm_shift and name.endswith("norm.weight"):
+            w = w - np.float32(self.family.gguf_norm_shift)
+        if self.family.gguf_permute_qk and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             a = self.arch
             n_head = self.field(f"{a}.attention.head_count")
             if name.endswith("k_proj.weight"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cmoe_jax.errors import CheckpointError
+from cmoe_jax.models.families import family
 
 
 class Tokenizer:
@@ -25,6 +26,17 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         return self.hf.decode(ids)
+
+
+def window_bos(model_type: str, tokenizer: Tokenizer | None) -> int | None:
+    """The BOS id that opens every evaluation window of a `model_type` model, or None.
+
+    Per family, as lm-eval's `add_bos_token` (on for Gemma, off for the others): a family
+    whose unit sets `bos_per_window` reads each window as a document of its own, which is
+    what it was trained on; SmolLM2, Llama and Qwen windows stay plain text."""
+    if tokenizer is None or not family(model_type).bos_per_window:
+        return None
+    return tokenizer.hf.bos_token_id
 
 
 def gguf_tokenizer_metadata(reader) -> tuple[str, dict, dict]:

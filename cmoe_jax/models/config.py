@@ -1,7 +1,9 @@
 """Plain model configuration shared by every decoder family.
 
-One frozen dataclass covers Llama 1/2/3, Qwen2/2.5, Qwen3, Qwen3-MoE and Mixtral: the
-families differ only in a few switches (q/k/v biases, q/k RMSNorm, sparse FFN layers).
+One frozen dataclass covers every family in `cmoe_jax.models.families`: the families differ
+only in switches (q/k/v biases, q/k RMSNorm, the GLU activation, sliding-window layers,
+per-layer RoPE bases, the norm layout, the embedding scale, sparse FFN layers), which each
+family's unit reads from its Hugging Face config.
 """
 from __future__ import annotations
 
@@ -12,43 +14,10 @@ from typing import Any, Mapping
 import numpy as np
 
 from cmoe_jax.errors import UnsupportedModelError
+from cmoe_jax.models.families import FAMILIES, family
+from cmoe_jax.models.ffn_spec import FFNSpec
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-
-
-@dataclasses.dataclass(frozen=True)
-class FFNSpec:
-    """Shape of one MoE FFN layer (sparse checkpoints and converted models).
-
-    `router` is "linear" for Qwen3-MoE/Mixtral/ExpertWeaver, "cmoe" for the analytical
-    router of a carved model. `shared_width` is the width of the fused always-on MLP.
-    `router_neurons` is how many representative neurons score each expert (cmoe router).
-    `num_prototypes` > 0 (ConMoE, `cmoe_jax.compress`): the layer stores that many prototype
-    experts and an int32 slot -> prototype map (-1: slot pruned); `prototype_owner` >= 0
-    names the layer whose prototype table this layer shares (a cross-layer scope);
-    `duplicate_gates` is how a token's gates on slots sharing a prototype combine
-    (`cmoe_jax.moe.prototypes`: "sum", the paper's, "max" or "renorm").
-    """
-
-    num_experts: int
-    top_k: int
-    expert_width: int
-    shared_width: int = 0
-    router: str = "linear"
-    norm_topk_prob: bool = False
-    router_neurons: int = 1
-    # Hierarchical CMoE (`cmoe_jax.moe.hierarchical`): with sub_experts N' > 0 each of the
-    # num_experts experts is split into N' sub-experts of width expert_width (N'_s =
-    # sub_shared always on with their expert, sub_top_k of the rest chosen by its sub-router
-    # of sub_router_neurons neurons per sub-expert). 0: a plain MoE layer.
-    sub_experts: int = 0
-    sub_shared: int = 0
-    sub_top_k: int = 0
-    sub_router_neurons: int = 1
-    num_prototypes: int = 0
-    prototype_owner: int = -1
-    duplicate_gates: str = "sum"
-
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -69,9 +38,31 @@ class ModelConfig:
     qk_norm: bool = False
     # Per-layer MoE FFNs; None entries are dense SwiGLU layers. Empty means all dense.
     moe_layers: tuple[FFNSpec | None, ...] = ()
+    activation: str = "silu"  # the GLU activation (`cmoe_jax.moe.activations`)
+    # tokens a sliding-window layer sees, itself included (0: none); `layer_types` names
+    # each layer "sliding_attention" or "full_attention" (empty: all sliding when
+    # sliding_window is set, else all full)
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float = 0.0  # RoPE base of the sliding layers (0: rope_theta, scaled alike)
+    embed_scale: float = 1.0  # the token embedding is multiplied by this (Gemma: sqrt(d))
+    norm_offset: float = 0.0  # RMSNorm weights apply as offset + w (Gemma: 1)
+    sandwich_norms: bool = False  # norms after attention and after the FFN too (Gemma)
+    query_scale: float = 0.0  # attention score scale (0: head_dim ** -0.5)
+    qk_norm_scope: str = "head"  # q/k RMSNorm per head, or over "all" heads at once (OLMoE)
 
     def ffn_spec(self, layer: int) -> FFNSpec | None:
         return self.moe_layers[layer] if self.moe_layers else None
+
+    def window(self, layer: int) -> int:
+        """Tokens layer `layer` attends over, itself included (0: all before it)."""
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return self.sliding_window
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` uses the sliding layers' own RoPE base."""
+        return bool(self.rope_local_theta) and self.window(layer) > 0
 
     def with_moe_layers(self, specs) -> "ModelConfig":
         specs = tuple(specs)
@@ -92,6 +83,7 @@ class ModelConfig:
         rs = d.get("rope_scaling")
         d["rope_scaling"] = _frozen_items(rs) if rs else None
         d["moe_layers"] = tuple(FFNSpec(**s) if s else None for s in d.get("moe_layers", ()))
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         return cls(**d)
 
     # ---- Hugging Face configs -------------------------------------------------------------
@@ -101,10 +93,7 @@ class ModelConfig:
         get = (lambda k, default=None: hf.get(k, default)) if isinstance(hf, Mapping) else (
             lambda k, default=None: getattr(hf, k, default))
         model_type = get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported model_type {model_type!r}: cmoe_jax supports "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        unit = family(model_type)
         num_heads = get("num_attention_heads")
         hidden = get("hidden_size")
         head_dim = get("head_dim") or hidden // num_heads
@@ -116,41 +105,25 @@ class ModelConfig:
             scaling["rope_type"] = scaling.pop("type")
         if scaling.get("rope_type", "default") == "default":
             scaling = None
-        num_layers = get("num_hidden_layers")
-        moe_layers: tuple = ()
-        if model_type in ("qwen3_moe", "mixtral"):
-            num_experts = get("num_local_experts") or get("num_experts")
-            top_k = get("num_experts_per_tok")
-            if model_type == "mixtral":
-                spec = FFNSpec(num_experts, top_k, get("intermediate_size"), 0, "linear", True)
-                moe_layers = (spec,) * num_layers
-            else:
-                spec = FFNSpec(num_experts, top_k, get("moe_intermediate_size"), 0, "linear",
-                               bool(get("norm_topk_prob", False)))
-                step = get("decoder_sparse_step", 1) or 1
-                dense_only = set(get("mlp_only_layers", []) or [])
-                moe_layers = tuple(
-                    spec if (i not in dense_only and num_experts > 0 and (i + 1) % step == 0)
-                    else None for i in range(num_layers))
-        cfg = cls(
+        fields = dict(
             model_type=model_type,
             vocab_size=get("vocab_size"),
             hidden_size=hidden,
             intermediate_size=get("intermediate_size"),
-            num_layers=num_layers,
+            num_layers=get("num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            rope_scaling=_frozen_items(scaling) if scaling else None,
+            rope_scaling=scaling,
             max_position_embeddings=int(get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            # Qwen2 always carries q/k/v biases; Llama/Qwen3 only when attention_bias says so.
-            attention_bias=model_type == "qwen2" or bool(get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            moe_layers=moe_layers,
         )
+        fields.update(unit.parse(get))
+        if fields["rope_scaling"]:
+            fields["rope_scaling"] = _frozen_items(fields["rope_scaling"])
+        cfg = cls(**fields)
         if cfg.num_heads % cfg.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads={cfg.num_heads} is not a multiple of "
@@ -163,13 +136,15 @@ def _frozen_items(d: Mapping) -> tuple:
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies, with Llama-3 / linear scaling as `transformers` computes them."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse RoPE frequencies, with Llama-3 / linear scaling as `transformers` computes them;
+    `local`: the sliding layers' own base (`rope_local_theta`, never scaled)."""
     dim = cfg.head_dim
     # float32 throughout, as transformers computes it, so long positions match bit-closely.
     exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-    inv_freq = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponent)).astype(np.float32)
-    if not cfg.rope_scaling:
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+    if local or not cfg.rope_scaling:
         return inv_freq.astype(np.float32)
     s = dict(cfg.rope_scaling)
     kind = s.get("rope_type")

@@ -1,4 +1,4 @@
-"""The decoder shared by every supported family (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral).
+"""The decoder shared by every supported family (`cmoe_jax.models.families`).
 
 Each layer exposes its two halves (`attention_block`, `ffn_input`, `ffn`) so profiling can
 run a model layer by layer and feed a converted layer's output to the next one.
@@ -14,6 +14,7 @@ from flax import nnx, traverse_util
 from cmoe_jax.models.config import ModelConfig
 from cmoe_jax.models.ffn import make_ffn
 from cmoe_jax.models.kv_cache import KVCache
+from cmoe_jax.models.nll import chunked_nll
 from cmoe_jax.models.layers import Attention, RMSNorm, SwiGLU, _param, rope_tables
 from cmoe_jax.models.stack import STACKED, LayerStack, layered_state, stackable
 from cmoe_jax.moe.prototypes import tie_prototype_tables
@@ -40,18 +41,33 @@ class LayerOutput(NamedTuple):
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm layer; with `sandwich_norms` (Gemma) the attention and FFN outputs are
+    normed too before their residual adds (`attn_out_norm`, `ffn_out_norm`). `rope` is the
+    decoder's tuple of RoPE tables, (global,) or (global, local); the layer picks its own."""
+
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
+        self.input_norm = norm()
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs, window=cfg.window(layer))
+        self.post_attn_norm = norm()
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.attn_out_norm, self.ffn_out_norm = norm(), norm()
+        self.rope_index = int(cfg.local_rope(layer))
         self.mlp = make_ffn(cfg, cfg.ffn_spec(layer), dtype=dtype, rngs=rngs)
+
+    def _attend(self, h, rope, key=None, segments=None, cache=None):
+        out = self.attn(self.input_norm(h), *rope[self.rope_index], key=key, segments=segments,
+                        cache=cache)
+        a, kv = out if cache is not None else (out, None)
+        return h + (self.attn_out_norm(a) if self.sandwich else a), kv
 
     def attention_block(self, h: jax.Array, rope, key=None, segments=None) -> jax.Array:
         """Residual stream after attention (before the FFN)."""
-        return h + self.attn(self.input_norm(h), *rope, key=key, segments=segments)
+        return self._attend(h, rope, key, segments)[0]
 
     def ffn_input(self, h: jax.Array) -> jax.Array:
-        """What the FFN sees: the post-attention RMSNorm of the residual stream."""
+        """What the FFN sees: the RMSNorm of the residual stream after attention."""
         return self.post_attn_norm(h)
 
     def __call__(self, h: jax.Array, rope, key=None, segments=None, cache=None) -> LayerOutput:
@@ -60,17 +76,13 @@ class DecoderLayer(nnx.Module):
 
         `key` drives the LoRA adapters' dropout (None: none); `segments`: prefix-shared
         packing, see `causal_attention`; `cache`: a `LayerCache` (incremental decoding)."""
-        kv = None
-        if cache is None:
-            h = self.attention_block(h, rope, key, segments)
-        else:
-            a, kv = self.attn(self.input_norm(h), *rope, key=key, cache=cache)
-            h = h + a
+        h, kv = self._attend(h, rope, key, segments, cache)
         x = self.ffn_input(h)
         if isinstance(self.mlp, SwiGLU):
-            return LayerOutput(h + self.mlp(x, key), x, None, kv)
-        y, load = self.mlp(x, return_load=True, key=key)
-        return LayerOutput(h + y, x, load, kv)
+            y, load = self.mlp(x, key), None
+        else:
+            y, load = self.mlp(x, return_load=True, key=key)
+        return LayerOutput(h + (self.ffn_out_norm(y) if self.sandwich else y), x, load, kv)
 
 
 class Decoder(nnx.Module):
@@ -91,7 +103,7 @@ class Decoder(nnx.Module):
         if any(s is not None and s.prototype_owner >= 0 for s in cfg.moe_layers):
             tie_prototype_tables(layers, cfg.moe_layers)
         self.layers = self._store(layers) if stack else nnx.List(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
@@ -168,11 +180,19 @@ class Decoder(nnx.Module):
         self.layers[i] = layer
 
     def rope(self, seq_len: int, positions: jax.Array | None = None):
-        """cos/sin tables for positions 0..seq_len-1, or for explicit `positions` [B, T]."""
-        return rope_tables(self.config, jnp.arange(seq_len) if positions is None else positions)
+        """The RoPE tables ((cos, sin),) for positions 0..seq_len-1, or for explicit
+        `positions` [B, T]; with a second base for the sliding layers (Gemma 3) a second
+        pair, ((cos, sin), (cos_local, sin_local))."""
+        cfg = self.config
+        pos = jnp.arange(seq_len) if positions is None else positions
+        kinds = (False, True) if cfg.rope_local_theta else (False,)
+        return tuple(rope_tables(cfg, pos, local) for local in kinds)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embed[...], tokens, axis=0)
+        """The token embeddings, times the family's scale (Gemma: sqrt(d), in the dtype)."""
+        h = jnp.take(self.embed[...], tokens, axis=0)
+        scale = self.config.embed_scale
+        return h if scale == 1.0 else h * jnp.asarray(scale, jnp.float32).astype(h.dtype)
 
     def unembed(self, h: jax.Array) -> jax.Array:
         """Final norm and LM head (tied to the embedding when the config says so)."""
@@ -258,29 +278,3 @@ class Decoder(nnx.Module):
         h, captured, _ = self.run_layers(tokens, capture=capture_ffn_inputs)
         logits = self.unembed(h)
         return (logits, captured) if capture_ffn_inputs else logits
-
-
-def chunked_nll(h: jax.Array, labels: jax.Array, head: jax.Array, chunk: int = 128,
-                remat: bool = False) -> jax.Array:
-    """Per-position NLL [B, T] of `labels` under logits `h @ head`, over chunks of positions.
-
-    Only one [B, chunk, vocab] logits tile lives at a time; `remat=True` recomputes it in the
-    backward pass too (training), instead of keeping every tile for the gradient.
-    """
-    b, t, d = h.shape
-    chunk = min(chunk, t)
-    pad = (-t) % chunk
-    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-    labels = jnp.pad(labels, ((0, 0), (0, pad)))
-    n = (t + pad) // chunk
-    hc = h.reshape(b, n, chunk, d).transpose(1, 0, 2, 3)
-    lc = labels.reshape(b, n, chunk).transpose(1, 0, 2)
-
-    def one(args):
-        hx, lx = args
-        logits = (hx @ head).astype(jnp.float32)
-        gold = jnp.take_along_axis(logits, lx[..., None], axis=-1)[..., 0]
-        return jax.nn.logsumexp(logits, axis=-1) - gold
-
-    nll = jax.lax.map(jax.checkpoint(one) if remat else one, (hc, lc))  # [n, b, chunk]
-    return nll.transpose(1, 0, 2).reshape(b, n * chunk)[:, :t]

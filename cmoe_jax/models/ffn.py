@@ -25,7 +25,8 @@ ZERO_START = frozenset({"u", "router_bias", "top_u", "top_bias"})
 def make_ffn(cfg: ModelConfig, spec: FFNSpec | None, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
     """The FFN of one decoder layer: dense SwiGLU (`spec` None), MoE, or hierarchical MoE."""
     if spec is None:
-        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
+                      activation=cfg.activation)
     if spec.sub_experts:  # hierarchical CMoE: experts carved into sub-experts
         return HierMoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts, spec.top_k,
                           sub_experts=spec.sub_experts, sub_shared=spec.sub_shared,
@@ -33,12 +34,14 @@ def make_ffn(cfg: ModelConfig, spec: FFNSpec | None, *, dtype, rngs: nnx.Rngs) -
                           shared_width=spec.shared_width, router=spec.router,
                           norm_topk_prob=spec.norm_topk_prob, router_neurons=spec.router_neurons,
                           dtype=dtype, param_dtype=dtype, num_prototypes=spec.num_prototypes,
-                          duplicate_gates=spec.duplicate_gates, rngs=rngs)
+                          duplicate_gates=spec.duplicate_gates, activation=cfg.activation,
+                          shared_gated=spec.shared_gated, rngs=rngs)
     return MoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts, spec.top_k,
                   shared_width=spec.shared_width, router=spec.router,
                   norm_topk_prob=spec.norm_topk_prob, router_neurons=spec.router_neurons,
                   dtype=dtype, param_dtype=dtype, num_prototypes=spec.num_prototypes,
-                  duplicate_gates=spec.duplicate_gates, rngs=rngs)
+                  duplicate_gates=spec.duplicate_gates, activation=cfg.activation,
+                  shared_gated=spec.shared_gated, rngs=rngs)
 
 
 def filled_ffn(cfg: ModelConfig, spec: FFNSpec | None, values: MutableMapping[str, np.ndarray],

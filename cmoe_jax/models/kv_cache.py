@@ -82,25 +82,29 @@ def prompt_positions(real: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(real.astype(jnp.int32), axis=1) - 1, 0)
 
 
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache, block: int = 128):
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache, block: int = 128,
+                     scale: float | None = None, window: int = 0):
     """GQA attention of the new queries `q [B, T, N, H]` (slots `slot..slot+T-1`) over the
     cache with the new keys/values `k/v [B, T, K, H]` written in: (output [B, T, N, H], the
     new (k, v)). A query sees the valid slots up to its own and always itself (so a pad
-    query has a finite softmax). Queries go in blocks of `block`, so a long prefill's score
+    query has a finite softmax); with `window` > 0 only the `window` latest slots (a
+    sliding-window layer: slots, pads included, as `transformers` counts cache positions).
+    `scale` multiplies the scores (None: H ** -0.5). Queries go in blocks of `block`, so a long prefill's score
     tiles stay `[block, S]`; scores and softmax in float32, as `causal_attention`."""
     b, t, n, h = q.shape
     kv = k.shape[2]
     keys = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), cache.slot, axis=1)
     values = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), cache.slot, axis=1)
     k_slot = jnp.arange(keys.shape[1])[None, :]
-    qg = q.reshape(b, t, kv, n // kv, h) * (h ** -0.5)
+    qg = q.reshape(b, t, kv, n // kv, h) * (h ** -0.5 if scale is None else scale)
     outs = []
     for start in range(0, t, block):
         end = min(t, start + block)
         scores = jnp.einsum("btkgh,bskh->bkgts", qg[:, start:end], keys.astype(q.dtype),
                             preferred_element_type=jnp.float32)
         q_slot = cache.slot + jnp.arange(start, end)[:, None]
-        seen = ((k_slot <= q_slot)[None] & cache.valid[:, None, :]) | (k_slot == q_slot)[None]
+        near = (k_slot <= q_slot) & ((k_slot > q_slot - window) if window else True)
+        seen = (near[None] & cache.valid[:, None, :]) | (k_slot == q_slot)[None]
         p = jax.nn.softmax(jnp.where(seen[:, None, None], scores, -jnp.inf), axis=-1)
         outs.append(jnp.einsum("bkgts,bskh->btkgh", p.astype(values.dtype), values,
                                preferred_element_type=jnp.float32))

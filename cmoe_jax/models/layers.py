@@ -1,4 +1,4 @@
-"""Building blocks of the decoders: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
+"""Building blocks of the decoders: RMSNorm, rotary embeddings, GQA attention, the GLU FFN.
 
 Weights are stored in JAX layout (in_features, out_features) so a projection is `x @ w`.
 """
@@ -12,6 +12,7 @@ from flax import nnx
 from cmoe_jax.lora import project
 from cmoe_jax.models.config import ModelConfig, rope_inv_freq
 from cmoe_jax.models.kv_cache import cached_attention
+from cmoe_jax.moe.activations import glu_activation
 
 _init = nnx.initializers.normal(0.02)
 
@@ -21,23 +22,29 @@ def _param(rngs: nnx.Rngs, shape, dtype) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm computed in float32 and cast back, as `transformers` does."""
+    """RMSNorm computed in float32 and cast back, as `transformers` does. With `offset`
+    (Gemma: 1) the weight is stored as the checkpoint holds it and applied as `offset + w`,
+    in float32 before the cast, as Gemma's norm does."""
 
     LOGICAL_AXES = {"weight": ("norm",)}
 
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, offset: float = 0.0):
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables [..., T, head_dim] for the given integer positions."""
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False
+                ) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [..., T, head_dim] for the given integer positions (`local`: the
+    sliding layers' own RoPE base)."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg, local))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
@@ -59,9 +66,11 @@ class Attention(nnx.Module):
                     "v_proj": ("embed", "kv_heads"), "o_proj": ("heads", "embed"),
                     "q_bias": ("heads",), "k_bias": ("kv_heads",), "v_bias": ("kv_heads",)}
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, window: int = 0):
+        """`window`: tokens a query sees, itself included (0: every earlier one)."""
         d, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = n, kv, h
+        self.window, self.scale = window, cfg.query_scale or h ** -0.5
         self.q_proj = _param(rngs, (d, n * h), dtype)
         self.k_proj = _param(rngs, (d, kv * h), dtype)
         self.v_proj = _param(rngs, (d, kv * h), dtype)
@@ -73,8 +82,10 @@ class Attention(nnx.Module):
             self.v_bias = nnx.Param(jnp.zeros((kv * h,), dtype))
         self.use_qk_norm = cfg.qk_norm
         if self.use_qk_norm:
-            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+            self.qk_norm_all = cfg.qk_norm_scope == "all"  # OLMoE: over the whole projection
+            q_dim, k_dim = (n * h, kv * h) if self.qk_norm_all else (h, h)
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
+            self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, key=None,
                  segments: jax.Array | None = None, cache=None):
@@ -88,23 +99,31 @@ class Attention(nnx.Module):
         v = project(self, "v_proj", x, self.v_proj[...], key)
         if self.use_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.use_qk_norm and self.qk_norm_all:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, t, self.num_heads, self.head_dim)
         k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
-        if self.use_qk_norm:
+        if self.use_qk_norm and not self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            out, new_kv = cached_attention(q, k, v, cache)
+            out, new_kv = cached_attention(q, k, v, cache, scale=self.scale, window=self.window)
             out = out.reshape(b, t, self.num_heads * self.head_dim)
             return project(self, "o_proj", out, self.o_proj[...], key), new_kv
-        out = causal_attention(q, k, v, segments=segments).reshape(b, t, self.num_heads * self.head_dim)
+        out = causal_attention(q, k, v, segments=segments, scale=self.scale,
+                               window=self.window).reshape(b, t, self.num_heads * self.head_dim)
         return project(self, "o_proj", out, self.o_proj[...], key)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 128,
-                     segments: jax.Array | None = None) -> jax.Array:
+                     segments: jax.Array | None = None, scale: float | None = None,
+                     window: int = 0) -> jax.Array:
     """Causal GQA attention, q [B, T, N, H], k/v [B, T, K, H] -> [B, T, N, H].
+
+    `scale` multiplies the scores (None: H ** -0.5); `window` > 0 lets a query see only the
+    `window` latest keys, itself included (sliding-window layers: key k visible from query
+    q when q - window < k <= q, as `transformers` masks them).
 
     `segments` (int [B, T], optional) packs several sequences that share a prefix into one
     row: segment 0 is the shared prefix, and a token of segment s > 0 sees the earlier
@@ -122,7 +141,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 128,
     """
     b, t, n, h = q.shape
     kv = k.shape[2]
-    qg = jnp.transpose(q.reshape(b, t, kv, n // kv, h), (0, 2, 3, 1, 4)) * (h ** -0.5)
+    scale = h ** -0.5 if scale is None else scale
+    qg = jnp.transpose(q.reshape(b, t, kv, n // kv, h), (0, 2, 3, 1, 4)) * scale
     kt, vt = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
     vt1 = jnp.concatenate([vt, jnp.ones(vt.shape[:-1] + (1,), vt.dtype)], axis=-1)
     outs = []
@@ -130,7 +150,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 128,
         end = min(t, start + block)
         scores = jnp.einsum("bkgth,bksh->bkgts", qg[:, :, :, start:end], kt[:, :, :end],
                             preferred_element_type=jnp.float32)
-        visible = np.arange(start, end)[:, None] >= np.arange(end)[None, :]
+        delta = np.arange(start, end)[:, None] - np.arange(end)[None, :]
+        visible = (delta >= 0) & ((delta < window) if window else True)
         scores = scores + np.where(visible, 0.0, -np.inf).astype(np.float32)
         if segments is not None:
             sq, sk = segments[:, start:end, None], segments[:, None, :end]
@@ -145,18 +166,22 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 128,
 
 
 class SwiGLU(nnx.Module):
-    """Dense FFN: down(silu(x @ gate) * (x @ up))."""
+    """Dense GLU FFN: down(act(x @ gate) * (x @ up)); act is SiLU (SwiGLU) unless the
+    family says otherwise (`activation`, a `cmoe_jax.moe.activations` name)."""
 
     LOGICAL_AXES = {"gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
 
-    def __init__(self, d_model: int, width: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, width: int, *, dtype, rngs: nnx.Rngs,
+                 activation: str = "silu"):
         self.gate = _param(rngs, (d_model, width), dtype)
         self.up = _param(rngs, (d_model, width), dtype)
         self.down = _param(rngs, (width, d_model), dtype)
+        self.activation = activation
 
     def hidden(self, x: jax.Array, key=None) -> jax.Array:
-        """The FFN hidden activations h = silu(x W_gate) * (x W_up) that CMoE profiles."""
-        return (jax.nn.silu(project(self, "gate", x, self.gate[...], key))
+        """The FFN hidden activations h = act(x W_gate) * (x W_up) that CMoE profiles."""
+        act = glu_activation(self.activation)
+        return (act(project(self, "gate", x, self.gate[...], key))
                 * project(self, "up", x, self.up[...], key))
 
     def __call__(self, x: jax.Array, key=None) -> jax.Array:

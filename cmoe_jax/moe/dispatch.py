@@ -13,6 +13,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from cmoe_jax.moe.activations import glu_activation
+
 
 class Dispatch(NamedTuple):
     order: jax.Array        # int32 [T*k]: sorted position -> flat (token, slot) index
@@ -31,7 +33,8 @@ def plan(expert_ids: jax.Array, num_experts: int) -> Dispatch:
 
 def routed_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
                    w_up: jax.Array, w_down: jax.Array, gmm: Callable,
-                   lora: Callable | None = None) -> tuple[jax.Array, jax.Array]:
+                   lora: Callable | None = None, activation: str = "silu"
+                   ) -> tuple[jax.Array, jax.Array]:
     """sum_k gates[t, k] * expert_{ids[t, k]}(x[t]) for `x [T, d]`; also the group sizes.
 
     `w_gate`, `w_up` are `[E, d, m]`, `w_down` `[E, m, d]`; `gmm(lhs, rhs, sizes)` is a grouped
@@ -44,19 +47,22 @@ def routed_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate
     """
     num_tokens, top_k = expert_ids.shape
     d = plan(expert_ids, w_gate.shape[0])
-    ys = expert_swiglu(x[d.order // top_k], d.group_sizes, w_gate, w_up, w_down, gmm, lora)
+    ys = expert_swiglu(x[d.order // top_k], d.group_sizes, w_gate, w_up, w_down, gmm, lora,
+                       activation)
     return combine(ys[d.inverse], gates), d.group_sizes
 
 
 def expert_swiglu(rows: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                  w_down: jax.Array, gmm: Callable, lora: Callable | None = None) -> jax.Array:
-    """Each expert's SwiGLU on its rows (`rows` sorted by expert, `group_sizes [E]`)."""
+                  w_down: jax.Array, gmm: Callable, lora: Callable | None = None,
+                  activation: str = "silu") -> jax.Array:
+    """Each expert's GLU (`activation`, a `cmoe_jax.moe.activations` name) on its rows
+    (`rows` sorted by expert, `group_sizes [E]`)."""
     def proj(name, inp, w):
         y = gmm(inp, w, group_sizes)
         delta = lora(name, inp, group_sizes) if lora is not None else None
         return y if delta is None else y + delta.astype(y.dtype)
 
-    h = jax.nn.silu(proj("gate", rows, w_gate)) * proj("up", rows, w_up)
+    h = glu_activation(activation)(proj("gate", rows, w_gate)) * proj("up", rows, w_up)
     return proj("down", h.astype(rows.dtype), w_down)
 
 

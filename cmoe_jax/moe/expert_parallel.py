@@ -107,7 +107,7 @@ def routed_experts_sharded(x: jax.Array, expert_ids: jax.Array, gates: jax.Array
 def routed_swiglu_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: tuple,
                           gmm: Callable, *, expert_axis: str | None = DEFAULT_EXPERT_AXIS,
                           adapters: dict | None = None, make_lora: Callable | None = None,
-                          expert_parallel: bool | None = None):
+                          expert_parallel: bool | None = None, activation: str = "silu"):
     """The routed SwiGLU experts `weights = (w_gate, w_up, w_down)`, expert-parallel when the
     mesh set with `jax.set_mesh` has `expert_axis` (size > 1), else the one-device dispatch
     (`expert_parallel`: that decision when the caller already made it, `cmoe_jax.moe.modes`).
@@ -122,10 +122,12 @@ def routed_swiglu_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
     if expert_parallel is None:
         expert_parallel = expert_parallel_active(expert_axis, weights[0])
     if not expert_parallel:
-        return routed_experts(x, expert_ids, gates, *weights, gmm, lora=lora_of(adapters))
+        return routed_experts(x, expert_ids, gates, *weights, gmm, lora=lora_of(adapters),
+                              activation=activation)
 
     def apply(rows, sizes, params):
-        return expert_swiglu(rows, sizes, *params[0], gmm, lora=lora_of(params[1]))
+        return expert_swiglu(rows, sizes, *params[0], gmm, lora=lora_of(params[1]),
+                             activation=activation)
 
     return routed_experts_sharded(x, expert_ids, gates, (weights, adapters or {}), apply,
                                   expert_axis=expert_axis)

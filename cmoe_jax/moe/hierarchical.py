@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.dispatch import plan
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, tokens_sharded
@@ -39,12 +40,14 @@ from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
 from cmoe_jax.moe.routers import cmoe_route, linear_route
 
 
-def sub_route(x, top_ids, top_w, sub_gate, sub_up, u, bias, sub_shared: int, sub_top_k: int, gmm):
+def sub_route(x, top_ids, top_w, sub_gate, sub_up, u, bias, sub_shared: int, sub_top_k: int, gmm,
+              activation: str = "silu"):
     """Flattened (sub-expert ids int32 [T, k*(N'_s+N'_k)], weights float32 [same]).
 
     `top_ids/top_w [T, k]`: the top-level choice; `sub_gate/sub_up [N, d, N'_r*r]`,
     `u/bias [N, N'_r]`. Sub-router scores s_ij = sum over its r neurons of
-    |silu(x G) * (x U)|, s' = softmax over j, chosen by top-N'_k of s' + b_i."""
+    |act(x G) * (x U)|, s' = softmax over j, chosen by top-N'_k of s' + b_i."""
+    act = glu_activation(activation)
     num_tokens, top_k = top_ids.shape
     n_top, _, cols = sub_gate.shape
     n_routed = u.shape[1]
@@ -52,11 +55,11 @@ def sub_route(x, top_ids, top_w, sub_gate, sub_up, u, bias, sub_shared: int, sub
     if dispatch_mode(top_ids.size, n_top, None) == "gather":  # read only the chosen sub-routers
         rows, flat = jnp.repeat(x.astype(jnp.float32), top_k, axis=0), top_ids.reshape(-1)
         mm = lambda w: jnp.einsum("rd,rdc->rc", rows, jnp.take(w, flat, axis=0).astype(jnp.float32))
-        h = jax.nn.silu(mm(sub_gate)) * mm(sub_up)
+        h = act(mm(sub_gate)) * mm(sub_up)
     else:
         d = plan(top_ids, n_top)
         rows = x[d.order // top_k].astype(jnp.float32)
-        h = (jax.nn.silu(gmm(rows, sub_gate.astype(jnp.float32), d.group_sizes))
+        h = (act(gmm(rows, sub_gate.astype(jnp.float32), d.group_sizes))
              * gmm(rows, sub_up.astype(jnp.float32), d.group_sizes))[d.inverse]
     scores = jnp.abs(h).reshape(num_tokens, top_k, n_routed, cols // n_routed).sum(-1)
     probs = jax.nn.softmax(scores, axis=-1)                          # s' [T, k, N'_r]
@@ -104,8 +107,8 @@ class HierMoEFFN(MoEFFN):
                  shared_width: int = 0, router: str = "linear", norm_topk_prob: bool = False,
                  router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32,
                  backend="auto", expert_axis: str | None = DEFAULT_EXPERT_AXIS,
-                 num_prototypes: int = 0, duplicate_gates: str = "sum", rngs: nnx.Rngs,
-                 kernel_init=None, sow_router: bool = False):
+                 num_prototypes: int = 0, duplicate_gates: str = "sum", activation: str = "silu",
+                 shared_gated: bool = False, rngs: nnx.Rngs, kernel_init=None, sow_router: bool = False):
         if router not in ("linear", "cmoe"):
             raise ValueError(f"hierarchical top-level router must be linear or cmoe, got {router!r}")
         n_routed = sub_experts - sub_shared
@@ -114,7 +117,8 @@ class HierMoEFFN(MoEFFN):
         super().__init__(d_model, expert_width, num_experts * sub_experts, top_k * (sub_shared + sub_top_k),
                          shared_width=shared_width, router="cmoe",
                          router_neurons=1, dtype=dtype, param_dtype=param_dtype, backend=backend,
-                         expert_axis=expert_axis, rngs=rngs, kernel_init=kernel_init,
+                         expert_axis=expert_axis, activation=activation,
+                         shared_gated=shared_gated, rngs=rngs, kernel_init=kernel_init,
                          sow_router=sow_router)
         # the base built a flat cmoe router over all sub-experts: replace it by the two levels
         del self.router_gate, self.router_up
@@ -164,7 +168,7 @@ class HierMoEFFN(MoEFFN):
         else:
             top_ids, top_w = self.top_route(x, top)
         return sub_route(x, top_ids, top_w, sub_gate, sub_up, u, bias, self.sub_shared,
-                         self.sub_top_k, get_gmm(self.backend))
+                         self.sub_top_k, get_gmm(self.backend), self.activation)
 
     def top_route(self, x, top=None, keep=None):
         """The unchanged top-level choice: expert ids int32 `[T, k]` and weights w `[T, k]`
@@ -172,7 +176,7 @@ class HierMoEFFN(MoEFFN):
         top = self._top_arrays() if top is None else top
         if self.router == "linear":
             return linear_route(x, *top, self.top_top_k, self.norm_topk_prob, keep=keep)
-        return cmoe_route(x, *top, self.top_top_k, keep=keep)
+        return cmoe_route(x, *top, self.top_top_k, keep=keep, activation=self.activation)
 
     def _top_arrays(self) -> tuple:
         if self.router == "linear":
@@ -193,7 +197,8 @@ class HierMoEFFN(MoEFFN):
         """The top-level router's logits `[T, N]` and chosen slots `[T, k]` (`ids`, the
         flattened sub-expert choice, is not what the top-level losses need)."""
         keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
-        logits = router_logits(self.router, x, self._top_arrays(), self.top_experts, keep)
+        logits = router_logits(self.router, x, self._top_arrays(), self.top_experts, keep,
+                               self.activation)
         if x.shape[0] == 0:
             return logits, jnp.zeros((0, self.top_top_k), jnp.int32)
         return logits, self.top_route(x, keep=keep)[0]

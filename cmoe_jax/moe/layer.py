@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cmoe_jax.lora import factors, grouped_delta, project
+from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_experts, tokens_sharded
 from cmoe_jax.moe.gmm import get_gmm, resolve_backend
@@ -97,15 +98,16 @@ class MoEFFN(nnx.Module):
         "expert_gate": ("expert", "embed", "mlp"), "expert_up": ("expert", "embed", "mlp"),
         "expert_down": ("expert", "mlp", "embed"), "router_kernel": ("embed", "router"),
         "router_gate": ("embed", "router"), "router_up": ("embed", "router"),
-        "u": ("router",), "router_bias": ("router",), "slot_map": ("router",)}
+        "u": ("router",), "router_bias": ("router",), "slot_map": ("router",),
+        "shared_gate_kernel": ("embed", None)}
     TABLE_NAMES = TABLE_NAMES  # what a cross-layer ConMoE scope shares
 
     def __init__(self, d_model: int, expert_width: int, num_experts: int, top_k: int, *,
                  shared_width: int = 0, router: RouterKind = "linear", norm_topk_prob: bool = False,
                  router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
                  expert_axis: str | None = DEFAULT_EXPERT_AXIS, num_prototypes: int = 0,
-                 duplicate_gates: str = "sum", rngs: nnx.Rngs,
-                 kernel_init=None, sow_router: bool = False):
+                 duplicate_gates: str = "sum", activation: str = "silu", shared_gated: bool = False,
+                 rngs: nnx.Rngs, kernel_init=None, sow_router: bool = False):
         if router not in ROUTER_KINDS:
             raise ValueError(f"router must be one of {ROUTER_KINDS}, got {router!r}")
         if not 1 <= top_k <= num_experts:
@@ -125,6 +127,7 @@ class MoEFFN(nnx.Module):
         self.router_neurons = router_neurons
         self.dtype, self.param_dtype, self.backend = dtype, param_dtype, backend
         self.expert_axis = expert_axis
+        self.activation = activation  # the GLU activation of every expert and router neuron
         # ConMoE (`cmoe_jax.moe.prototypes`): K stored prototypes behind the E router slots
         self.num_prototypes, self.duplicate_gates = num_prototypes, duplicate_gates
         self.sow_router = sow_router
@@ -133,6 +136,10 @@ class MoEFFN(nnx.Module):
         d, m, e, s = d_model, expert_width, num_experts, shared_width
         if s > 0:
             self.shared_gate, self.shared_up, self.shared_down = param(d, s), param(d, s), param(s, d)
+        # Qwen2-MoE: the shared MLP's output times sigmoid(x W_sg), `shared_gate_kernel [d, 1]`
+        self.shared_gated = shared_gated and s > 0
+        if self.shared_gated:
+            self.shared_gate_kernel = param(d, 1)
         if num_prototypes > 0:
             self.slot_map = SlotMap(jnp.arange(e, dtype=jnp.int32) % num_prototypes)
             e = num_prototypes
@@ -173,7 +180,8 @@ class MoEFFN(nnx.Module):
         """float32 router logits `[T, E]` of tokens `x [T, d]` (`RouterOutput.logits`) and the
         router slots `[T, k]` chosen there (`ids`, what `forward` returned)."""
         keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
-        return router_logits(self.router, x, self._router_arrays(), self.num_experts, keep), ids
+        return (router_logits(self.router, x, self._router_arrays(), self.num_experts, keep,
+                              self.activation), ids)
 
     def _route(self, x, arrays):
         keep = arrays[-1] if self.num_prototypes > 0 else None
@@ -181,7 +189,7 @@ class MoEFFN(nnx.Module):
         if self.router == "linear":
             return linear_route(x, *arrays, self.top_k, self.norm_topk_prob, keep=keep)
         if self.router == "cmoe":
-            return cmoe_route(x, *arrays, self.top_k, keep=keep)
+            return cmoe_route(x, *arrays, self.top_k, keep=keep, activation=self.activation)
         if self.router == "topsum":
             return topsum_route(x, *arrays, self.top_k, keep=keep)
         return sum_route(x.shape[0], self.num_experts)
@@ -190,11 +198,15 @@ class MoEFFN(nnx.Module):
         return expert_parallel_active(self.expert_axis, self.expert_gate.get_value())
 
     def shared(self, x: jax.Array, key=None) -> jax.Array:
-        """The shared MLP `down(silu(x W_gate) * (x W_up))` (zeros when there is none)."""
+        """The shared MLP `down(act(x W_gate) * (x W_up))` (zeros when there is none)."""
         if self.shared_width == 0:
             return jnp.zeros_like(x)
         proj = lambda name, inp: project(self, name, inp, getattr(self, name)[...].astype(self.dtype), key)
-        return proj("shared_down", jax.nn.silu(proj("shared_gate", x)) * proj("shared_up", x))
+        act = glu_activation(self.activation)
+        out = proj("shared_down", act(proj("shared_gate", x)) * proj("shared_up", x))
+        if self.shared_gated:
+            out = out * jax.nn.sigmoid(x @ self.shared_gate_kernel[...].astype(self.dtype))
+        return out
 
     def __call__(self, x: jax.Array, *, return_load: bool = False, return_router: bool = False,
                  key=None):
@@ -260,10 +272,11 @@ class MoEFFN(nnx.Module):
         mode = dispatch_mode(ids.size, weights[0].shape[0], self.expert_axis,
                              adapters=bool(adapters), weight=self.expert_gate.get_value())
         if mode == "gather":
-            return gathered_experts(x, ids, gates, *weights)
+            return gathered_experts(x, ids, gates, *weights, activation=self.activation)
         return routed_swiglu_experts(x, ids, gates, weights, gmm, expert_axis=self.expert_axis,
                                      adapters=adapters or None, make_lora=make_lora,
-                                     expert_parallel=mode == "expert_parallel")
+                                     expert_parallel=mode == "expert_parallel",
+                                     activation=self.activation)
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:
         """CMoE load balancing step in place: `b += gamma * sign(mean(counts) - counts)`."""
@@ -273,7 +286,8 @@ class MoEFFN(nnx.Module):
 
 
 def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
-                     w_up: jax.Array, w_down: jax.Array) -> tuple[jax.Array, jax.Array]:
+                     w_up: jax.Array, w_down: jax.Array, activation: str = "silu"
+                     ) -> tuple[jax.Array, jax.Array]:
     """`routed_experts` for few tokens: each (token, slot) pair multiplies its own expert's
     weights, gathered from the stacked `[E, ...]` tensors, so only the chosen experts are
     read. Same products, dtypes and float32 combine as the sort dispatch."""
@@ -282,7 +296,7 @@ def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax
     rows = jnp.repeat(x, top_k, axis=0)                                   # [T*k, d]
     mm = lambda a, w, spec: jnp.einsum(spec, a, jnp.take(w, flat, axis=0),
                                        preferred_element_type=jnp.float32).astype(a.dtype)
-    h = jax.nn.silu(mm(rows, w_gate, "rd,rdm->rm")) * mm(rows, w_up, "rd,rdm->rm")
+    h = glu_activation(activation)(mm(rows, w_gate, "rd,rdm->rm")) * mm(rows, w_up, "rd,rdm->rm")
     ys = mm(h.astype(rows.dtype), w_down, "rm,rmd->rd")
     y = jnp.einsum("tkd,tk->td", ys.astype(jnp.float32).reshape(num_tokens, top_k, -1),
                    gates.astype(jnp.float32))

@@ -23,6 +23,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from cmoe_jax.moe.activations import glu_activation
+
 RouterKind = Literal["cmoe", "linear", "sum", "topsum"]
 ROUTER_KINDS = ("cmoe", "linear", "sum", "topsum")
 
@@ -39,11 +41,12 @@ def linear_route(x, kernel, top_k: int, norm_topk_prob: bool = False, keep=None)
     return ids.astype(jnp.int32), gates
 
 
-def cmoe_scores(x, router_gate, router_up, num_experts: int | None = None):
-    """s = |silu(x W_gate^R) * (x W_up^R)| in float32, summed over each expert's r router
-    neurons (`router_gate/router_up [d, E*r]`, expert-major): scores `[T, E]`."""
+def cmoe_scores(x, router_gate, router_up, num_experts: int | None = None, activation: str = "silu"):
+    """s = |act(x W_gate^R) * (x W_up^R)| in float32, summed over each expert's r router
+    neurons (`router_gate/router_up [d, E*r]`, expert-major): scores `[T, E]`; act is the
+    model's GLU activation (`cmoe_jax.moe.activations`)."""
     x = x.astype(jnp.float32)
-    s = jnp.abs(jax.nn.silu(x @ router_gate.astype(jnp.float32))
+    s = jnp.abs(glu_activation(activation)(x @ router_gate.astype(jnp.float32))
                 * (x @ router_up.astype(jnp.float32)))
     num_experts = num_experts or s.shape[-1]
     if s.shape[-1] % num_experts:
@@ -51,9 +54,9 @@ def cmoe_scores(x, router_gate, router_up, num_experts: int | None = None):
     return s.reshape(*s.shape[:-1], num_experts, -1).sum(-1)
 
 
-def cmoe_route(x, router_gate, router_up, u, bias, top_k: int, keep=None):
+def cmoe_route(x, router_gate, router_up, u, bias, top_k: int, keep=None, activation: str = "silu"):
     """`keep` (bool `[E]`, optional): experts not kept get score -inf (pruned)."""
-    scores = cmoe_scores(x, router_gate, router_up, u.shape[0])
+    scores = cmoe_scores(x, router_gate, router_up, u.shape[0], activation)
     if keep is not None:
         scores = jnp.where(keep, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)

@@ -16,15 +16,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from cmoe_jax.moe.activations import glu_activation
+
 
 def _atopk(h: jax.Array, k_act: int) -> jax.Array:
     _, top = jax.lax.top_k(jnp.abs(h), k_act)
     return jnp.zeros(h.shape, jnp.bool_).at[jnp.arange(h.shape[0])[:, None], top].set(True)
 
 
-@functools.partial(jax.jit, static_argnames=("k_act", "normalize", "windows"))
+@functools.partial(jax.jit, static_argnames=("k_act", "normalize", "windows", "activation"))
 def profile_layer(x, w_gate, w_up, w_down, *, k_act: int, normalize: bool = True,
-                  windows: int | None = None):
+                  windows: int | None = None, activation: str = "silu"):
     """(markers [N, d_h], mu [d_h], energy [d_h]) of one FFN from a single pair of matmuls.
 
     energy_i = mean over tokens of h_i^2 * ||W_down[i]||^2 on the plain (unnormalised) hidden
@@ -35,15 +37,17 @@ def profile_layer(x, w_gate, w_up, w_down, *, k_act: int, normalize: bool = True
     `windows`: x holds that many equal windows of tokens, and energy is returned as each
     window's sum [windows, d_h] instead of the mean: sums the caller can add up in a fixed
     order, whichever process or device computed each window (`cmoe_jax.distributed`).
+    `activation`: the FFN's GLU activation (`cmoe_jax.moe.activations`).
     """
+    act = glu_activation(activation)
     x = jnp.asarray(x).astype(jnp.float32)
     w_gate, w_up = jnp.asarray(w_gate).astype(jnp.float32), jnp.asarray(w_up).astype(jnp.float32)
     g, u = x @ w_gate, x @ w_up
-    plain = jax.nn.silu(g) * u
+    plain = act(g) * u
     if normalize:
         x_norm = jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
         col = lambda w: jnp.maximum(jnp.linalg.norm(w, axis=0), 1e-12)
-        h = jax.nn.silu(g / (x_norm * col(w_gate))) * (u / (x_norm * col(w_up)))
+        h = act(g / (x_norm * col(w_gate))) * (u / (x_norm * col(w_up)))
     else:
         h = plain
     markers = _atopk(h, k_act)
@@ -59,9 +63,9 @@ def _down_sq(w_down):
     return jnp.sum(jnp.square(jnp.asarray(w_down).astype(jnp.float32)), axis=1)
 
 
-@jax.jit
-def output_energy(x, w_gate, w_up, w_down):
+@functools.partial(jax.jit, static_argnames=("activation",))
+def output_energy(x, w_gate, w_up, w_down, activation: str = "silu"):
     """energy [d_h] of `profile_layer` alone (no markers), for tokens x [..., d], float32."""
     x = jnp.asarray(x).astype(jnp.float32).reshape(-1, x.shape[-1])
-    h = jax.nn.silu(x @ jnp.asarray(w_gate).astype(jnp.float32)) * (x @ jnp.asarray(w_up).astype(jnp.float32))
+    h = glu_activation(activation)(x @ jnp.asarray(w_gate).astype(jnp.float32)) * (x @ jnp.asarray(w_up).astype(jnp.float32))
     return jnp.mean(jnp.square(h), axis=0) * _down_sq(w_down)

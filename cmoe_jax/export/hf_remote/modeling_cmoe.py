@@ -2,7 +2,7 @@
 
 Copied beside the weights of an exported model and loaded with
 `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`. The decoder is the base
-family's own (Llama, Qwen2, Qwen3); only the FFN of each MoE layer is replaced by `MoEMLP`,
+family's own (Llama, Mistral, Qwen2, Qwen3, Gemma 3); only the FFN of each MoE layer is replaced by `MoEMLP`,
 which computes what `cmoe_jax.moe.MoEFFN` computes (same parameter names and layouts:
 `[in, out]` matrices, routed experts stacked on a leading axis). This file is not imported
 by cmoe_jax itself, which never needs torch.
@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
+from transformers.activations import ACT2FN
 
 
 class MoEMLP(nn.Module):
     """`shared(x) + sum over the top-k routed experts of gate * expert(x)`; routers:
 
-    - "cmoe": scores = |silu(x R_gate) * (x R_up)| summed over each expert's r neurons,
+    Every GLU uses the family's activation `act` (SiLU, or Gemma's GELU-tanh).
+
+    - "cmoe": scores = |act(x R_gate) * (x R_up)| summed over each expert's r neurons,
       p = softmax(scores); experts = top-k of p + bias; gate = 1 + p * u.
     - "linear": softmax(x W_r), top-k probabilities (renormalised when norm_topk_prob).
     - "sum": every expert, gate 1.
@@ -26,8 +30,9 @@ class MoEMLP(nn.Module):
     """
 
     def __init__(self, hidden_size, num_experts, top_k, expert_width, shared_width=0,
-                 router="cmoe", norm_topk_prob=False, router_neurons=1, **_):
+                 router="cmoe", norm_topk_prob=False, router_neurons=1, act="silu", **_):
         super().__init__()
+        self.act = ACT2FN[act]
         d, m, e, s = hidden_size, expert_width, num_experts, shared_width
         self.num_experts, self.top_k, self.router = e, top_k, router
         self.norm_topk_prob = norm_topk_prob
@@ -55,7 +60,7 @@ class MoEMLP(nn.Module):
             if self.norm_topk_prob:
                 gates = gates / gates.sum(-1, keepdim=True)
             return ids, gates
-        h = torch.abs(nn.functional.silu(x @ self.router_gate.float()) * (x @ self.router_up.float()))
+        h = torch.abs(self.act(x @ self.router_gate.float()) * (x @ self.router_up.float()))
         probs = torch.softmax(h.reshape(x.shape[0], self.num_experts, -1).sum(-1), dim=-1)
         ids = torch.topk(probs + self.router_bias.float(), self.top_k, dim=-1).indices
         return ids, 1.0 + probs.gather(-1, ids) * self.u.float()[ids]
@@ -66,26 +71,37 @@ class MoEMLP(nn.Module):
         ids, gates = self.route(x)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if self.shared_width:
-            h = nn.functional.silu(x @ self.shared_gate) * (x @ self.shared_up)
+            h = self.act(x @ self.shared_gate) * (x @ self.shared_up)
             out += (h @ self.shared_down).float()
         for e in range(self.num_experts):
             tokens, slot = torch.nonzero(ids == e, as_tuple=True)
             if tokens.numel():
                 xe = x[tokens]
-                h = nn.functional.silu(xe @ self.expert_gate[e]) * (xe @ self.expert_up[e])
+                h = self.act(xe @ self.expert_gate[e]) * (xe @ self.expert_up[e])
                 out.index_add_(0, tokens, (h @ self.expert_down[e]).float() * gates[tokens, slot, None])
         return out.to(x.dtype).reshape(shape)
 
 
 def _install_moe(model, config):
+    act = getattr(config, "hidden_activation", None) or config.hidden_act
     for i, spec in enumerate(config.moe_layers or []):
         if spec:
-            model.model.layers[i].mlp = MoEMLP(config.hidden_size, **spec)
+            model.model.layers[i].mlp = MoEMLP(config.hidden_size, **spec, act=act)
 
 
 class CmoeLlamaConfig(LlamaConfig):
     model_type = "cmoe_llama"
     moe_layers: list | None = None  # per layer: None (dense FFN) or MoEMLP's arguments
+
+
+class CmoeMistralConfig(MistralConfig):
+    model_type = "cmoe_mistral"
+    moe_layers: list | None = None
+
+
+class CmoeGemma3Config(Gemma3TextConfig):
+    model_type = "cmoe_gemma3_text"
+    moe_layers: list | None = None
 
 
 class CmoeQwen2Config(Qwen2Config):
@@ -116,6 +132,22 @@ class CmoeQwen2ForCausalLM(Qwen2ForCausalLM):
 
 class CmoeQwen3ForCausalLM(Qwen3ForCausalLM):
     config_class = CmoeQwen3Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        _install_moe(self, config)
+
+
+class CmoeMistralForCausalLM(MistralForCausalLM):
+    config_class = CmoeMistralConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        _install_moe(self, config)
+
+
+class CmoeGemma3ForCausalLM(Gemma3ForCausalLM):
+    config_class = CmoeGemma3Config
 
     def __init__(self, config):
         super().__init__(config)

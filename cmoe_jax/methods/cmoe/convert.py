@@ -6,6 +6,7 @@ before it produce (as in the papers), so only one layer's activations live at a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable
 
@@ -153,7 +154,7 @@ def carve_one_layer(layer, x, cc: ConvertConfig) -> tuple[LayerCarving, np.ndarr
     mlp = layer.mlp
     markers, _, energy = profile_layer(x.reshape(-1, x.shape[-1]), mlp.gate[...], mlp.up[...],
                                        mlp.down[...], k_act=cc.k_act, normalize=cc.normalize,
-                                       windows=x.shape[0])
+                                       windows=x.shape[0], activation=mlp.activation)
     markers = distributed.gather_rows(np.asarray(markers))
     energy = distributed.gather_rows(np.asarray(energy)).astype(np.float64).sum(0)
     tokens = markers.shape[0]
@@ -189,7 +190,10 @@ def slices_for(layer, carving: LayerCarving) -> dict:
                      np.asarray(mlp.down[...], np.float32), carving)
 
 
-_window_fit_sums = jax.jit(jax.vmap(router_fit_sums, in_axes=(0, None, None, None, None, None)))
+@functools.partial(jax.jit, static_argnames=("activation",))
+def _window_fit_sums(x, *weights, activation: str):
+    fit = functools.partial(router_fit_sums, activation=activation)
+    return jax.vmap(fit, in_axes=(0, None, None, None, None, None))(x, *weights)
 
 
 def fit_router_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
@@ -204,7 +208,7 @@ def fit_router_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
     weights = [replicate(p[...], mesh) for p in (ffn.router_gate, ffn.router_up, ffn.expert_gate,
                                                 ffn.expert_up, ffn.expert_down)]
     num, den = (distributed.gather_rows(np.asarray(s)).astype(np.float64).sum(0)
-                for s in _window_fit_sums(x[:, ::stride], *weights))
+                for s in _window_fit_sums(x[:, ::stride], *weights, activation=ffn.activation))
     up, scales = scale_router_up(np.asarray(ffn.router_up[...]), num, den, ffn.num_experts)
     ffn.router_up[...] = jnp.asarray(up)
     return scales

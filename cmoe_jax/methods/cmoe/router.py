@@ -4,12 +4,15 @@ columns, summing |h| over an expert's r neurons, optionally rescaled per expert 
 scores track the experts' output norms on the calibration tokens."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
 
 from cmoe_jax.carving.kmeans import cooccurrence
+from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.routers import cmoe_scores
 
 
@@ -57,19 +60,21 @@ def router_weights(w_gate, w_up, representative_idx, normalize: bool = True) -> 
     return gate, up
 
 
-@jax.jit
-def router_fit_sums(x, router_gate, router_up, expert_gate, expert_up, expert_down):
+@functools.partial(jax.jit, static_argnames=("activation",))
+def router_fit_sums(x, router_gate, router_up, expert_gate, expert_up, expert_down,
+                    activation: str = "silu"):
     """Per expert j, (sum_t s_tj y_tj, sum_t s_tj^2) over tokens x [..., d], float32.
 
     s_tj is the analytical router's score (`cmoe_scores`) and y_tj = ||E_j(x_t)||_2 the norm
     of expert j's output: the least-squares scale c_j = sum s y / sum s^2 makes c_j s_tj the
     best proportional estimate of what dropping expert j costs token t, so experts become
     comparable with each other (section 4.2 of the CMoE paper ranks experts by their
-    contribution; one representative's |h| does not know its expert's size).
+    contribution; one representative's |h| does not know its expert's size). `activation`:
+    the experts' GLU activation (`cmoe_jax.moe.activations`).
     """
     x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    s = cmoe_scores(x, router_gate, router_up, expert_gate.shape[0])
-    h = jax.nn.silu(jnp.einsum("td,edm->tem", x, expert_gate)) * jnp.einsum("td,edm->tem", x, expert_up)
+    s = cmoe_scores(x, router_gate, router_up, expert_gate.shape[0], activation)
+    h = glu_activation(activation)(jnp.einsum("td,edm->tem", x, expert_gate)) * jnp.einsum("td,edm->tem", x, expert_up)
     y = jnp.linalg.norm(jnp.einsum("tem,emd->ted", h, expert_down), axis=-1)
     return (s * y).sum(0), (s * s).sum(0)
 
@@ -78,7 +83,7 @@ def scale_router_up(router_up, num, den, num_experts: int) -> tuple:
     """(scaled router_up [d, E*r] in its dtype, float64 scales c [E]): expert j's columns
     times c_j = num_j / den_j (1 where den_j = 0 or c_j <= 0).
 
-    |silu(a) * (b c)| = c |silu(a) b| for c > 0, so the scale folds into the weights: the
+    |act(a) * (b c)| = c |act(a) b| for c > 0, so the scale folds into the weights: the
     layer's router is unchanged in form and cost."""
     num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
     c = np.where(den > 0, num / np.where(den > 0, den, 1.0), 1.0)

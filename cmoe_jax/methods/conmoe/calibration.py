@@ -27,6 +27,7 @@ from flax import nnx
 from cmoe_jax.moe import MoEFFN
 from cmoe_jax.moe.gmm import get_gmm
 from cmoe_jax.moe.hierarchical import sub_route
+from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.routers import cmoe_scores
 from cmoe_jax.profiling.layer_pass import (
     LayerInput,
@@ -58,9 +59,10 @@ def router_logits(ffn, x):
     if ffn.router == "linear":
         return x.astype(jnp.float32) @ ffn.router_kernel[...].astype(jnp.float32)
     if ffn.router == "cmoe" and is_hierarchical(ffn):
-        return cmoe_scores(x, ffn.top_gate[...], ffn.top_up[...], ffn.top_experts)
+        return cmoe_scores(x, ffn.top_gate[...], ffn.top_up[...], ffn.top_experts, ffn.activation)
     if ffn.router == "cmoe":
-        return cmoe_scores(x, ffn.router_gate[...], ffn.router_up[...], ffn.num_experts)
+        return cmoe_scores(x, ffn.router_gate[...], ffn.router_up[...], ffn.num_experts,
+                           ffn.activation)
     return jnp.ones((x.shape[0], ffn.num_experts), jnp.float32)
 
 
@@ -73,7 +75,7 @@ def all_expert_outputs(ffn, x):
     hierarchical layer every family's output, each with its own sub-routing)."""
     wg, wu, wd = (p[...].astype(jnp.float32) for p in (ffn.expert_gate, ffn.expert_up, ffn.expert_down))
     x = x.astype(jnp.float32)
-    h = jax.nn.silu(jnp.einsum("td,edm->tem", x, wg)) * jnp.einsum("td,edm->tem", x, wu)
+    h = glu_activation(ffn.activation)(jnp.einsum("td,edm->tem", x, wg)) * jnp.einsum("td,edm->tem", x, wu)
     out = jnp.einsum("tem,emd->ted", h, wd)
     if not is_hierarchical(ffn):
         return out
@@ -82,7 +84,7 @@ def all_expert_outputs(ffn, x):
     every = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (t, n))  # every family chosen
     ids, w = sub_route(x, every, jnp.ones((t, n), jnp.float32), ffn.sub_gate[...], ffn.sub_up[...],
                        ffn.u[...], ffn.router_bias[...], ffn.sub_shared, ffn.sub_top_k,
-                       get_gmm(ffn.backend))
+                       get_gmm(ffn.backend), ffn.activation)
     weights = jnp.zeros((t, n * ffn.sub_experts), jnp.float32).at[jnp.arange(t)[:, None], ids].add(w)
     return (out * weights[..., None]).reshape(t, n, ffn.sub_experts, -1).sum(2)
 

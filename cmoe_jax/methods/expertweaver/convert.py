@@ -119,8 +119,9 @@ class LayerWeaver(LayerStep):
             record = self.done[i]
         else:
             t0 = time.perf_counter()
-            profiles = np.asarray(gate_profiles(inputs.ffn_input, mlp.gate[...]))
-            energy = (np.asarray(output_energy(inputs.ffn_input, mlp.gate[...], mlp.up[...], mlp.down[...]))
+            profiles = np.asarray(gate_profiles(inputs.ffn_input, mlp.gate[...], mlp.activation))
+            energy = (np.asarray(output_energy(inputs.ffn_input, mlp.gate[...], mlp.up[...],
+                                               mlp.down[...], mlp.activation))
                       if cc.shared_by == "energy" else None)
             t1 = time.perf_counter()
             woven = weave_layer(profiles, self.task_ids, cc.experts, alpha_min=cc.alpha_min,

@@ -16,21 +16,24 @@ the activations. Choices where the paper is silent are named where they are made
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cmoe_jax.carving.assignment import balanced_assignment
+from cmoe_jax.moe.activations import glu_activation
 
 ASSIGNMENTS = ("greedy", "exact")
 
 
-@jax.jit
-def gate_profiles(x, w_gate):
-    """a [d_ffn, N]: per sample (x [N, T, d]) the token mean of |Swish(x W_gate)|, float32."""
+@functools.partial(jax.jit, static_argnames=("activation",))
+def gate_profiles(x, w_gate, activation: str = "silu"):
+    """a [d_ffn, N]: per sample (x [N, T, d]) the token mean of |act(x W_gate)|, float32
+    (act: the model's GLU activation, Swish in the paper)."""
     g = jnp.asarray(x, jnp.float32) @ jnp.asarray(w_gate, jnp.float32)
-    return jnp.mean(jnp.abs(jax.nn.silu(g)), axis=1).T
+    return jnp.mean(jnp.abs(glu_activation(activation)(g)), axis=1).T
 
 
 def coefficient_of_variation(profiles, task_ids, eps: float = 1e-6) -> np.ndarray:

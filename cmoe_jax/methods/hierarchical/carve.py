@@ -22,7 +22,8 @@ from cmoe_jax.methods.cmoe import router_fit_sums, scale_router_up
 # top-level router variables of a source MoEFFN -> their names in a HierMoEFFN
 TOP_ROUTER_NAMES = {"router_kernel": "router_kernel", "router_gate": "top_gate",
                     "router_up": "top_up", "u": "top_u", "router_bias": "top_bias"}
-HOST_NAMES = ("shared_gate", "shared_up", "shared_down")
+# the host layer's always-on shared MLP and its sigmoid gate (Qwen2-MoE), copied unchanged
+HOST_NAMES = ("shared_gate", "shared_up", "shared_down", "shared_gate_kernel")
 
 
 @dataclasses.dataclass
@@ -49,14 +50,16 @@ def expert_tokens(x: np.ndarray, top_ids: np.ndarray, expert: int, min_tokens: i
     return x[chosen], len(chosen), False
 
 
-def carve_expert(rows: np.ndarray, w_gate, w_up, w_down, plan: MoEPlan, cc) -> LayerCarving:
+def carve_expert(rows: np.ndarray, w_gate, w_up, w_down, plan: MoEPlan, cc,
+                 activation: str = "silu") -> LayerCarving:
     """The dense carving (`carve_layer`) of one expert's SwiGLU on its tokens `rows [n, d]`.
 
     `cc`: a `ConvertConfig` (k_act, normalize, kmeans_iters, router_neurons, shared_by,
-    router_reps, seed) read exactly as the dense pipeline reads it."""
+    router_reps, seed) read exactly as the dense pipeline reads it; `activation`: the
+    experts' GLU activation."""
     n = len(rows)
     markers, mu, energy = profile_layer(padded(rows), w_gate, w_up, w_down, k_act=cc.k_act,
-                                        normalize=cc.normalize)
+                                        normalize=cc.normalize, activation=activation)
     markers = np.asarray(markers)[:n]
     mu = markers.mean(axis=0, dtype=np.float64).astype(np.float32)
     energy = np.asarray(energy, np.float64) * (len(padded(rows)) / n)  # mean over the real rows
@@ -80,18 +83,21 @@ def sub_expert_slices(w_gate, w_up, w_down, carving: LayerCarving, plan: MoEPlan
             "router_gate": s["router_gate"], "router_up": s["router_up"]}
 
 
-def fit_sub_router(rows: np.ndarray, sub: dict, plan: MoEPlan, fit_tokens: int):
+def fit_sub_router(rows: np.ndarray, sub: dict, plan: MoEPlan, fit_tokens: int,
+                   activation: str = "silu"):
     """Fold the least-squares score scales of one sub-router into its `router_up` (returns
     the new router_up and the scales), fitted on about `fit_tokens` evenly strided rows."""
     stride = max(1, -(-len(rows) // fit_tokens))
     routed = slice(plan.shared, None)
     num, den = router_fit_sums(jnp.asarray(padded(rows[::stride])), sub["router_gate"], sub["router_up"],
-                               sub["gate"][routed], sub["up"][routed], sub["down"][routed])
+                               sub["gate"][routed], sub["up"][routed], sub["down"][routed],
+                               activation=activation)
     return scale_router_up(sub["router_up"], num, den, plan.routed)
 
 
 def carve_moe_layer(x: np.ndarray, top_ids: np.ndarray, weights: dict, plan: MoEPlan, cc, *,
-                    min_tokens: int, done: list[ExpertCarving] | None = None, progress=None):
+                    min_tokens: int, done: list[ExpertCarving] | None = None, progress=None,
+                    activation: str = "silu"):
     """(HierMoEFFN variables of the carved experts, [ExpertCarving] per expert).
 
     `x [T, d]` the layer's FFN inputs, `top_ids [T, k]` their top-level experts, `weights`
@@ -114,11 +120,13 @@ def carve_moe_layer(x: np.ndarray, top_ids: np.ndarray, weights: dict, plan: MoE
     for i in range(num_experts):
         w = [np.asarray(weights["expert_" + p][i], np.float32) for p in ("gate", "up", "down")]
         rows, count, fallback = expert_tokens(x, top_ids, i, min_tokens)
-        carving = done[i].carving if done is not None else carve_expert(rows, *w, plan, cc)
+        carving = (done[i].carving if done is not None
+                   else carve_expert(rows, *w, plan, cc, activation))
         sub = sub_expert_slices(*w, carving, plan)
         scales = None
         if cc.router_scale:
-            sub["router_up"], scales = fit_sub_router(rows, sub, plan, cc.router_fit_tokens)
+            sub["router_up"], scales = fit_sub_router(rows, sub, plan, cc.router_fit_tokens,
+                                                      activation)
         for p in ("gate", "up", "down"):
             out["expert_" + p][i * n_sub:(i + 1) * n_sub] = sub[p]
         out["sub_gate"][i], out["sub_up"][i] = sub["router_gate"], sub["router_up"]

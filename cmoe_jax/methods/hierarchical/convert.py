@@ -126,7 +126,8 @@ class ExpertCarver(LayerStep):
             top_ids = np.asarray(_top_ids(*nnx.split(src), jnp.asarray(xf)))
             carved, experts = carve_moe_layer(
                 xf, top_ids, _expert_weights(src), self.cc.plan, self.cc, min_tokens=self.min_tokens,
-                done=self.done[i].experts if i < len(self.done) else None)
+                done=self.done[i].experts if i < len(self.done) else None,
+                activation=self.cfg.activation)
             seconds["carve"] = time.perf_counter() - t1
             ffn = build_hier_ffn(self.cfg, src, hier_spec(spec, self.cc), carved, self.dtype)
         self.records.append(HierLayerRecord(experts, np.zeros(0), seconds))

@@ -1,0 +1,32 @@
+"""Mixtral: every FFN a top-k MoE with renormalised gates, experts named w1/w3/w2."""
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from cmoe_jax.models.families.base import Family
+from cmoe_jax.models.ffn_spec import FFNSpec
+
+
+def _parse(get) -> dict:
+    spec = FFNSpec(get("num_local_experts"), get("num_experts_per_tok"),
+                   get("intermediate_size"), 0, "linear", True)
+    return {"moe_layers": (spec,) * get("num_hidden_layers"),
+            "sliding_window": int(get("sliding_window") or 0)}
+
+
+def _own(cfg, specs) -> bool:
+    return all(s.router == "linear" and s.shared_width == 0 and s.norm_topk_prob
+               and s.expert_width == cfg.intermediate_size for s in specs)
+
+
+def _export(cfg) -> dict:
+    specs = [s for s in cfg.moe_layers if s is not None]
+    out = {"sliding_window": cfg.sliding_window or None}
+    if specs:
+        out.update(num_local_experts=specs[0].num_experts, num_experts_per_tok=specs[0].top_k)
+    return out
+
+
+MIXTRAL = Family("mixtral", "MixtralForCausalLM", _parse, _export, moe_prefix="block_sparse_moe",
+                 experts=MappingProxyType({"expert_gate": "w1", "expert_up": "w3",
+                                           "expert_down": "w2"}), own_moe=_own)

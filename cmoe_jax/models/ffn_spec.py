@@ -1,0 +1,40 @@
+"""The shape of one MoE FFN layer, as configs and family units describe it."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class FFNSpec:
+    """Shape of one MoE FFN layer (sparse checkpoints and converted models).
+
+    `router` is "linear" for Qwen3-MoE/Mixtral/ExpertWeaver, "cmoe" for the analytical
+    router of a carved model. `shared_width` is the width of the fused always-on MLP.
+    `router_neurons` is how many representative neurons score each expert (cmoe router).
+    `num_prototypes` > 0 (ConMoE, `cmoe_jax.compress`): the layer stores that many prototype
+    experts and an int32 slot -> prototype map (-1: slot pruned); `prototype_owner` >= 0
+    names the layer whose prototype table this layer shares (a cross-layer scope);
+    `duplicate_gates` is how a token's gates on slots sharing a prototype combine
+    (`cmoe_jax.moe.prototypes`: "sum", the paper's, "max" or "renorm").
+    """
+
+    num_experts: int
+    top_k: int
+    expert_width: int
+    shared_width: int = 0
+    router: str = "linear"
+    norm_topk_prob: bool = False
+    router_neurons: int = 1
+    # Hierarchical CMoE (`cmoe_jax.moe.hierarchical`): with sub_experts N' > 0 each of the
+    # num_experts experts is split into N' sub-experts of width expert_width (N'_s =
+    # sub_shared always on with their expert, sub_top_k of the rest chosen by its sub-router
+    # of sub_router_neurons neurons per sub-expert). 0: a plain MoE layer.
+    sub_experts: int = 0
+    sub_shared: int = 0
+    sub_top_k: int = 0
+    sub_router_neurons: int = 1
+    num_prototypes: int = 0
+    prototype_owner: int = -1
+    duplicate_gates: str = "sum"
+    # Qwen2-MoE: the shared MLP's output is scaled by sigmoid(x W_sg), W_sg [d, 1]
+    shared_gated: bool = False
