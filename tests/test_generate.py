@@ -16,7 +16,7 @@ from cmoe_jax.moe import MoEFFN
 from cmoe_jax.moe.dispatch import routed_experts
 from cmoe_jax.moe.gmm import get_gmm
 from cmoe_jax.moe.hierarchical import HierMoEFFN
-from cmoe_jax.moe.layer import gathered_experts
+from cmoe_jax.moe.dispatch import gathered_experts
 from tests.conftest import WORDS
 
 PROMPTS = [[5, 17, 40, 3], [9], [60, 61, 62, 63, 64, 65, 66]]

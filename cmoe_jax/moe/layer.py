@@ -31,6 +31,7 @@ from flax import nnx
 from cmoe_jax.lora import factors, grouped_delta, project
 from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
+from cmoe_jax.moe.dispatch import gathered_experts
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_experts, tokens_sharded
 from cmoe_jax.moe.gmm import get_gmm, resolve_backend
 from cmoe_jax.moe.modes import check_input, dispatch_mode, expert_parallel_active
@@ -284,20 +285,3 @@ class MoEFFN(nnx.Module):
             raise ValueError(f"only the cmoe router has a balancing bias (router={self.router!r})")
         self.router_bias[...] = update_router_bias(self.router_bias, counts, gamma)
 
-
-def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
-                     w_up: jax.Array, w_down: jax.Array, activation: str = "silu"
-                     ) -> tuple[jax.Array, jax.Array]:
-    """`routed_experts` for few tokens: each (token, slot) pair multiplies its own expert's
-    weights, gathered from the stacked `[E, ...]` tensors, so only the chosen experts are
-    read. Same products, dtypes and float32 combine as the sort dispatch."""
-    num_tokens, top_k = ids.shape
-    flat = ids.reshape(-1)
-    rows = jnp.repeat(x, top_k, axis=0)                                   # [T*k, d]
-    mm = lambda a, w, spec: jnp.einsum(spec, a, jnp.take(w, flat, axis=0),
-                                       preferred_element_type=jnp.float32).astype(a.dtype)
-    h = glu_activation(activation)(mm(rows, w_gate, "rd,rdm->rm")) * mm(rows, w_up, "rd,rdm->rm")
-    ys = mm(h.astype(rows.dtype), w_down, "rm,rmd->rd")
-    y = jnp.einsum("tkd,tk->td", ys.astype(jnp.float32).reshape(num_tokens, top_k, -1),
-                   gates.astype(jnp.float32))
-    return y, jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
