@@ -161,6 +161,8 @@ CASES = [
     ("convert-out-empty", _convert, ["OUT=", "--overwrite"], None, "--out must name a path"),
     ("convert-out-holds-source", _convert, ["OUT=SOURCE_PARENT", "--overwrite"], lambda i, t: _copy_dense(i, t),
      "holds the source model"),
+    ("train-out-holds-source", _train, ["OUT=SOURCE_PARENT", "--overwrite"], lambda i, t: _copy_dense(i, t),
+     "holds the source model"),
     ("convert-seqlen-0", _convert, ["--seqlen", "0"], None, "--seqlen must be at least 2"),
     ("convert-lock-is-symlink", _convert, ["LOCK_SYMLINK"], None, "out.lock is a symbolic link"),
     ("generate-temperature-nan", _generate, ["--prompt", "w1", "--temperature", "nan"], None,

@@ -117,7 +117,7 @@ def _mesh(text):
 
 
 def run(args) -> dict:
-    check_writable_dir(args.out)
+    check_writable_dir(args.out, source=args.model)
     distributed.initialize()  # a multi-process job trains data-parallel over all processes
 
     job = TrainJob(dataset=args.dataset, data_path=args.data_path, split=args.split,
