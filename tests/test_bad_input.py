@@ -163,6 +163,8 @@ CASES = [
      "holds the source model"),
     ("train-out-holds-source", _train, ["OUT=SOURCE_PARENT", "--overwrite"], lambda i, t: _copy_dense(i, t),
      "holds the source model"),
+    ("convert-calib-samples-beyond-text", _convert, ["--calib-samples", "100000"], None,
+     "--calib-samples 100000: the calibration data has"),
     ("convert-seqlen-0", _convert, ["--seqlen", "0"], None, "--seqlen must be at least 2"),
     ("convert-lock-is-symlink", _convert, ["LOCK_SYMLINK"], None, "out.lock is a symbolic link"),
     ("generate-temperature-nan", _generate, ["--prompt", "w1", "--temperature", "nan"], None,

@@ -102,7 +102,8 @@ def compress(model: str, config: CompressConfig, *, out, calib: str = "wikitext2
                    resumable=("layers/*.npz",)) as job:
         tokenizer = source.require_tokenizer("calibration text cannot be tokenized")
         windows = calibration_windows(load_text_tokens(calib, tokenizer, split=calib_split,
-                                                       data_path=data_path), calib_samples, seqlen, seed)
+                                                       data_path=data_path), calib_samples, seqlen, seed,
+                                      flag="--calib-samples")
         # the statistics depend on the data only; the method and ratio act after them
         settings = {"model": str(model), "calib": calib, "calib_split": calib_split,
                     "data_path": data_path, "calib_samples": calib_samples, "seqlen": seqlen,

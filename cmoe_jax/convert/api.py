@@ -108,7 +108,8 @@ def _convert(output: OutputJob, source: JobModel, job: ConvertJob, hier: bool, *
                                                    job.min_expert_tokens)
     tokenizer = source.require_tokenizer("calibration text cannot be tokenized")
     tokens = load_text_tokens(cal.dataset, tokenizer, split=cal.split, data_path=cal.data_path)
-    windows = distributed.split_for_process(calibration_windows(tokens, cal.samples, cal.seqlen, cc.seed))
+    windows = distributed.split_for_process(
+        calibration_windows(tokens, cal.samples, cal.seqlen, cc.seed, flag="--calib-samples"))
     settings = {"model": str(model), **cc.to_dict(), "calib": cal.dataset, "calib_split": cal.split,
                 "data_path": cal.data_path, "calib_samples": cal.samples, "seqlen": cal.seqlen}
     if hier:

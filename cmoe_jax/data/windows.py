@@ -58,12 +58,15 @@ def eval_windows(tokens, dataset: str, seqlen: int, max_windows: int | None = No
 
 
 def calibration_windows(tokens, n_samples: int, seqlen: int, seed: int,
-                        name: str = "the calibration data") -> np.ndarray:
+                        name: str = "the calibration data", flag: str | None = None) -> np.ndarray:
     """`n_samples` int32 [n_samples, seqlen] windows at random start offsets (GPTQ sampling).
 
     Starts are drawn uniformly from [0, len(tokens) - seqlen - 1] (GPTQ's
     ``random.randint(0, n - seqlen - 1)``) by ``numpy.random.default_rng(seed)``, so a seed
-    gives the same windows on every machine; windows may overlap.
+    gives the same windows on every machine; windows may overlap. With `flag` (the command
+    line's name for `n_samples`) no more windows are drawn than the text holds side by side:
+    more would repeat its tokens and only add time (and a typo such as 100000 would run for
+    hours before running out of memory).
     """
     tokens = _as_tokens(tokens)
     _check_seqlen(seqlen)
@@ -72,6 +75,10 @@ def calibration_windows(tokens, n_samples: int, seqlen: int, seed: int,
     if len(tokens) <= seqlen:
         raise DataError(f"{name} has {len(tokens)} tokens, not more than one window of {seqlen}: "
                         "use a longer text or a smaller --seqlen")
+    if flag is not None and n_samples > len(tokens) // seqlen:
+        raise DataError(f"{flag} {n_samples}: {name} has {len(tokens)} tokens, {len(tokens) // seqlen} "
+                        f"windows of {seqlen}; give at most that many samples, a longer text or a "
+                        "smaller --seqlen")
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, len(tokens) - seqlen, size=n_samples)
     return np.stack([tokens[s:s + seqlen] for s in starts]).astype(np.int32)

@@ -27,7 +27,7 @@ def verification_windows(source, calib: str, split: str, data_path, samples: int
     tokenizer = source.require_tokenizer("the verification text cannot be tokenized",
                                          "; pass --calib-samples 0 to export without the check")
     tokens = load_text_tokens(calib, tokenizer, split=split, data_path=data_path)
-    return calibration_windows(tokens, samples, seqlen, seed)
+    return calibration_windows(tokens, samples, seqlen, seed, flag="--calib-samples")
 
 
 def require_match(check: dict) -> dict:
