@@ -57,6 +57,14 @@ def write_json_atomic(path: Path, obj) -> None:
         raise
 
 
+def remove_write_leftovers(directory: Path) -> None:
+    """Delete the temporaries that `write_json_atomic` calls killed mid-write left under
+    `directory` (`.NAME.XXXX.tmp`): a resumed job must not carry them into its output."""
+    for tmp in Path(directory).rglob(".*.tmp"):
+        if tmp.is_file() and not tmp.is_symlink():
+            tmp.unlink(missing_ok=True)
+
+
 def staging_dir(out: Path) -> Path:
     """Where a job writing `out` works until it publishes: `out.partial`."""
     out = Path(out)

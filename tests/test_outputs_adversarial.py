@@ -293,3 +293,19 @@ def test_tilde_is_expanded_where_the_output_is_checked_and_written(monkeypatch, 
     p = Parser("y", "y", "y")
     add_output_json(p)
     assert p.parse_args(["--json", "~/r.json"]).out == str(tmp_path / "r.json")
+
+
+def test_a_resume_drops_the_temporary_of_a_json_write_killed_midway(tmp_path):
+    """A kill inside `write_json_atomic` leaves `.NAME.XXXX.tmp` in the staging directory;
+    the resumed job must not carry it into its published output."""
+    out = tmp_path / "out"
+    fp = fingerprint("x", {"a": 1}, None)
+    with OutputJob(out, "x") as job:
+        job.open(fp)
+        (job.staging.dir / "final").mkdir()
+        (job.staging.dir / "final" / ".train_log.json.abc123.tmp").write_text("{")
+        (job.staging.dir / "final" / "kept.json").write_text("{}")
+    with OutputJob(out, "x", resume=True) as job:
+        assert job.open(fp)
+        left = sorted(p.name for p in (job.staging.dir / "final").iterdir())
+        assert left == ["kept.json"], left

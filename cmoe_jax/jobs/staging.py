@@ -25,7 +25,7 @@ import os
 import secrets
 from pathlib import Path
 
-from cmoe_jax.checkpoint import readers_excluded, staging_dir, write_json_atomic
+from cmoe_jax.checkpoint import readers_excluded, remove_write_leftovers, staging_dir, write_json_atomic
 from cmoe_jax.errors import CheckpointError, CmoeError
 from cmoe_jax.jobs.faults import fault_point
 from cmoe_jax.jobs.fingerprint import check_same
@@ -125,6 +125,7 @@ class Staging:
             saved = self.owner_record()
             if resume:
                 check_same(saved, fingerprint, self.dir)
+                remove_write_leftovers(self.dir)  # a kill inside a JSON write left its temporary
                 self.owned = True
                 return True
             self._discard_dir()
