@@ -17,6 +17,9 @@ from test_tasks import write_arc_like
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240  # seconds per launch: a hang fails the test instead of the CI job
+# several JAX processes per test: run alone, after the parallel pass (scripts/test.sh), so that
+# starved processes do not miss the coordinator's topology exchange
+pytestmark = pytest.mark.serial
 
 
 def _free_port() -> int:
