@@ -94,10 +94,10 @@ def torch_side(model, prompts, new_tokens):
 
 
 def ours_side(model, prompts, new_tokens):
-    from cmoe_jax.eval.generate import generate
+    from cmoe_jax.generate import Decoding, generate
 
     rows = [list(map(int, p)) for p in prompts]
-    return lambda: generate(model, rows, new_tokens, batch_size=len(rows))
+    return lambda: generate(model, rows, Decoding(new_tokens, batch_size=len(rows)))
 
 
 def main(argv=None) -> None:

@@ -34,7 +34,7 @@ ROLE = {
     "carving": "assignment, K-means", "loading": "checkpoints in", "methods": "cmoe, hierarchical,\nexpertweaver, conmoe",
     "jobs": "lock, staging,\nresume, publish", "convert": "job + CLI", "compress": "job + CLI",
     "train": "job + CLI", "eval": "job + CLI", "export": "job + CLI", "demo": "README table",
-    "__init__": "public API", "downcycle": "job + CLI", "generate": "job + CLI",
+    "__init__": "public API", "downcycle": "job + CLI", "generate": "KV-cache decoding\n+ CLI",
     "commands": "cmoe-jax",
 }
 

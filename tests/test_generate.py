@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cmoe_jax.eval.generate import Sampling, choose, generate
+from cmoe_jax.generate import Decoding, Sampling, choose, generate
 from cmoe_jax.generate import main as generate_main
 from cmoe_jax.loading import load_model, load_tokenizer
 from cmoe_jax.moe import MoEFFN
@@ -34,8 +34,8 @@ def tiny(tmp_path_factory):
 
 def test_sampling_is_reproducible_and_top_k_1_is_greedy(tiny):
     _, model = tiny
-    greedy = generate(model, PROMPTS, 12)
-    sample = lambda **kw: generate(model, PROMPTS, 12, sampling=Sampling(**kw))
+    greedy = generate(model, PROMPTS, Decoding(12))
+    sample = lambda **kw: generate(model, PROMPTS, Decoding(12, sampling=Sampling(**kw)))
     assert sample(temperature=1.0, top_k=1, seed=3) == greedy
     assert sample(temperature=5.0, top_k=1, top_p=0.5, seed=4) == greedy
     a, b = sample(temperature=1.5, seed=7), sample(temperature=1.5, seed=7)
@@ -55,13 +55,13 @@ def test_top_k_and_top_p_draw_only_from_their_sets():
 
 def test_stop_tokens_and_stop_callback_end_rows(tiny):
     _, model = tiny
-    free = generate(model, PROMPTS, 10)
+    free = generate(model, PROMPTS, Decoding(10))
     stop_token = free[0][3]
-    stopped = generate(model, PROMPTS, 10, stop_tokens=[stop_token])
+    stopped = generate(model, PROMPTS, Decoding(10, stop_tokens=[stop_token]))
     for full, cut in zip(free, stopped):
         end = full.index(stop_token) + 1 if stop_token in full else len(full)
         assert cut == full[:end]
-    called = generate(model, PROMPTS, 10, stop=lambda ids: len(ids) >= 4 and ids[-1] % 2 == 0)
+    called = generate(model, PROMPTS, Decoding(10, stop=lambda ids: len(ids) >= 4 and ids[-1] % 2 == 0))
     for full, cut in zip(free, called):
         assert cut == full[:len(cut)]
         assert len(cut) == 10 or (len(cut) >= 4 and cut[-1] % 2 == 0)
@@ -108,7 +108,7 @@ def test_cli_json_lines_with_stop_strings(tiny, tmp_path, capsys):
     free = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["prompt"] for r in free] == prompts
     tok = load_tokenizer(path)
-    ids = generate(model, [tok.encode(p) for p in prompts], 8)
+    ids = generate(model, [tok.encode(p) for p in prompts], Decoding(8))
     assert [r["completion"] for r in free] == [tok.decode(o) for o in ids]
     assert [tok.encode(p) for p in prompts] == [[WORDS.index(w) + 2 for w in p.split()] for p in prompts]
     stop = free[0]["completion"].split()[2]

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cmoe_jax.eval.generate import generate
+from cmoe_jax.generate import Decoding, generate
 from cmoe_jax.loading import load_model
 from tests.conftest import dense_and_converted, tiny_hf_model
 
@@ -40,7 +40,7 @@ def test_greedy_equals_transformers_generate(family, tmp_path):
     hf.save_pretrained(tmp_path)
     model = load_model(str(tmp_path), progress=False).model
     prompts = _prompts()
-    ours = generate(model, prompts, 32, batch_size=8)
+    ours = generate(model, prompts, Decoding(32, batch_size=8))
     assert ours == _hf_greedy(hf, prompts, 32)
 
 
@@ -52,8 +52,8 @@ def test_cache_growth_and_small_batches_give_the_same_tokens(tmp_path):
     model = load_model(str(tmp_path), progress=False).model
     prompts = _prompts(lengths=(140, 3, 11, 20))  # 140: a prefill of two query blocks
     expected = _hf_greedy(hf, prompts, 60)
-    assert generate(model, prompts, 60, batch_size=2) == expected
-    assert generate(model, prompts[:1], 60, batch_size=1) == expected[:1]
+    assert generate(model, prompts, Decoding(60, batch_size=2)) == expected
+    assert generate(model, prompts[:1], Decoding(60, batch_size=1)) == expected[:1]
 
 
 def _assert_uncached_argmax(model, prompts, outputs):
@@ -98,6 +98,6 @@ def _converted(kind, tmp_path):
 def test_cached_decode_equals_uncached_argmax(kind, tmp_path):
     model = _converted(kind, tmp_path)
     prompts = _prompts(vocab=model.config.vocab_size, lengths=(6, 11, 2))
-    outputs = generate(model, prompts, 16, batch_size=4)
+    outputs = generate(model, prompts, Decoding(16, batch_size=4))
     assert all(len(o) == 16 for o in outputs)
     _assert_uncached_argmax(model, prompts, outputs)

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.convert import ConvertConfig, convert_model
-from cmoe_jax.eval.loglikelihood import encode_pair, length_bucket, score_requests
+from cmoe_jax.data import length_bucket
+from cmoe_jax.eval.loglikelihood import encode_pair, score_requests
 from cmoe_jax.loading import load_model
 from conftest import WORDS
 

@@ -19,10 +19,10 @@ LAYERS = [
     {"models", "data"},
     {"checkpoint", "profiling", "carving"},
     {"loading"},
-    {"methods"},
+    {"methods", "generate"},  # generate: the KV-cache engine and its CLI, which eval's tasks use
     {"jobs"},  # job staging, lock, resume and publish: used by every output-writing job
     {"convert", "train", "eval", "export", "compress"},
-    {"demo", "__init__", "downcycle", "generate", "commands"},
+    {"demo", "__init__", "downcycle", "commands"},
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
 

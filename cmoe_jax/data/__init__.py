@@ -2,8 +2,8 @@
 from cmoe_jax.data.text_sources import (C4_DOCUMENTS, C4_WINDOWS, DATASETS, SOURCES, DataError,
                                         default_split, join_items, load_items, load_text,
                                         load_text_tokens)
-from cmoe_jax.data.windows import calibration_windows, eval_windows, text_windows
+from cmoe_jax.data.windows import calibration_windows, eval_windows, length_bucket, text_windows
 
 __all__ = ["C4_DOCUMENTS", "C4_WINDOWS", "DATASETS", "SOURCES", "DataError", "default_split",
            "join_items", "load_items", "load_text", "load_text_tokens", "calibration_windows",
-           "eval_windows", "text_windows"]
+           "eval_windows", "length_bucket", "text_windows"]

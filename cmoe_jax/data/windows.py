@@ -82,3 +82,15 @@ def calibration_windows(tokens, n_samples: int, seqlen: int, seed: int,
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, len(tokens) - seqlen, size=n_samples)
     return np.stack([tokens[s:s + seqlen] for s in starts]).astype(np.int32)
+
+
+def length_bucket(n: int, limit: int) -> int:
+    """Smallest rung >= n of the ladder 16, 24, 32, 40, 48, 64, 80, 96, 128, ... (capped at limit).
+
+    Rungs grow by ~1.25x (rounded up to multiples of 8), so padding wastes at most ~25% while
+    a whole ARC-sized task compiles half a dozen shapes.
+    """
+    rung = 16
+    while rung < n:
+        rung = -(-int(rung * 1.25) // 8) * 8
+    return min(rung, max(limit, n))

@@ -32,7 +32,7 @@ from lm_eval import utils  # noqa: E402
 from lm_eval.api.model import TemplateLM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 
-from cmoe_jax.eval.generate import generate  # noqa: E402
+from cmoe_jax.generate import Decoding, generate  # noqa: E402
 from cmoe_jax.eval.loglikelihood import score_requests  # noqa: E402
 
 
@@ -116,7 +116,7 @@ class CmoeJaxLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuations, cut at the first `until` string (sampling is not supported).
         Requests sharing their stop strings and length are generated together, in batches of
-        `batch_size`, with the KV cache (`cmoe_jax.eval.generate`)."""
+        `batch_size`, with the KV cache (`cmoe_jax.generate`)."""
         groups: dict[tuple, list[int]] = {}
         for i, req in enumerate(requests):
             kwargs = dict(req.args[1] or {})
@@ -130,8 +130,9 @@ class CmoeJaxLM(TemplateLM):
         for (until, max_new), members in groups.items():
             stop = lambda ids, until=until: any(u in self.tok_decode(ids) for u in until)
             contexts = [self.tok_encode(requests[i].args[0]) for i in members]
-            generated = generate(self.lm.model, contexts, max_new, stop=stop, stop_tokens=[eot],
-                                 batch_size=self.batch_size, max_length=self.max_length,
+            decoding = Decoding(max_new, stop_tokens=[eot], stop=stop, max_length=self.max_length,
+                                batch_size=self.batch_size)
+            generated = generate(self.lm.model, contexts, decoding,
                                  progress=self.progress and not disable_tqdm)
             for i, ids in zip(members, generated):
                 text = self.tok_decode([t for t in ids if t != eot])

@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from cmoe_jax.data import length_bucket
 from cmoe_jax.errors import InputError
 from cmoe_jax.sharding import make_mesh, placed_split
 
@@ -56,18 +57,6 @@ def encode_pair(encode, context: str, continuation: str, prefix_token: int | Non
     whole = list(encode(context + continuation))
     n_context = len(encode(context))
     return whole[:n_context], whole[n_context:]
-
-
-def length_bucket(n: int, limit: int) -> int:
-    """Smallest rung >= n of the ladder 16, 24, 32, 40, 48, 64, 80, 96, 128, ... (capped at limit).
-
-    Rungs grow by ~1.25x (rounded up to multiples of 8), so padding wastes at most ~25% while
-    a whole ARC-sized task compiles half a dozen shapes.
-    """
-    rung = 16
-    while rung < n:
-        rung = -(-int(rung * 1.25) // 8) * 8
-    return min(rung, max(limit, n))
 
 
 def _pow2_at_least(n: int, floor: int = 4) -> int:

@@ -1,5 +1,5 @@
 """`python -m cmoe_jax.generate`: text continuations (or chat answers) of a dense or converted
-model, with the KV-cache generation of `cmoe_jax.eval.generate`.
+model, with the KV-cache generation of `cmoe_jax.generate.engine`.
 
 One prompt streams its answer to stdout as it is made; several print one JSON object a line
 (`prompt`, `completion`, `tokens`, `finish`: "stop" or "length") once all are done. Arguments,
@@ -67,7 +67,7 @@ def _prompts(args) -> list[str]:
 
 
 def _validate(args):
-    from cmoe_jax.eval.generate import Sampling
+    from cmoe_jax.generate.engine import Sampling
 
     if args.max_new_tokens < 1:
         raise CmoeError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -153,7 +153,7 @@ def run(args) -> dict:
                         f"{cfg.max_position_embeddings} tokens")
     import jax.numpy as jnp
 
-    from cmoe_jax.eval.generate import generate
+    from cmoe_jax.generate.engine import Decoding, generate
     from cmoe_jax.loading import load_model
 
     model = load_model(args.model, dtype=getattr(jnp, args.dtype), progress=False).model
@@ -168,9 +168,9 @@ def run(args) -> dict:
             sys.stdout.flush()
 
     start = time.perf_counter()
-    outputs = generate(model, ids, args.max_new_tokens, sampling=sampling, stop_tokens=stop_ids,
-                       stop=(lambda out: _stopped_by_string(tokenizer, args.stop, out)) if args.stop else None,
-                       batch_size=args.batch_size, on_token=on_token)
+    by_string = (lambda out: _stopped_by_string(tokenizer, args.stop, out)) if args.stop else None
+    decoding = Decoding(args.max_new_tokens, sampling, stop_ids, by_string, batch_size=args.batch_size)
+    outputs = generate(model, ids, decoding, on_token=on_token)
     seconds = time.perf_counter() - start
     if stream:
         print(rows[0].ready(final=True), flush=True)
@@ -193,7 +193,3 @@ def _stopped_by_string(tokenizer, stops, ids) -> bool:
 
 def main(argv=None, prog: str = "python -m cmoe_jax.generate") -> int:
     return command_main(parse_args, run, None, argv, prog)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +22,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from cmoe_jax.data import length_bucket
 from cmoe_jax.errors import InputError
-from cmoe_jax.eval.loglikelihood import length_bucket
 from cmoe_jax.models.kv_cache import KVCache
 from cmoe_jax.sharding import make_mesh, placed_split
 
@@ -69,38 +69,61 @@ def choose(logits: jax.Array, key, temperature, top_k, top_p, greedy: bool) -> j
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+class StepInput(NamedTuple):
+    """One step's rows: `tokens [B, T]` to read, which of them are `real` (not left padding),
+    their `positions`, and the cache `slot` the first of them is written at."""
+
+    tokens: jax.Array
+    real: jax.Array
+    positions: jax.Array
+    slot: jax.Array
+
+
+class Knobs(NamedTuple):
+    """`Sampling`'s temperature, top-k and top-p as device scalars (traced, not static)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("greedy",), donate_argnums=(2,))
-def _step(graphdef, state, cache: KVCache, tokens, real, positions, slot, key, temperature, top_k,
-          top_p, *, greedy: bool):
-    """(next token [B] after the last column of `tokens [B, T]`, the cache with them written):
-    the prefill (T = the padded prompt, slot 0) and every decode step (T = 1)."""
+def _step(graphdef, state, cache: KVCache, step: StepInput, key, knobs: Knobs, *, greedy: bool):
+    """(next token [B] after the last column of `step.tokens [B, T]`, the cache with them
+    written): the prefill (T = the padded prompt, slot 0) and every decode step (T = 1)."""
     model = nnx.merge(graphdef, state)
-    cache = cache.mark(real, slot)
-    h, cache = model.run_cached(tokens, positions, cache, slot)
+    cache = cache.mark(step.real, step.slot)
+    h, cache = model.run_cached(step.tokens, step.positions, cache, step.slot)
     logits = model.unembed(h[:, -1:])[:, 0]
-    return choose(logits, key, temperature, top_k, top_p, greedy), cache
+    return choose(logits, key, *knobs, greedy), cache
 
 
 def _pow2_at_least(n: int, floor: int = 32) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
-def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-             sampling: Sampling = Sampling(), stop: Callable[[list[int]], bool] | None = None,
-             stop_tokens: Sequence[int] = (), batch_size: int = 8, mesh: Mesh | None = None,
-             max_length: int | None = None, on_token: Callable[[int, int], None] | None = None,
-             progress: bool = False) -> list[list[int]]:
-    """Continuations (token ids) of each prompt, a stop token included when one ended it.
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """How prompts are continued: at most `max_new_tokens` tokens a row, chosen by
+    `sampling`; a row also ends at one of `stop_tokens`, once `stop(ids)` says its generated
+    ids should end it (stop strings), or at `max_length` tokens with its prompt (default: the
+    model's context; prompts are cut from the left to leave room for `max_new_tokens`).
+    `batch_size` prompts run together."""
 
-    `stop(ids)`: true once a row's generated ids should end it (stop strings); `on_token(i,
-    token)` is called for every token of prompt i as it is made (streaming). Prompts are cut
-    from the left to leave room for `max_new_tokens` within `max_length` (default: the
-    model's context). Rows are split over the mesh's "data" axis."""
+    max_new_tokens: int = 128
+    sampling: Sampling = Sampling()
+    stop_tokens: Sequence[int] = ()
+    stop: Callable[[list[int]], bool] | None = None
+    max_length: int | None = None
+    batch_size: int = 8
+
+
+def _checked_prompts(model, prompts, decoding: Decoding) -> tuple[list[list[int]], int]:
+    """(the prompts cut from the left to leave room for the answer, the length limit)."""
+    max_new_tokens = decoding.max_new_tokens
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    mesh = make_mesh() if mesh is None else mesh
-    n_data = dict(mesh.shape)["data"]
-    max_length = max_length or getattr(model.config, "max_position_embeddings", None) or 2048
+    max_length = decoding.max_length or getattr(model.config, "max_position_embeddings", None) or 2048
     if max_new_tokens >= max_length:
         raise InputError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the "
                          f"model's context of {max_length} tokens")
@@ -108,13 +131,27 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
     prompts = [list(p)[-keep:] for p in prompts]
     if any(not p for p in prompts):
         raise InputError("every prompt needs at least one token")
-    rows = -(-max(1, min(batch_size, len(prompts))) // n_data) * n_data
+    return prompts, max_length
+
+
+def generate(model, prompts: Sequence[Sequence[int]], decoding: Decoding = Decoding(), *,
+             mesh: Mesh | None = None, on_token: Callable[[int, int], None] | None = None,
+             progress: bool = False) -> list[list[int]]:
+    """Continuations (token ids) of each prompt, a stop token included when one ended it.
+
+    `on_token(i, token)` is called for every token of prompt i as it is made (streaming).
+    Rows are split over the mesh's "data" axis."""
+    prompts, max_length = _checked_prompts(model, prompts, decoding)
+    mesh = make_mesh() if mesh is None else mesh
+    n_data = dict(mesh.shape)["data"]
+    rows = -(-max(1, min(decoding.batch_size, len(prompts))) // n_data) * n_data
     graphdef, state = placed_split(model, mesh)
-    stop_tokens = frozenset(int(t) for t in stop_tokens)
+    max_new_tokens, stop = decoding.max_new_tokens, decoding.stop
+    stop_tokens = frozenset(int(t) for t in decoding.stop_tokens)
     outputs: list[list[int]] = [[] for _ in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
     bar = tqdm(total=len(prompts), unit="req", desc="generate", disable=not progress)
-    run = _Batch(graphdef, state, model, mesh, rows, sampling, max_new_tokens, max_length)
+    run = _Batch(graphdef, state, model, mesh, rows, decoding.sampling, max_new_tokens, max_length)
     for b, start in enumerate(range(0, len(order), rows)):
         chosen = order[start:start + rows]
 
@@ -145,12 +182,13 @@ class _Batch:
         self.cache_sharding = KVCache(NamedSharding(mesh, P(None, "data")),
                                       NamedSharding(mesh, P(None, "data")), self.rows_sharding)
         s = sampling
-        self.knobs = (jnp.float32(max(s.temperature, 1e-6)), jnp.int32(s.top_k), jnp.float32(s.top_p))
+        self.knobs = Knobs(jnp.float32(max(s.temperature, 1e-6)), jnp.int32(s.top_k), jnp.float32(s.top_p))
 
     def _call(self, cache, tokens, real, positions, slot, key):
         put = lambda a: jax.device_put(a, self.rows_sharding)
-        return _step(self.graphdef, self.state, cache, put(tokens), put(real), put(positions),
-                     jnp.int32(slot), key, *self.knobs, greedy=self.sampling.greedy)
+        step = StepInput(put(tokens), put(real), put(positions), jnp.int32(slot))
+        return _step(self.graphdef, self.state, cache, step, key, self.knobs,
+                     greedy=self.sampling.greedy)
 
     def __call__(self, batch_index: int, prompts: list[list[int]], emit) -> None:
         """`emit(row, token) -> done` for each row's new token until every row is done."""

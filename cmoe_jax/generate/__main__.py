@@ -1,0 +1,3 @@
+from cmoe_jax.generate.cli import main
+
+raise SystemExit(main())
