@@ -156,6 +156,76 @@ def _batch_arrays(prepared, batch, rows: int, length: int, slots: int):
     return (tokens, positions, segments, slot_pos, labels), owner
 
 
+class _Layout:
+    """The packed rows, longest first, with each row's (tokens, slots) size and length rung,
+    and one slot count per rung (the power of two that fits its every row): one compiled
+    shape per rung."""
+
+    def __init__(self, prepared, todo, max_length: int, share_context: bool):
+        rows = _pack_rows(prepared, todo, max_length, share_context)
+        self.size = {id(r): _row_length(prepared, r) for r in rows}
+        self.rung = {id(r): length_bucket(self.size[id(r)][0], max_length) for r in rows}
+        # longest first, and within one length rung by slots: few (rung, slots) shapes
+        rows.sort(key=lambda r: (self.rung[id(r)], self.size[id(r)][1], self.size[id(r)][0]),
+                  reverse=True)
+        self.rows = rows
+        self.slots = collections.defaultdict(int)
+        for r in rows:
+            self.slots[self.rung[id(r)]] = max(self.slots[self.rung[id(r)]],
+                                               _pow2_at_least(self.size[id(r)][1]))
+
+    def shape(self, batch) -> tuple[int, int]:
+        """(row length, scored slots) of a batch of rows."""
+        return (max(self.rung[id(r)] for r in batch),
+                max(self.slots[self.rung[id(r)]] for r in batch))
+
+
+class _Tally:
+    """Per request: the summed log-prob (float64) and whether every token was the greedy one,
+    filled from each step's output once it is ready."""
+
+    def __init__(self, n: int, bar):
+        self.sums, self.greedy_all, self.bar = np.zeros(n, np.float64), np.ones(n, bool), bar
+
+    def add(self, owner, out) -> None:
+        logp, greedy = out
+        scored = owner >= 0
+        np.add.at(self.sums, owner[scored], np.asarray(logp, np.float64)[scored])
+        np.logical_and.at(self.greedy_all, owner[scored], np.asarray(greedy)[scored])
+        self.bar.update(len(np.unique(owner[scored])))
+
+    def results(self) -> list[tuple[float, bool]]:
+        return [(float(s), bool(g)) for s, g in zip(self.sums, self.greedy_all)]
+
+
+def _run_batches(graphdef, state, sharding, prepared, layout: _Layout, n_rows: int,
+                 tally: _Tally) -> collections.Counter:
+    """Score every batch of `n_rows` rows, dispatching the next step before reading the last
+    one's output; counts tokens, padded tokens, shapes and the first calls' seconds."""
+    stats = collections.Counter()
+    shapes = set()
+    pending = collections.deque()
+    for start in range(0, len(layout.rows), n_rows):
+        batch = layout.rows[start:start + n_rows]
+        length, width = layout.shape(batch)
+        arrays, owner = _batch_arrays(prepared, batch, n_rows, length, width)
+        stats["tokens"] += sum(layout.size[id(r)][0] for r in batch)
+        stats["padded_tokens"] += n_rows * length
+        t0 = time.perf_counter()
+        out = _score_step(graphdef, state, *jax.device_put(arrays, sharding))
+        if (length, width) not in shapes:  # first call traces and compiles: time it apart
+            shapes.add((length, width))
+            jax.block_until_ready(out)
+            stats["compile_seconds"] += time.perf_counter() - t0
+        pending.append((owner, out))
+        if len(pending) > 1:
+            tally.add(*pending.popleft())
+    while pending:
+        tally.add(*pending.popleft())
+    stats["shapes"] = len(shapes)
+    return stats
+
+
 def score_requests(model, requests, batch_size: int = 32, mesh: Mesh | None = None,
                    max_length: int | None = None, progress: bool = True, desc: str = "loglikelihood",
                    share_context: bool = True):
@@ -181,54 +251,14 @@ def score_requests(model, requests, batch_size: int = 32, mesh: Mesh | None = No
     max_length = max_length or getattr(cfg, "max_position_embeddings", None) or 2048
     prepared = _prepare(requests, max_length)
     todo = [i for i, (_, cont) in enumerate(prepared) if cont]  # empty continuation: (0.0, True)
-    rows = _pack_rows(prepared, todo, max_length, share_context)
-    size = {id(r): _row_length(prepared, r) for r in rows}
-    rung = {id(r): length_bucket(size[id(r)][0], max_length) for r in rows}
-    # longest first, and within one length rung by slots: few (rung, slots) shapes
-    rows.sort(key=lambda r: (rung[id(r)], size[id(r)][1], size[id(r)][0]), reverse=True)
-    slots = collections.defaultdict(int)  # one slot count per rung: one shape per rung
-    for r in rows:
-        slots[rung[id(r)]] = max(slots[rung[id(r)]], _pow2_at_least(size[id(r)][1]))
-    sums = np.zeros(len(prepared), np.float64)
-    greedy_all = np.ones(len(prepared), bool)
-
+    layout = _Layout(prepared, todo, max_length, share_context)
     graphdef, state = placed_split(model, mesh)
-    sharding = NamedSharding(mesh, P("data"))
-    stats = collections.Counter()
-    shapes = set()
-    pending = collections.deque()
-    bar = tqdm(total=len(todo), unit="req", desc=desc, disable=not progress)
-
-    def collect():
-        owner, (logp, greedy) = pending.popleft()
-        scored = owner >= 0
-        np.add.at(sums, owner[scored], np.asarray(logp, np.float64)[scored])
-        np.logical_and.at(greedy_all, owner[scored], np.asarray(greedy)[scored])
-        bar.update(len(np.unique(owner[scored])))
-
+    tally = _Tally(len(prepared), tqdm(total=len(todo), unit="req", desc=desc, disable=not progress))
     t_start = time.perf_counter()
-    for start in range(0, len(rows), n_rows):
-        batch = rows[start:start + n_rows]
-        length = max(rung[id(r)] for r in batch)
-        width = max(slots[rung[id(r)]] for r in batch)
-        arrays, owner = _batch_arrays(prepared, batch, n_rows, length, width)
-        stats["tokens"] += sum(size[id(r)][0] for r in batch)
-        stats["padded_tokens"] += n_rows * length
-        t0 = time.perf_counter()
-        out = _score_step(graphdef, state, *jax.device_put(arrays, sharding))
-        if (length, width) not in shapes:  # first call traces and compiles: time it apart
-            shapes.add((length, width))
-            jax.block_until_ready(out)
-            stats["compile_seconds"] += time.perf_counter() - t0
-        pending.append((owner, out))
-        if len(pending) > 1:
-            collect()
-    while pending:
-        collect()
-    bar.close()
+    stats = _run_batches(graphdef, state, NamedSharding(mesh, P("data")), prepared, layout, n_rows, tally)
+    tally.bar.close()
     seconds = time.perf_counter() - t_start
-    results = [(float(sums[i]), bool(greedy_all[i])) for i in range(len(prepared))]
-    return results, {"requests": len(prepared), "rows": len(rows), "tokens": stats["tokens"],
-                     "padded_tokens": stats["padded_tokens"], "seconds": seconds,
-                     "compile_seconds": stats["compile_seconds"], "shapes": len(shapes),
-                     "devices": n_data, "batch_size": n_rows}
+    return tally.results(), {"requests": len(prepared), "rows": len(layout.rows), "tokens": stats["tokens"],
+                             "padded_tokens": stats["padded_tokens"], "seconds": seconds,
+                             "compile_seconds": stats["compile_seconds"], "shapes": stats["shapes"],
+                             "devices": n_data, "batch_size": n_rows}

@@ -84,6 +84,49 @@ def _check_windows(model, windows) -> np.ndarray:
     return windows.astype(np.int32, copy=False)
 
 
+def _windows_per_step(batch_size: int | None, n: int, n_data: int) -> int:
+    """Windows a step reads: `batch_size` (default one a device), no more than the `n` there
+    are, rounded up to a multiple of the data-parallel size."""
+    per_step = max(1, batch_size or n_data)
+    per_step = min(per_step, n)  # no point in padding beyond the data
+    return -(-per_step // n_data) * n_data
+
+
+def _batches(windows: np.ndarray, per_step: int, sharding):
+    """(real windows, the batch placed on the devices) for each step; the last batch is
+    filled with dummy copies of the first window, dropped from the sums."""
+    for start in range(0, len(windows), per_step):
+        batch = windows[start:start + per_step]
+        real = len(batch)
+        if real < per_step:
+            batch = np.concatenate([batch, np.repeat(windows[:1], per_step - real, axis=0)])
+        yield real, jax.device_put(batch, sharding)
+
+
+def _window_nlls(step, state, batches, bar, t: int) -> np.ndarray:
+    """Summed NLL of each real window, in order; the next step is dispatched before the last
+    one's output is read, and the bar shows the running perplexity."""
+    total, done, per_window = 0.0, 0, []
+    pending = collections.deque()
+
+    def collect():
+        nonlocal total, done
+        real, out = pending.popleft()
+        per_window.append(np.asarray(out)[:real])
+        total += float(np.asarray(out, dtype=np.float64)[:real].sum())
+        done += real
+        bar.update(real * (t - 1))
+        bar.set_postfix(ppl=f"{math.exp(total / (done * (t - 1))):.4f}", refresh=False)
+
+    for real, batch in batches:
+        pending.append((real, step(state, batch)))  # dispatch the next step before waiting
+        if len(pending) > 1:
+            collect()
+    while pending:
+        collect()
+    return np.concatenate(per_window)
+
+
 def perplexity(model, windows, batch_size: int | None = None, mesh: Mesh | None = None,
                progress: bool = True) -> dict:
     """Perplexity of `model` on int32 `windows` [N, T].
@@ -107,49 +150,19 @@ def perplexity(model, windows, batch_size: int | None = None, mesh: Mesh | None 
     if "data" not in mesh.axis_names:
         raise ValueError(f"the mesh needs a 'data' axis, it has {mesh.axis_names}")
     n_data = dict(mesh.shape)["data"]
-    per_step = max(1, batch_size or n_data)
-    per_step = min(per_step, n)  # no point in padding beyond the data
-    per_step = -(-per_step // n_data) * n_data  # a multiple of the data-parallel size
+    per_step = _windows_per_step(batch_size, n, n_data)
     batch_sharding = NamedSharding(mesh, P("data"))
-
     graphdef, state = placed_split(model, mesh)
-
-    def batches():
-        for start in range(0, n, per_step):
-            batch = windows[start:start + per_step]
-            real = len(batch)
-            if real < per_step:  # dummy copies of the first window; dropped from the sums
-                batch = np.concatenate([batch, np.repeat(windows[:1], per_step - real, axis=0)])
-            yield real, jax.device_put(batch, batch_sharding)
-
     t0 = time.perf_counter()
     step = _compiled_step(graphdef, state, (per_step, t), batch_sharding)
     compile_seconds = time.perf_counter() - t0
-
-    total, done, per_window = 0.0, 0, []
     bar = tqdm(total=n * (t - 1), unit="tok", unit_scale=True, desc="perplexity", disable=not progress)
-    pending = collections.deque()
     t0 = time.perf_counter()
-
-    def collect():
-        nonlocal total, done
-        real, out = pending.popleft()
-        per_window.append(np.asarray(out)[:real])
-        total += float(np.asarray(out, dtype=np.float64)[:real].sum())
-        done += real
-        bar.update(real * (t - 1))
-        bar.set_postfix(ppl=f"{math.exp(total / (done * (t - 1))):.4f}", refresh=False)
-
-    for real, batch in batches():
-        pending.append((real, step(state, batch)))  # dispatch the next step before waiting
-        if len(pending) > 1:
-            collect()
-    while pending:
-        collect()
+    per_window = _window_nlls(step, state, _batches(windows, per_step, batch_sharding), bar, t)
     seconds = time.perf_counter() - t0
     bar.close()
     # summed in window order on every process: the same bits whatever the process count
-    per_window = distributed.gather_rows(np.concatenate(per_window))
+    per_window = distributed.gather_rows(per_window)
     n = len(per_window)
     tokens = n * (t - 1)
     mean = float(per_window.astype(np.float64).sum()) / tokens
