@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import interleaved_times, load_average, machine_busy  # noqa: E402
 
 LOAD_AT_START = load_average()
-from cmoe_jax.moe.dispatch import routed_experts
+from cmoe_jax.moe.dispatch import GLUExperts, routed_experts
 from cmoe_jax.moe.gmm import BACKENDS, get_gmm, resolve_backend
 from cmoe_jax.moe.routers import cmoe_scores
 
@@ -85,7 +85,7 @@ def make_moe(top_k: int, gmm, num_experts: int):
     def moe(x, shared, experts, router, offsets):
         logits = router_scores(x, router, num_experts) + offsets
         gates, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
-        routed, counts = routed_experts(x, ids.astype(jnp.int32), gates, *experts, gmm)
+        routed, counts = routed_experts(x, ids.astype(jnp.int32), gates, GLUExperts(*experts, gmm))
         return (swiglu(x, *shared).astype(jnp.float32) + routed).astype(x.dtype), counts
     return jax.jit(moe)
 

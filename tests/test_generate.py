@@ -13,7 +13,7 @@ from cmoe_jax.generate import Decoding, Sampling, choose, generate
 from cmoe_jax.generate import main as generate_main
 from cmoe_jax.loading import load_model, load_tokenizer
 from cmoe_jax.moe import MoEFFN
-from cmoe_jax.moe.dispatch import routed_experts
+from cmoe_jax.moe.dispatch import GLUExperts, routed_experts
 from cmoe_jax.moe.gmm import get_gmm
 from cmoe_jax.moe.hierarchical import HierMoEFFN
 from cmoe_jax.moe.dispatch import gathered_experts
@@ -76,7 +76,7 @@ def test_gathered_experts_equal_the_sort_dispatch(dtype):
     ids = jnp.asarray([[1, 4], [4, 0], [1, 5]], jnp.int32)
     gates = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
     y, counts = gathered_experts(x, ids, gates, *w)
-    ref, sizes = routed_experts(x, ids, gates, *w, get_gmm("dense"))
+    ref, sizes = routed_experts(x, ids, gates, GLUExperts(*w, get_gmm("dense")))
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=2e-2 if dtype == jnp.bfloat16 else 1e-5,
                                atol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
     np.testing.assert_array_equal(counts, sizes)

@@ -60,6 +60,7 @@ SCRIPT = textwrap.dedent('''
 
     def check_lora_adapters():
         """Per-expert adapters (the LoRA training path) are split and applied like the weights."""
+        from cmoe_jax.moe.dispatch import GLUExperts
         from cmoe_jax.moe.expert_parallel import routed_swiglu_experts
         from cmoe_jax.moe.gmm import get_gmm
         keys = iter(jax.random.split(jax.random.PRNGKey(2), 12))
@@ -79,8 +80,8 @@ SCRIPT = textwrap.dedent('''
             return lora
 
         def loss(weights, adapters, x):
-            out, counts = routed_swiglu_experts(x, ids, gates, weights, gmm, adapters=adapters,
-                                                make_lora=make_lora)
+            out, counts = routed_swiglu_experts(x, ids, gates, GLUExperts(*weights, gmm),
+                                                adapters=adapters, make_lora=make_lora)
             return jnp.sum(jnp.sin(out)), counts
 
         fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))

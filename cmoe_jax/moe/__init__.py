@@ -16,7 +16,7 @@ Example::
     layer = MoEFFN(576, 192, 8, 2, shared_width=192, rngs=nnx.Rngs(0))
 """
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
-from cmoe_jax.moe.dispatch import routed_experts
+from cmoe_jax.moe.dispatch import GLUExperts, routed_experts
 from cmoe_jax.moe.expert_parallel import routed_experts_sharded, routed_swiglu_experts
 from cmoe_jax.moe.gmm import BACKENDS, get_gmm, resolve_backend
 from cmoe_jax.moe.gmm import gmm as grouped_matmul
@@ -30,5 +30,5 @@ from cmoe_jax.moe.routers import ROUTER_KINDS, RouterKind
 # function is exported as `grouped_matmul`, never bound to the subpackage's name here.
 __all__ = ["MoEFFN", "HierMoEFFN", "RouterOutput", "RouterKind", "ROUTER_KINDS", "RouterBias",
            "update_router_bias", "grouped_matmul", "get_gmm", "resolve_backend", "BACKENDS",
-           "routed_experts", "routed_experts_sharded", "routed_swiglu_experts",
+           "GLUExperts", "routed_experts", "routed_experts_sharded", "routed_swiglu_experts",
            "ExpertParallelWarning"]

@@ -8,6 +8,7 @@ per-token sum over the selected experts of `gate * expert(x)`.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, NamedTuple
 
 import jax
@@ -31,39 +32,50 @@ def plan(expert_ids: jax.Array, num_experts: int) -> Dispatch:
     return Dispatch(order, inverse, sizes)
 
 
-def routed_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
-                   w_up: jax.Array, w_down: jax.Array, gmm: Callable,
-                   lora: Callable | None = None, activation: str = "silu"
+@dataclasses.dataclass(frozen=True)
+class GLUExperts:
+    """The routed experts and how they run: `w_gate`, `w_up` `[E, d, m]` and `w_down`
+    `[E, m, d]`; `gmm(lhs, rhs, sizes)` a grouped-matmul backend (`cmoe_jax.moe.gmm.get_gmm`);
+    `lora(name, rows, group_sizes)`, optional, adds a low-rank delta to the projection `name`
+    ("gate", "up" or "down") of the sorted rows (or returns None for none): LoRA adapters
+    stacked per expert run through the same grouped matmuls (`cmoe_jax.train`);
+    `activation` a `cmoe_jax.moe.activations` name."""
+
+    w_gate: jax.Array
+    w_up: jax.Array
+    w_down: jax.Array
+    gmm: Callable
+    lora: Callable | None = None
+    activation: str = "silu"
+
+    @property
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return self.w_gate, self.w_up, self.w_down
+
+
+def routed_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, experts: GLUExperts
                    ) -> tuple[jax.Array, jax.Array]:
     """sum_k gates[t, k] * expert_{ids[t, k]}(x[t]) for `x [T, d]`; also the group sizes.
 
-    `w_gate`, `w_up` are `[E, d, m]`, `w_down` `[E, m, d]`; `gmm(lhs, rhs, sizes)` is a grouped
-    matmul backend (`cmoe_jax.moe.gmm.get_gmm`). The k expert outputs of a token are summed
-    in float32.
-
-    `lora(name, rows, group_sizes)`, optional, adds a low-rank delta to the projection `name`
-    ("gate", "up" or "down") of the sorted rows (or returns None for none): LoRA adapters
-    stacked per expert run through the same grouped matmuls (`cmoe_jax.train`).
+    The k expert outputs of a token are summed in float32.
     """
     num_tokens, top_k = expert_ids.shape
-    d = plan(expert_ids, w_gate.shape[0])
-    ys = expert_swiglu(x[d.order // top_k], d.group_sizes, w_gate, w_up, w_down, gmm, lora,
-                       activation)
+    d = plan(expert_ids, experts.w_gate.shape[0])
+    ys = expert_swiglu(x[d.order // top_k], d.group_sizes, experts)
     return combine(ys[d.inverse], gates), d.group_sizes
 
 
-def expert_swiglu(rows: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                  w_down: jax.Array, gmm: Callable, lora: Callable | None = None,
-                  activation: str = "silu") -> jax.Array:
-    """Each expert's GLU (`activation`, a `cmoe_jax.moe.activations` name) on its rows
-    (`rows` sorted by expert, `group_sizes [E]`)."""
+def expert_swiglu(rows: jax.Array, group_sizes: jax.Array, experts: GLUExperts) -> jax.Array:
+    """Each expert's GLU on its rows (`rows` sorted by expert, `group_sizes [E]`)."""
+    gmm, lora = experts.gmm, experts.lora
+
     def proj(name, inp, w):
         y = gmm(inp, w, group_sizes)
         delta = lora(name, inp, group_sizes) if lora is not None else None
         return y if delta is None else y + delta.astype(y.dtype)
 
-    h = glu_activation(activation)(proj("gate", rows, w_gate)) * proj("up", rows, w_up)
-    return proj("down", h.astype(rows.dtype), w_down)
+    h = glu_activation(experts.activation)(proj("gate", rows, experts.w_gate)) * proj("up", rows, experts.w_up)
+    return proj("down", h.astype(rows.dtype), experts.w_down)
 
 
 def combine(ys: jax.Array, gates: jax.Array) -> jax.Array:

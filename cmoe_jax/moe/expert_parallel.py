@@ -20,13 +20,14 @@ never gathered: a device only ever holds its own tokens and the rows sent to its
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from cmoe_jax.moe.dispatch import combine, expert_swiglu, plan, routed_experts
+from cmoe_jax.moe.dispatch import GLUExperts, combine, expert_swiglu, plan, routed_experts
 from cmoe_jax.moe.modes import DEFAULT_EXPERT_AXIS, expert_axis_size, expert_parallel_active
 
 __all__ = ["DEFAULT_EXPERT_AXIS", "expert_axis_size", "routed_experts_sharded",
@@ -104,30 +105,31 @@ def routed_experts_sharded(x: jax.Array, expert_ids: jax.Array, gates: jax.Array
     return fn(x, expert_ids, gates, params)
 
 
-def routed_swiglu_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, weights: tuple,
-                          gmm: Callable, *, expert_axis: str | None = DEFAULT_EXPERT_AXIS,
+def routed_swiglu_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
+                          experts: GLUExperts, *, expert_axis: str | None = DEFAULT_EXPERT_AXIS,
                           adapters: dict | None = None, make_lora: Callable | None = None,
-                          expert_parallel: bool | None = None, activation: str = "silu"):
-    """The routed SwiGLU experts `weights = (w_gate, w_up, w_down)`, expert-parallel when the
-    mesh set with `jax.set_mesh` has `expert_axis` (size > 1), else the one-device dispatch
-    (`expert_parallel`: that decision when the caller already made it, `cmoe_jax.moe.modes`).
+                          expert_parallel: bool | None = None):
+    """The routed GLU `experts`, expert-parallel when the mesh set with `jax.set_mesh` has
+    `expert_axis` (size > 1), else the one-device dispatch (`expert_parallel`: that decision
+    when the caller already made it, `cmoe_jax.moe.modes`).
 
     `adapters`, optional: a pytree of per-expert arrays (expert axis first, e.g. stacked LoRA
     factors), split over the devices like the weights; `make_lora(adapters)` turns a
-    device's share into the `lora(name, rows, group_sizes)` hook of `routed_experts`.
+    device's share into the `lora(name, rows, group_sizes)` hook of `GLUExperts` (it replaces
+    `experts.lora`).
     """
-    def lora_of(ad):
-        return make_lora(ad) if make_lora is not None and ad else None
+    def on(weights, ad) -> GLUExperts:
+        lora = make_lora(ad) if make_lora is not None and ad else None
+        return dataclasses.replace(experts, w_gate=weights[0], w_up=weights[1], w_down=weights[2],
+                                   lora=lora)
 
     if expert_parallel is None:
-        expert_parallel = expert_parallel_active(expert_axis, weights[0])
+        expert_parallel = expert_parallel_active(expert_axis, experts.w_gate)
     if not expert_parallel:
-        return routed_experts(x, expert_ids, gates, *weights, gmm, lora=lora_of(adapters),
-                              activation=activation)
+        return routed_experts(x, expert_ids, gates, on(experts.weights, adapters))
 
     def apply(rows, sizes, params):
-        return expert_swiglu(rows, sizes, *params[0], gmm, lora=lora_of(params[1]),
-                             activation=activation)
+        return expert_swiglu(rows, sizes, on(*params))
 
-    return routed_experts_sharded(x, expert_ids, gates, (weights, adapters or {}), apply,
+    return routed_experts_sharded(x, expert_ids, gates, (experts.weights, adapters or {}), apply,
                                   expert_axis=expert_axis)

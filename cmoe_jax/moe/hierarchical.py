@@ -24,6 +24,9 @@ slots map to families (gates of slots sharing a family summed, as in
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -40,14 +43,31 @@ from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
 from cmoe_jax.moe.routers import cmoe_route, linear_route
 
 
-def sub_route(x, top_ids, top_w, sub_gate, sub_up, u, bias, sub_shared: int, sub_top_k: int, gmm,
-              activation: str = "silu"):
+@dataclasses.dataclass(frozen=True)
+class SubRouters:
+    """Every top-level expert's sub-router: representative-neuron weights `gate/up
+    [N, d, N'_r*r]`, scales `u` and balancing bias `bias [N, N'_r]`; each expert keeps
+    `shared` (N'_s) sub-experts always on and picks `top_k` (N'_k) routed ones; `gmm` the
+    grouped-matmul backend, `activation` the GLU's."""
+
+    gate: jax.Array
+    up: jax.Array
+    u: jax.Array
+    bias: jax.Array
+    shared: int
+    top_k: int
+    gmm: Callable
+    activation: str = "silu"
+
+
+def sub_route(x, top_ids, top_w, routers: SubRouters):
     """Flattened (sub-expert ids int32 [T, k*(N'_s+N'_k)], weights float32 [same]).
 
-    `top_ids/top_w [T, k]`: the top-level choice; `sub_gate/sub_up [N, d, N'_r*r]`,
-    `u/bias [N, N'_r]`. Sub-router scores s_ij = sum over its r neurons of
-    |act(x G) * (x U)|, s' = softmax over j, chosen by top-N'_k of s' + b_i."""
-    act = glu_activation(activation)
+    `top_ids/top_w [T, k]`: the top-level choice. Sub-router scores s_ij = sum over its r
+    neurons of |act(x G) * (x U)|, s' = softmax over j, chosen by top-N'_k of s' + b_i."""
+    sub_gate, sub_up, u, bias = routers.gate, routers.up, routers.u, routers.bias
+    sub_shared, sub_top_k, gmm = routers.shared, routers.top_k, routers.gmm
+    act = glu_activation(routers.activation)
     num_tokens, top_k = top_ids.shape
     n_top, _, cols = sub_gate.shape
     n_routed = u.shape[1]
@@ -167,8 +187,15 @@ class HierMoEFFN(MoEFFN):
             top_ids, top_w = to_prototypes(top_ids, top_w, slot_map, self.duplicate_gates)
         else:
             top_ids, top_w = self.top_route(x, top)
-        return sub_route(x, top_ids, top_w, sub_gate, sub_up, u, bias, self.sub_shared,
-                         self.sub_top_k, get_gmm(self.backend), self.activation)
+        return sub_route(x, top_ids, top_w, self.sub_routers((sub_gate, sub_up, u, bias)))
+
+    def sub_routers(self, arrays: tuple | None = None) -> SubRouters:
+        """The sub-routers as `sub_route` takes them, from `arrays` (gate, up, u, bias) when
+        given (a sharded call's), else from the layer's parameters."""
+        if arrays is None:
+            arrays = (self.sub_gate[...], self.sub_up[...], self.u[...], self.router_bias[...])
+        return SubRouters(*arrays, self.sub_shared, self.sub_top_k, get_gmm(self.backend),
+                          self.activation)
 
     def top_route(self, x, top=None, keep=None):
         """The unchanged top-level choice: expert ids int32 `[T, k]` and weights w `[T, k]`

@@ -31,7 +31,7 @@ from flax import nnx
 from cmoe_jax.lora import factors, grouped_delta, project
 from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
-from cmoe_jax.moe.dispatch import gathered_experts
+from cmoe_jax.moe.dispatch import GLUExperts, gathered_experts
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_experts, tokens_sharded
 from cmoe_jax.moe.gmm import get_gmm, resolve_backend
 from cmoe_jax.moe.modes import check_input, dispatch_mode, expert_parallel_active
@@ -274,10 +274,10 @@ class MoEFFN(nnx.Module):
                              adapters=bool(adapters), weight=self.expert_gate.get_value())
         if mode == "gather":
             return gathered_experts(x, ids, gates, *weights, activation=self.activation)
-        return routed_swiglu_experts(x, ids, gates, weights, gmm, expert_axis=self.expert_axis,
+        experts = GLUExperts(*weights, gmm, activation=self.activation)
+        return routed_swiglu_experts(x, ids, gates, experts, expert_axis=self.expert_axis,
                                      adapters=adapters or None, make_lora=make_lora,
-                                     expert_parallel=mode == "expert_parallel",
-                                     activation=self.activation)
+                                     expert_parallel=mode == "expert_parallel")
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:
         """CMoE load balancing step in place: `b += gamma * sign(mean(counts) - counts)`."""

@@ -25,7 +25,6 @@ import numpy as np
 from flax import nnx
 
 from cmoe_jax.moe import MoEFFN
-from cmoe_jax.moe.gmm import get_gmm
 from cmoe_jax.moe.hierarchical import sub_route
 from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.routers import cmoe_scores
@@ -82,9 +81,7 @@ def all_expert_outputs(ffn, x):
 
     t, n = x.shape[0], ffn.top_experts
     every = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (t, n))  # every family chosen
-    ids, w = sub_route(x, every, jnp.ones((t, n), jnp.float32), ffn.sub_gate[...], ffn.sub_up[...],
-                       ffn.u[...], ffn.router_bias[...], ffn.sub_shared, ffn.sub_top_k,
-                       get_gmm(ffn.backend), ffn.activation)
+    ids, w = sub_route(x, every, jnp.ones((t, n), jnp.float32), ffn.sub_routers())
     weights = jnp.zeros((t, n * ffn.sub_experts), jnp.float32).at[jnp.arange(t)[:, None], ids].add(w)
     return (out * weights[..., None]).reshape(t, n, ffn.sub_experts, -1).sum(2)
 
