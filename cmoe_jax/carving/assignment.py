@@ -29,6 +29,14 @@ def _before(cost, a, b, j, q):  # pragma: no cover - compiled
     return ka < kb or (ka == kb and a < b)
 
 
+@numba.njit(cache=True, inline="always")
+def _swap(h, hpos, q, s, t):  # pragma: no cover - compiled
+    """Swap heap slots s and t of heap `h`, recording the points' new slots in `hpos`."""
+    h[s], h[t] = h[t], h[s]
+    hpos[h[s], q] = s
+    hpos[h[t], q] = t
+
+
 @numba.njit(cache=True)
 def _sift(heap, hpos, cost, j, q, t, size):  # pragma: no cover - compiled
     h = heap[j, q]
@@ -36,9 +44,7 @@ def _sift(heap, hpos, cost, j, q, t, size):  # pragma: no cover - compiled
         par = (t - 1) // 2
         if not _before(cost, h[t], h[par], j, q):
             break
-        h[t], h[par] = h[par], h[t]
-        hpos[h[t], q] = t
-        hpos[h[par], q] = par
+        _swap(h, hpos, q, t, par)
         t = par
     while True:  # down
         c = 2 * t + 1
@@ -48,9 +54,7 @@ def _sift(heap, hpos, cost, j, q, t, size):  # pragma: no cover - compiled
             c += 1
         if not _before(cost, h[c], h[t], j, q):
             break
-        h[t], h[c] = h[c], h[t]
-        hpos[h[t], q] = t
-        hpos[h[c], q] = c
+        _swap(h, hpos, q, t, c)
         t = c
 
 

@@ -25,16 +25,16 @@ from cmoe_jax.jobs import JobModel
 from cmoe_jax.loading import window_bos
 
 PERPLEXITY_ONLY = ("dataset", "split", "source", "seqlen", "max_windows")
+DESCRIPTION = ("Perplexity (GPTQ convention: non-overlapping windows, mean NLL of tokens[1:]) of a "
+               "dense or converted model on WikiText-2 or C4, or with --task its zero-shot "
+               "multiple-choice accuracy (lm-evaluation-harness conventions), data-parallel over "
+               "all devices. Bad input exits with status 2 and one 'error: ...' line.")
 EXAMPLE = ("{prog} --model smollm2 --data-path wikitext-2/wiki.test.raw --max-windows 40 --out ppl.json\n"
            "  {prog} --model out/s3a3e8 --task arc_easy --data-path arc-easy/test.jsonl --out arc.json")
 
 
 def build_parser(prog: str = "python -m cmoe_jax.eval") -> Parser:
-    p = Parser(prog, "Perplexity (GPTQ convention: non-overlapping windows, mean NLL of tokens[1:]) of a "
-                     "dense or converted model on WikiText-2 or C4, or with --task its zero-shot "
-                     "multiple-choice accuracy (lm-evaluation-harness conventions), data-parallel over "
-                     "all devices. Bad input exits with status 2 and one 'error: ...' line.",
-               EXAMPLE.format(prog=prog))
+    p = Parser(prog, DESCRIPTION, EXAMPLE.format(prog=prog))
     add_model(p)
     p.add_argument("--task", "--tasks", dest="task", metavar="TASK",
                    help=f"zero-shot multiple-choice task instead of perplexity ({', '.join(sorted(TASKS))}); "

@@ -89,66 +89,29 @@ def _install_moe(model, config):
             model.model.layers[i].mlp = MoEMLP(config.hidden_size, **spec, act=act)
 
 
-class CmoeLlamaConfig(LlamaConfig):
-    model_type = "cmoe_llama"
-    moe_layers: list | None = None  # per layer: None (dense FFN) or MoEMLP's arguments
-
-
-class CmoeMistralConfig(MistralConfig):
-    model_type = "cmoe_mistral"
-    moe_layers: list | None = None
-
-
-class CmoeGemma3Config(Gemma3TextConfig):
-    model_type = "cmoe_gemma3_text"
-    moe_layers: list | None = None
-
-
-class CmoeQwen2Config(Qwen2Config):
-    model_type = "cmoe_qwen2"
-    moe_layers: list | None = None
-
-
-class CmoeQwen3Config(Qwen3Config):
-    model_type = "cmoe_qwen3"
-    moe_layers: list | None = None
-
-
-class CmoeLlamaForCausalLM(LlamaForCausalLM):
-    config_class = CmoeLlamaConfig
+class _WithMoE:
+    """The base family's causal LM with `MoEMLP` in the layers `config.moe_layers` names."""
 
     def __init__(self, config):
         super().__init__(config)
         _install_moe(self, config)
 
 
-class CmoeQwen2ForCausalLM(Qwen2ForCausalLM):
-    config_class = CmoeQwen2Config
-
-    def __init__(self, config):
-        super().__init__(config)
-        _install_moe(self, config)
-
-
-class CmoeQwen3ForCausalLM(Qwen3ForCausalLM):
-    config_class = CmoeQwen3Config
-
-    def __init__(self, config):
-        super().__init__(config)
-        _install_moe(self, config)
+def _family(name: str, model_type: str, config_base, model_base):
+    """(`Cmoe<name>Config`, `Cmoe<name>ForCausalLM`): the family's config with `moe_layers`
+    (per layer: None for a dense FFN, or `MoEMLP`'s arguments) and its causal LM with them."""
+    config = type(f"Cmoe{name}Config", (config_base,),
+                  {"model_type": model_type, "moe_layers": None,
+                   "__annotations__": {"moe_layers": "list | None"}})
+    model = type(f"Cmoe{name}ForCausalLM", (_WithMoE, model_base), {"config_class": config})
+    return config, model
 
 
-class CmoeMistralForCausalLM(MistralForCausalLM):
-    config_class = CmoeMistralConfig
-
-    def __init__(self, config):
-        super().__init__(config)
-        _install_moe(self, config)
-
-
-class CmoeGemma3ForCausalLM(Gemma3ForCausalLM):
-    config_class = CmoeGemma3Config
-
-    def __init__(self, config):
-        super().__init__(config)
-        _install_moe(self, config)
+# the names `auto_map` in an exported config.json points at
+CmoeLlamaConfig, CmoeLlamaForCausalLM = _family("Llama", "cmoe_llama", LlamaConfig, LlamaForCausalLM)
+CmoeMistralConfig, CmoeMistralForCausalLM = _family("Mistral", "cmoe_mistral", MistralConfig,
+                                                    MistralForCausalLM)
+CmoeGemma3Config, CmoeGemma3ForCausalLM = _family("Gemma3", "cmoe_gemma3_text", Gemma3TextConfig,
+                                                  Gemma3ForCausalLM)
+CmoeQwen2Config, CmoeQwen2ForCausalLM = _family("Qwen2", "cmoe_qwen2", Qwen2Config, Qwen2ForCausalLM)
+CmoeQwen3Config, CmoeQwen3ForCausalLM = _family("Qwen3", "cmoe_qwen3", Qwen3Config, Qwen3ForCausalLM)
