@@ -10,7 +10,7 @@ from flax import nnx
 
 from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.checkpoint import PER_LAYER, restore_model
-from cmoe_jax.convert import Calibration, ConvertConfig, ConvertJob, convert, convert_model
+from cmoe_jax.convert import Calibration, ConvertConfig, ConvertSettings, convert, convert_model
 from cmoe_jax.convert.cli import main as convert_main
 from cmoe_jax.methods.cmoe.streamed import convert_streamed
 from cmoe_jax.loading import load_config, load_model, open_source
@@ -19,7 +19,7 @@ from tests.conftest import tiny_hf_model
 from tests.test_loading import _write_llama_gguf
 
 def _job(plan, text, stream=False):
-    return ConvertJob(ConvertConfig(plan=plan, k_act=4), Calibration(data_path=str(text), samples=2, seqlen=32),
+    return ConvertSettings(ConvertConfig(plan=plan, k_act=4), Calibration(data_path=str(text), samples=2, seqlen=32),
                       stream=stream)
 
 

@@ -192,16 +192,14 @@ def test_cli_rejects_bad_settings(tiny_checkpoint, tmp_path, capsys, extra, mess
 
 
 def test_interrupted_weave_resumes_identically(tiny_checkpoint, tmp_path):
-    from cmoe_jax.methods.expertweaver.convert import WeaveConfig
-    from cmoe_jax.convert.expertweaver_job import convert_expertweaver
+    from cmoe_jax.convert import TaskCalibration, WeaveConfig, WeaverSettings, convert
 
     _, path, _ = tiny_checkpoint
-    kw = dict(data_path=str(_articles(tmp_path / "a.txt")), tasks=4, samples_per_task=2, seqlen=32,
-              progress=False)
-    cc = WeaveConfig(experts=8)
-    convert_expertweaver(str(path), cc, out=tmp_path / "full", **kw)
-    r = convert_expertweaver(str(path), cc, out=tmp_path / "res", stop_after_layers=1, **kw)
+    cal = TaskCalibration(data_path=str(_articles(tmp_path / "a.txt")), tasks=4, samples_per_task=2, seqlen=32)
+    cc = WeaverSettings(WeaveConfig(experts=8), cal)
+    convert(str(path), cc, out=tmp_path / "full", progress=False)
+    r = convert(str(path), cc, out=tmp_path / "res", stop_after_layers=1, progress=False)
     assert r["out"] is None and not (tmp_path / "res").exists()
-    convert_expertweaver(str(path), cc, out=tmp_path / "res", resume=True, **kw)
+    convert(str(path), cc, out=tmp_path / "res", resume=True, progress=False)
     a, b = (json.loads((tmp_path / n / "cmoe_manifest.json").read_text()) for n in ("full", "res"))
     assert a["layers"] == b["layers"]

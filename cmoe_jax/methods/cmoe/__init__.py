@@ -14,8 +14,18 @@ from cmoe_jax.methods.cmoe.router import (representative_neurons, router_fit_sum
                                           scale_router_up)
 from cmoe_jax.methods.cmoe.shared import split_shared
 from cmoe_jax.methods.cmoe.streamed import convert_streamed
+from cmoe_jax.methods.cmoe.job import (CmoeSteps, ConvertSettings, base_manifest, check_context,
+                                       is_dense, stage_seconds)
+from cmoe_jax.methods.cmoe import flags
+from cmoe_jax.methods.method import Method
+
+METHOD = Method(name="cmoe", command="convert", choices=("cmoe",), title="CMoE",
+                summary="cmoe (CMoE; hierarchical when --model is an MoE)",
+                settings=ConvertSettings, steps=CmoeSteps, add_flags=flags.add_flags,
+                from_args=flags.settings_from_args, check_args=flags.check_args, takes_source=is_dense)
 
 __all__ = ["LayerCarving", "carve_layer", "slice_ffn", "ConversionError", "ConvertConfig",
            "LayerRecord", "convert_model", "MoEPlan", "representative_neurons", "router_weights",
            "split_shared", "convert_streamed", "check_router", "conversion_mesh", "plot_expert_load",
-           "write_report", "router_fit_sums", "scale_router_up", "carve_ffn"]
+           "write_report", "router_fit_sums", "scale_router_up", "carve_ffn", "CmoeSteps", "ConvertSettings",
+           "base_manifest", "check_context", "is_dense", "stage_seconds", "flags", "METHOD"]
