@@ -42,10 +42,7 @@ def build_parser(prog: str = "python -m cmoe_jax.compress") -> Parser:
 
 
 def parse_args(argv=None, prog: str = "python -m cmoe_jax.compress") -> argparse.Namespace:
-    p = build_parser(prog)
-    args = p.parse_args(argv)
-    registry.check_method_flags(p, args, "compress")
-    return args
+    return registry.parse_method_args(build_parser(prog), "compress", argv)
 
 
 def run(args) -> dict:

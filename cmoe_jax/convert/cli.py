@@ -53,10 +53,7 @@ def add_plan(p: Parser) -> None:
 
 
 def parse_args(argv=None, prog: str = "python -m cmoe_jax.convert") -> argparse.Namespace:
-    p = build_parser(prog)
-    args = p.parse_args(argv)
-    registry.check_method_flags(p, args, "convert")
-    return args
+    return registry.parse_method_args(build_parser(prog), "convert", argv)
 
 
 def run(args) -> dict:
@@ -74,7 +71,7 @@ def settings_from_args(args):
 
 def report(args, result: dict) -> None:
     if distributed.is_main():
-        print(json.dumps({k: result[k] for k in ("out", "config", "seconds")}, indent=1))
+        print(json.dumps({k: result[k] for k in ("out", "config", "seconds") if k in result}, indent=1))
 
 
 def main(argv=None, prog: str = "python -m cmoe_jax.convert") -> int:

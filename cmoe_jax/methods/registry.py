@@ -61,6 +61,13 @@ def add_method_flags(parser, command: str) -> None:
         parser.method_flags[choice] = [a.dest for a in parser._actions if a.dest not in before]
 
 
+def parse_method_args(parser, command: str, argv):
+    """`parser.parse_args(argv)`, then `check_method_flags`: a command's flags, checked."""
+    args = parser.parse_args(argv)
+    check_method_flags(parser, args, command)
+    return args
+
+
 def check_method_flags(parser, args, command: str) -> None:
     """One `error:` line when a flag given does not apply to the chosen `--method`: another
     value's flag group, or a shared flag the method refuses; then the method's own checks."""

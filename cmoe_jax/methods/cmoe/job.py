@@ -16,7 +16,7 @@ from cmoe_jax.loading import open_source
 from cmoe_jax.methods.cmoe.convert import (ConversionError, ConvertConfig, LayerRecord, check_router,
                                            conversion_mesh, convert_model)
 from cmoe_jax.methods.cmoe.report import write_report
-from cmoe_jax.methods.cmoe.streamed import convert_streamed
+from cmoe_jax.methods.cmoe.streamed import Streamed, convert_streamed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +113,9 @@ class CmoeSteps:
         """(converted model or None when streamed into `run.final`, per-layer records)."""
         s, source = self.settings, run.source
         if s.stream:
-            moe_config, records = convert_streamed(
-                source.source or open_source(source.path), source.config, self.windows, s.method,
-                run.final, progress=run.options.progress, done=done, on_layer=on_layer,
-                expert_parallel=s.expert_parallel)
+            streamed = Streamed(source.source or open_source(source.path), source.config, run.final)
+            moe_config, records = convert_streamed(streamed, self.windows, s.method, progress=run.options.progress,
+                                                   done=done, on_layer=on_layer, expert_parallel=s.expert_parallel)
             self.moe_config = moe_config
             return None, records
         return convert_model(lm.model, self.windows, s.method, progress=run.options.progress,
