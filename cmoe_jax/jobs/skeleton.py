@@ -99,6 +99,12 @@ class Job:
     resumable: tuple[str, ...] = ("layers/*.json",)  # staged globs a failed run keeps for --resume
     report = False  # write `write_report` output into the model's report/ directory
     manifest_name = MANIFEST  # the file in `run.final` that `finish`'s fields are written into
+    fresh_final = True  # remove an unfinished `final/` of a killed run before working
+    output_hint = ""  # added to the "output directory exists" error
+
+    def output_may_exist(self, options: RunOptions) -> bool:
+        """Whether `--out` may exist already (e.g. a training run resumed in place)."""
+        return options.overwrite
 
     def check(self) -> None:
         """Settings-only checks, before the output or the source is looked at."""
@@ -109,6 +115,11 @@ class Job:
     def prepare(self, source: SourceModel) -> tuple[dict, object]:
         """Once the output is locked: read the data; returns (fingerprint settings, data)."""
         return {}, None
+
+    def open(self, output: OutputDir, fingerprint: dict) -> None:
+        """Make or verify the staging directory (a job with files of its own overrides it,
+        with `output.on_main`)."""
+        output.open(fingerprint)
 
     def work(self, run: JobRun) -> Outcome:
         """The job's work; per-layer results through `run.json_layers` / `run.array_layers`."""
@@ -130,6 +141,10 @@ class Job:
         outcome.seconds["save"] = time.perf_counter() - t_save
         return {"seconds": outcome.seconds}
 
+    def publish(self, run: JobRun) -> None:
+        """Rename the finished directory to `--out` (`OutputDir.publish`)."""
+        run.output.publish(run.final)
+
     def result(self, outcome: Outcome, out: Path) -> dict:
         return dict(outcome.manifest, seconds=outcome.seconds, out=str(out))
 
@@ -139,19 +154,20 @@ def run_job(job: Job, model: str, out, options: RunOptions = RunOptions()) -> di
     t_start = time.perf_counter()
     out = Path(out)
     job.check()
-    check_output_free(out, options.overwrite)
+    may_exist = job.output_may_exist(options)
+    check_output_free(out, may_exist, job.output_hint)
     source = SourceModel(model)
     job.validate(source, options)
     with OutputDir(out, job.kind, overwrite=options.overwrite, resume=options.resume,
-                   resumable=job.resumable) as output:
+                   resumable=job.resumable, out_may_exist=may_exist) as output:
         settings, data = job.prepare(source)
-        output.open(fingerprint(job.kind, settings, source.path, data))
+        job.open(output, fingerprint(job.kind, settings, source.path, data))
         return _staged(job, JobRun(output, source, options, t_start))
 
 
 def _staged(job: Job, run: JobRun) -> dict:
     """The job once its output is locked and staged: work, save, rewrite the manifest, publish."""
-    if run.main:
+    if run.main and job.fresh_final:
         shutil.rmtree(run.final, ignore_errors=True)
     distributed.barrier(f"{job.kind}:staging")
     try:
@@ -163,10 +179,10 @@ def _staged(job: Job, run: JobRun) -> dict:
     if job.report and run.main:
         job.write_report(outcome, run.final / "report")
     fields = job.finish(run, outcome, t_save)
-    if run.main:
+    if run.main and fields:
         manifest = run.final / job.manifest_name
         write_json_atomic(manifest, dict(json.loads(manifest.read_text()), **fields))
-    run.output.publish(run.final)
+    job.publish(run)
     distributed.barrier(f"{job.kind}:published")
     return job.result(outcome, run.output.out)
 

@@ -82,7 +82,7 @@ class CmoeSteps:
 
     def __init__(self, settings: ConvertSettings):
         self.settings = settings
-        self.windows = None
+        self.windows = self.moe_config = None  # the calibration windows; a streamed result's config
 
     def validate(self, source, options) -> None:
         s = self.settings

@@ -5,22 +5,15 @@ from cmoe_jax.methods.hierarchical.convert import (HierLayerRecord, convert_moe_
                                                    manifest_fields, random_hierarchical, validate_moe)
 from cmoe_jax.methods.hierarchical.report import write_hier_report
 from cmoe_jax.methods.hierarchical.job import HierarchicalSteps
+from cmoe_jax.methods.hierarchical import flags
 from cmoe_jax.methods.cmoe import ConvertSettings
-from cmoe_jax.cli_args import positive_int
 from cmoe_jax.methods.method import Method
-
-
-def add_flags(g) -> None:
-    g.add_argument("--min-expert-tokens", type=positive_int, default=32,
-                   help="MoE source (hierarchical CMoE): an expert reached by fewer calibration "
-                        "tokens is profiled on all tokens")
-
 
 # chosen by --method cmoe when the source is an MoE; the CMoE flags describe its settings
 METHOD = Method(name="hierarchical", command="convert", choices=("cmoe",), title="hierarchical CMoE",
-                summary="", settings=ConvertSettings, steps=HierarchicalSteps, add_flags=add_flags,
+                summary="", settings=ConvertSettings, steps=HierarchicalSteps, add_flags=flags.add_flags,
                 takes_source=is_moe)
 
 __all__ = ["ExpertCarving", "carve_moe_layer", "random_moe_layer", "HierLayerRecord",
            "convert_moe_model", "hier_spec", "is_moe", "manifest_fields", "random_hierarchical",
-           "validate_moe", "write_hier_report", "HierarchicalSteps", "METHOD"]
+           "validate_moe", "write_hier_report", "HierarchicalSteps", "flags", "METHOD"]
