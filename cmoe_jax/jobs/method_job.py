@@ -9,16 +9,14 @@ from cmoe_jax.methods import registry
 
 
 class MethodJob(Job):
-    """A conversion or compression method's steps (`cmoe_jax.methods.registry`) as a `Job`:
-    `select(source)` names the steps object once the source is open (hierarchical CMoE for
-    an MoE source); the steps give `kind`, `validate`, `prepare`, `work` (returning
-    `(model, manifest, seconds, records)`), `interrupted`, `write_report` and, optionally,
-    `save` and `finish`."""
+    """A conversion or compression method's steps (`cmoe_jax.methods.registry`) as a `Job`.
+    The method is picked once the source is open (`registry.select`: hierarchical CMoE for
+    an MoE source); its steps give `kind`, `resumable`, `validate`, `prepare`, `work`
+    (returning `(model, manifest, seconds, records)`), `interrupted`, `write_report` and,
+    optionally, `save` and `finish`; the settings may `check()` themselves."""
 
-    resumable = ("layers/*.json",)
-
-    def __init__(self, settings, select):
-        self.settings, self.select, self.steps = settings, select, None
+    def __init__(self, settings):
+        self.settings, self.steps = settings, None
         self.report = bool(getattr(settings, "report", False))
 
     def check(self) -> None:
@@ -26,7 +24,7 @@ class MethodJob(Job):
             self.settings.check()
 
     def validate(self, source, options) -> None:
-        self.steps = self.select(source)
+        self.steps = registry.select(self.settings, source.config).steps(self.settings)
         self.kind, self.resumable = self.steps.kind, self.steps.resumable
         self.steps.validate(source, options)
 
@@ -59,5 +57,4 @@ def run_method(model: str, settings, *, out, resume: bool = False, overwrite: bo
                progress: bool = True, stop_after_layers: int | None = None) -> dict:
     """Run the registered method that takes `settings` on `model` into `out`; returns the
     manifest with `out` (or, stopped by `stop_after_layers`, `{"out": None, ...}`)."""
-    job = MethodJob(settings, lambda source: registry.select(settings, source.config).steps(settings))
-    return run_job(job, model, out, RunOptions(resume, overwrite, progress, stop_after_layers))
+    return run_job(MethodJob(settings), model, out, RunOptions(resume, overwrite, progress, stop_after_layers))
