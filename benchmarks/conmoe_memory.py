@@ -23,7 +23,7 @@ import numpy as np
 from conmoe_table import stats_for  # noqa: E402  (benchmarks/ is on sys.path)
 from cmoe_jax.checkpoint import save_converted
 from cmoe_jax.methods.conmoe import apply_plans, conmoe_plans, routed_bytes
-from cmoe_jax.compress.api import dir_bytes
+from cmoe_jax.methods.conmoe.job import dir_bytes
 from cmoe_jax.loading import load_model
 
 VARIANTS = [(0.25, 1), (0.5, 1), (0.5, 4), (0.5, 30)]

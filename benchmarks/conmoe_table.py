@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cmoe_jax.methods.conmoe import apply_plans, collect_stats, materialize, routed_bytes
-from cmoe_jax.compress.api import CompressConfig, make_plans
+from cmoe_jax.methods.conmoe import CompressConfig, make_plans
 from cmoe_jax.methods.conmoe.calibration import LayerStats
 from cmoe_jax.data import calibration_windows, eval_windows, load_text_tokens
 from cmoe_jax.eval.perplexity import perplexity

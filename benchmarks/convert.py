@@ -186,14 +186,14 @@ def main() -> None:
         return random_layers(args, load_start)
 
     from cmoe_jax.methods.cmoe import MoEPlan
-    from cmoe_jax.convert import Calibration, ConvertConfig, ConvertJob, convert
+    from cmoe_jax.convert import Calibration, ConvertConfig, ConvertSettings, convert
     from cmoe_jax.demo import local_wikitext
 
     data = args.data_path or (str(local_wikitext() / "valid.txt") if local_wikitext() else None)
     runs = []
     for _ in range(max(1, args.repeats)):
         with tempfile.TemporaryDirectory() as tmp:
-            job = ConvertJob(ConvertConfig(plan=MoEPlan.parse(args.config), kmeans_iters=args.kmeans_iters),
+            job = ConvertSettings(ConvertConfig(plan=MoEPlan.parse(args.config), kmeans_iters=args.kmeans_iters),
                              Calibration(data_path=data, samples=args.calib_samples, seqlen=args.seqlen))
             runs.append(convert(args.model, job, out=Path(tmp) / "out", progress=False)["seconds"])
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the floor's own load

@@ -81,7 +81,7 @@ def main() -> None:
     weights = {k_: getattr(src, k_)[...] for k_ in ("expert_gate", "expert_up", "expert_down")}
     t_route = time.perf_counter() - t0
     t0 = time.perf_counter()
-    carved, records = carve_moe_layer(xs, top_ids, weights, cc.plan, cc, min_tokens=32)
+    carved, records = carve_moe_layer(xs, top_ids, weights, cc, min_tokens=32)
     t_carve = time.perf_counter() - t0
     for k_ in weights:  # the source experts are not needed any more: free them before building
         setattr(src, k_, nnx.Param(jnp.zeros((1,), dtype)))

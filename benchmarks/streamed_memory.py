@@ -89,7 +89,7 @@ def convert_child(source: str, out: str, stream: bool, config: str, samples: int
     from cmoe_jax.methods.cmoe import MoEPlan
     from cmoe_jax.checkpoint import PER_LAYER, save_converted, write_manifest
     from cmoe_jax.convert import ConvertConfig, convert_model
-    from cmoe_jax.methods.cmoe.streamed import convert_streamed
+    from cmoe_jax.methods.cmoe.streamed import Streamed, convert_streamed
     from cmoe_jax.loading import load_config, load_model, open_source
 
     base = peak_rss()
@@ -98,7 +98,7 @@ def convert_child(source: str, out: str, stream: bool, config: str, samples: int
     cc = ConvertConfig(plan=MoEPlan.parse(config))
     t0 = time.perf_counter()
     if stream:
-        cfg_moe, _ = convert_streamed(open_source(Path(source)), cfg, calib, cc, Path(out))
+        cfg_moe, _ = convert_streamed(Streamed(open_source(Path(source)), cfg, Path(out)), calib, cc)
         write_manifest(Path(out), cfg_moe, {"state_layout": PER_LAYER})
     else:
         model = load_model(source, dtype=jnp.float32, stack=False).model  # as the convert job loads

@@ -40,26 +40,29 @@ MANIFEST = "cmoe_manifest.json"
 FORMAT = "cmoe_jax.converted/v1"
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file beside `path`, then rename it over `path`, so readers
-    never see half a file and a failed write leaves nothing behind."""
+def write_bytes_atomic(path: Path, data: bytes, fault: str | None = None) -> None:
+    """Write `data` beside `path` (`.NAME.XXXX.tmp`), then rename it over `path`: readers never see
+    half a file; `fault`: the fault point between the write and the rename (`cmoe_jax.faults`)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from other readers
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-        fault_point("json:write")  # written, not yet in place: a kill here leaves only the temporary
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        if fault:  # written, not yet in place: a kill here leaves only the temporary
+            fault_point(fault)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+def write_json_atomic(path: Path, obj) -> None:  # `obj` as indented JSON, written whole
+    write_bytes_atomic(path, (json.dumps(obj, indent=1) + "\n").encode(), fault="json:write")
+
+
 def remove_write_leftovers(directory: Path) -> None:
-    """Delete the temporaries that `write_json_atomic` calls killed mid-write left under
-    `directory` (`.NAME.XXXX.tmp`): a resumed job must not carry them into its output."""
+    """Delete the `.NAME.XXXX.tmp` that killed `write_bytes_atomic` calls left under `directory`."""
     for tmp in Path(directory).rglob(".*.tmp"):
         if tmp.is_file() and not tmp.is_symlink():
             tmp.unlink(missing_ok=True)

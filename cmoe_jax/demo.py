@@ -20,7 +20,7 @@ from pathlib import Path
 from cmoe_jax.checkpoint import write_json_atomic
 from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data_path, add_model, add_output_json,
                                add_seed, add_seqlen, add_windows, check_writable_file, command_main)
-from cmoe_jax.convert import ConvertJob, convert
+from cmoe_jax.convert import ConvertSettings, convert
 from cmoe_jax.convert import cli as convert_cli
 from cmoe_jax.data import load_text_tokens, text_windows
 from cmoe_jax.errors import CmoeError
@@ -63,7 +63,7 @@ def parse_config(spec: str) -> tuple[str, list[str]]:
 
 
 def row_job(flags: list[str], args, calib_path: str | None,
-            prog: str = "python -m cmoe_jax.demo") -> ConvertJob:
+            prog: str = "python -m cmoe_jax.demo") -> ConvertSettings:
     """The job `cmoe-jax convert` builds from the same flags: a demo row converts exactly as the CLI.
 
     Built by the convert command's own parser, so a default changed there changes here too.
@@ -72,7 +72,7 @@ def row_job(flags: list[str], args, calib_path: str | None,
             "--seqlen", str(args.seqlen), "--seed", str(args.seed), "--out", "-"]
     if calib_path is not None:
         argv += ["--data-path", calib_path]
-    return convert_cli.job_from_args(convert_cli.parse_args(argv, prog=prog))
+    return convert_cli.settings_from_args(convert_cli.parse_args(argv, prog=prog))
 
 
 EXAMPLE = "{prog} --data-path wikitext-2/wiki.test.raw --max-windows 40"

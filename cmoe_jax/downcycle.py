@@ -14,7 +14,7 @@ from cmoe_jax.cli_args import (Parser, add_data_path, add_model, add_output_dir,
                                check_writable_dir, nonneg_float, nonneg_int, command_main, positive_float,
                                positive_int)
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.jobs import JobModel, OutputJob, check_output_free, fault_point, fingerprint
+from cmoe_jax.jobs import SourceModel, OutputDir, check_output_free, fault_point, fingerprint
 
 INITS = ("expertweaver", "random-split", "random")
 
@@ -58,14 +58,13 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.downcycle"):
     return build_parser(prog).parse_args(argv)
 
 
-def initial_model(args, source: JobModel):
+def initial_model(args, source: SourceModel):
     """The dense model woven per --init (every FFN a MoEFFN with a "linear" router)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from cmoe_jax.methods.expertweaver import WeaveConfig, weave_model
-    from cmoe_jax.convert.expertweaver_job import calibration_tasks
+    from cmoe_jax.methods.expertweaver import TaskCalibration, WeaveConfig, calibration_tasks, weave_model
 
     source.require_tokenizer("the calibration and training text cannot be tokenized")
     lm = source.load(dtype=jnp.float32, progress=False)
@@ -73,7 +72,8 @@ def initial_model(args, source: JobModel):
     cc = WeaveConfig(experts=args.experts, sparsity=1 - args.active / args.experts,
                      n_shared=args.shared_experts, router="linear", seed=args.seed,
                      random_split=args.init == "random-split")
-    windows, ids, _ = calibration_tasks(lm.tokenizer, args.data_path, None, args.calib_tasks, 1, args.seqlen)
+    windows, ids, _ = calibration_tasks(lm.tokenizer, TaskCalibration(args.data_path, None, args.calib_tasks, 1,
+                                                                      args.seqlen))
     model, _ = weave_model(dense, windows, ids, cc, progress=False)
     if args.init == "random":  # same shapes, expert/shared/router weights drawn afresh
         key = jax.random.key(args.seed)
@@ -123,8 +123,8 @@ def run(args) -> dict:
     settings = {k: v for k, v in vars(args).items()
                 if k not in ("resume", "overwrite", "save_every", "out", "given")}
     check_output_free(out, args.overwrite)
-    source = JobModel(args.model)
-    with OutputJob(out, "downcycle", overwrite=args.overwrite, resume=args.resume,
+    source = SourceModel(args.model)
+    with OutputDir(out, "downcycle", overwrite=args.overwrite, resume=args.resume,
                    resumable=("final/checkpoints/[0-9]*",)) as job:
         job.open(fingerprint("downcycle", settings, source.path,
                              np.fromfile(args.data_path, dtype=np.uint8)))  # the text by content

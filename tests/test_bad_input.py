@@ -17,7 +17,7 @@ import pytest
 
 from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.compress.cli import main as compress_main
-from cmoe_jax.convert import Calibration, ConvertConfig, ConvertJob, convert
+from cmoe_jax.convert import Calibration, ConvertConfig, ConvertSettings, convert
 from cmoe_jax.convert.cli import main as convert_main
 from cmoe_jax.errors import run_job
 from cmoe_jax.export import ExportError, export
@@ -33,9 +33,9 @@ from tests.conftest import save_tiny_tokenizer, tiny_hf_model, write_random_text
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tiny_job(text) -> ConvertJob:
+def _tiny_job(text) -> ConvertSettings:
     """S1A1E8 on two 32-token windows of `text`: the smallest conversion the table needs."""
-    return ConvertJob(ConvertConfig(plan=MoEPlan.parse("S1A1E8"), k_act=4),
+    return ConvertSettings(ConvertConfig(plan=MoEPlan.parse("S1A1E8"), k_act=4),
                       Calibration(data_path=str(text), samples=2, seqlen=32))
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cmoe_jax.compress import CompressConfig, compress
+from cmoe_jax.compress import Calibration, CompressConfig, CompressSettings, compress
 from cmoe_jax.compress.cli import main
 from tests.conftest import save_tiny_tokenizer, write_random_text
 from cmoe_jax.loading import load_model
@@ -26,6 +26,10 @@ def mixtral(save_tiny, tmp_path):
 def _args(path, text, out, *extra):
     return ["--model", str(path), "--data-path", str(text), "--calib-samples", "2", "--seqlen", "32",
             "--out", str(out), *extra]
+
+
+def _calibration(text):
+    return Calibration(data_path=str(text), samples=2, seqlen=32)
 
 
 def _flat(model):
@@ -93,8 +97,8 @@ def test_gate_rule_and_output_distance_are_saved_and_used(mixtral, tmp_path):
 
 def test_resume_equals_uninterrupted(mixtral, tmp_path):
     path, text = mixtral
-    job = CompressConfig(method="hcsmoe", ratio=0.5)
-    kw = dict(data_path=str(text), calib_samples=2, seqlen=32, progress=False)
+    job = CompressSettings(CompressConfig(method="hcsmoe", ratio=0.5), _calibration(text))
+    kw = dict(progress=False)
     assert compress(str(path), job, out=tmp_path / "r", stop_after_layers=2, **kw)["out"] is None
     assert len(list((tmp_path / "r.partial" / "layers").glob("*.npz"))) == 2
     resumed = compress(str(path), job, out=tmp_path / "r", resume=True, **kw)
@@ -130,8 +134,8 @@ def test_lora_trains_on_the_prototype_runtime(mixtral, tmp_path):
     from cmoe_jax.train.lora import LoRAConfig, init_adapters, lora_loss, router_params
 
     path, text = mixtral
-    compress(str(path), CompressConfig(method="conmoe", ratio=0.5, scope=2), out=tmp_path / "c", data_path=str(text),
-             calib_samples=2, seqlen=32, progress=False)
+    compress(str(path), CompressSettings(CompressConfig(method="conmoe", ratio=0.5, scope=2), _calibration(text)),
+             out=tmp_path / "c", progress=False)
     model = load_model(str(tmp_path / "c")).model
     cfg = LoRAConfig(rank=2, alpha=4.0, dropout=0.0, targets=("gate_proj", "up_proj", "down_proj"))
     adapters = init_adapters(model, cfg, jax.random.key(0))
@@ -150,8 +154,8 @@ def test_train_job_runs_on_a_compressed_model(mixtral, tmp_path):
     from cmoe_jax.train import TrainJob, finetune
 
     path, text = mixtral
-    compress(str(path), CompressConfig(method="conmoe", ratio=0.5), out=tmp_path / "c", data_path=str(text),
-             calib_samples=2, seqlen=32, progress=False)
+    compress(str(path), CompressSettings(CompressConfig(method="conmoe", ratio=0.5), _calibration(text)),
+             out=tmp_path / "c", progress=False)
     before = load_model(str(tmp_path / "c")).model
     finetune(str(tmp_path / "c"), TrainJob(data_path=str(text), samples=8, seqlen=32, batch_size=2,
                                            lora_rank=4, lr=1e-2, epochs=1),
@@ -171,8 +175,8 @@ def test_train_refuses_a_table_shared_across_layers(mixtral, tmp_path, capsys):
     from cmoe_jax.train.cli import main as train_main
 
     path, text = mixtral
-    compress(str(path), CompressConfig(method="conmoe", ratio=0.5, scope=2), out=tmp_path / "c", data_path=str(text),
-             calib_samples=2, seqlen=32, progress=False)
+    compress(str(path), CompressSettings(CompressConfig(method="conmoe", ratio=0.5, scope=2), _calibration(text)),
+             out=tmp_path / "c", progress=False)
     args = ["--model", str(tmp_path / "c"), "--dataset", "wikitext2", "--data-path", str(text),
             "--samples", "8", "--seqlen", "32", "--batch-size", "2", "--out", str(tmp_path / "ft")]
     assert train_main(args) == 2

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from cmoe_jax.methods.cmoe import MoEPlan
-from cmoe_jax.convert import Calibration, ConvertConfig, ConvertJob, convert, convert_model
+from cmoe_jax.convert import Calibration, ConvertConfig, ConvertSettings, convert, convert_model
 from cmoe_jax.convert.cli import main as convert_main
 from cmoe_jax.loading import load_model
 
@@ -314,7 +314,7 @@ def test_cli_converts_and_eval_loads(tiny_checkpoint, tmp_path):
 
 def test_interrupted_conversion_resumes_identically(tiny_checkpoint, tmp_path):
     _, path, text = tiny_checkpoint
-    job = ConvertJob(ConvertConfig(plan=MoEPlan.parse("S1A2E8"), k_act=4),
+    job = ConvertSettings(ConvertConfig(plan=MoEPlan.parse("S1A2E8"), k_act=4),
                      Calibration(data_path=str(text), samples=2, seqlen=32))
     full = tmp_path / "full"
     convert(str(path), job, out=full, progress=False)

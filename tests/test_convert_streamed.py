@@ -10,16 +10,16 @@ from flax import nnx
 
 from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.checkpoint import PER_LAYER, restore_model
-from cmoe_jax.convert import Calibration, ConvertConfig, ConvertJob, convert, convert_model
+from cmoe_jax.convert import Calibration, ConvertConfig, ConvertSettings, convert, convert_model
 from cmoe_jax.convert.cli import main as convert_main
-from cmoe_jax.methods.cmoe.streamed import convert_streamed
+from cmoe_jax.methods.cmoe.streamed import Streamed, convert_streamed
 from cmoe_jax.loading import load_config, load_model, open_source
 from cmoe_jax.loading.sources import TensorSource
 from tests.conftest import tiny_hf_model
 from tests.test_loading import _write_llama_gguf
 
 def _job(plan, text, stream=False):
-    return ConvertJob(ConvertConfig(plan=plan, k_act=4), Calibration(data_path=str(text), samples=2, seqlen=32),
+    return ConvertSettings(ConvertConfig(plan=plan, k_act=4), Calibration(data_path=str(text), samples=2, seqlen=32),
                       stream=stream)
 
 
@@ -97,7 +97,7 @@ def test_each_layer_is_read_after_the_previous_one_is_written(tmp_path, fmt, fam
         assert (out / "state" / f"layer_{i:04d}").exists()
         log.append(("written", i))
 
-    cfg_moe, records = convert_streamed(_Recording(open_source(path), log), cfg, calib, cc, out,
+    cfg_moe, records = convert_streamed(Streamed(_Recording(open_source(path), log), cfg, out), calib, cc,
                                         progress=False, on_layer=on_layer)
     reads = [name for kind, name in log if kind == "read"]
     assert len(reads) == len(set(reads))  # nothing read twice

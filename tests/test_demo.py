@@ -60,7 +60,7 @@ def test_demo_row_is_the_readme_convert_command(row, cli_flags):
     demo_args = parse_args(["--configs", row, "--seed", "0"])
     (_, _, flags), = demo_args.rows
     valid = "data/wiki.valid.raw"
-    cli = convert_cli.job_from_args(convert_cli.parse_args(
+    cli = convert_cli.settings_from_args(convert_cli.parse_args(
         ["--model", "smollm2", *cli_flags, "--data-path", valid, "--out", "out/x"]))
     assert row_job(flags, demo_args, valid) == cli
 

@@ -12,6 +12,7 @@ from cmoe_jax.methods.expertweaver.weave import (active_experts, balanced_kmeans
                                            gate_profiles, router_centroids, shared_experts,
                                            shared_ratio, weave_layer)
 from cmoe_jax.convert.cli import main as convert_main
+from cmoe_jax.methods.expertweaver import WeaveConfig
 from cmoe_jax.loading import load_model
 
 
@@ -67,7 +68,7 @@ def test_weave_layer_shared_sizes_and_partition():
     spiky = flat.copy()
     spiky[:24, tasks != 0] *= 0.01  # half the neurons fire for task 0 only: CV > tau
     for profiles, r in ((flat, 0.0), (spiky, 0.5)):
-        w = weave_layer(profiles, tasks, 8, alpha_min=0.2, alpha_max=0.7, tau=0.6)
+        w = weave_layer(profiles, tasks, WeaveConfig(experts=8, alpha_min=0.2, alpha_max=0.7, tau=0.6))
         alpha = 0.7 - 0.5 * r
         n_se = int(np.round(np.round(alpha * 48) / 6))
         assert w.cv_ratio == pytest.approx(r) and w.alpha == pytest.approx(alpha) and w.n_shared == n_se
@@ -76,8 +77,8 @@ def test_weave_layer_shared_sizes_and_partition():
         np.testing.assert_array_equal(ids, np.arange(48))
         top = np.sort(np.argsort(-profiles.mean(1), kind="stable")[:n_se * 6])
         np.testing.assert_array_equal(w.shared_idx, top)
-    assert weave_layer(flat, tasks, 8, n_shared=2).n_shared == 2
-    assert weave_layer(flat, tasks, 8, max_shared=3).n_shared == 3  # capped at k - 1
+    assert weave_layer(flat, tasks, WeaveConfig(experts=8, n_shared=2)).n_shared == 2
+    assert weave_layer(flat, tasks, WeaveConfig(experts=8), max_shared=3).n_shared == 3  # capped at k - 1
 
 
 def test_router_columns_are_gate_centroids():
@@ -192,16 +193,14 @@ def test_cli_rejects_bad_settings(tiny_checkpoint, tmp_path, capsys, extra, mess
 
 
 def test_interrupted_weave_resumes_identically(tiny_checkpoint, tmp_path):
-    from cmoe_jax.methods.expertweaver.convert import WeaveConfig
-    from cmoe_jax.convert.expertweaver_job import convert_expertweaver
+    from cmoe_jax.convert import TaskCalibration, WeaveConfig, WeaverSettings, convert
 
     _, path, _ = tiny_checkpoint
-    kw = dict(data_path=str(_articles(tmp_path / "a.txt")), tasks=4, samples_per_task=2, seqlen=32,
-              progress=False)
-    cc = WeaveConfig(experts=8)
-    convert_expertweaver(str(path), cc, out=tmp_path / "full", **kw)
-    r = convert_expertweaver(str(path), cc, out=tmp_path / "res", stop_after_layers=1, **kw)
+    cal = TaskCalibration(data_path=str(_articles(tmp_path / "a.txt")), tasks=4, samples_per_task=2, seqlen=32)
+    cc = WeaverSettings(WeaveConfig(experts=8), cal)
+    convert(str(path), cc, out=tmp_path / "full", progress=False)
+    r = convert(str(path), cc, out=tmp_path / "res", stop_after_layers=1, progress=False)
     assert r["out"] is None and not (tmp_path / "res").exists()
-    convert_expertweaver(str(path), cc, out=tmp_path / "res", resume=True, **kw)
+    convert(str(path), cc, out=tmp_path / "res", resume=True, progress=False)
     a, b = (json.loads((tmp_path / n / "cmoe_manifest.json").read_text()) for n in ("full", "res"))
     assert a["layers"] == b["layers"]

@@ -174,9 +174,9 @@ def test_cli_rejects_sub_plans_that_do_not_fit_the_experts(moe_dir, tmp_path, ca
 
 
 def test_interrupted_hierarchical_conversion_resumes_identically(moe_dir, tmp_path):
-    from cmoe_jax.convert import Calibration, ConvertJob, convert
+    from cmoe_jax.convert import Calibration, ConvertSettings, convert
 
-    job = ConvertJob(ConvertConfig(plan=MoEPlan.parse("S1A1E4"), k_act=4, router_neurons=2),
+    job = ConvertSettings(ConvertConfig(plan=MoEPlan.parse("S1A1E4"), k_act=4, router_neurons=2),
                      Calibration(data_path=str(moe_dir / "calib.txt"), samples=2, seqlen=32))
     convert(str(moe_dir / "moe"), job, out=tmp_path / "full", progress=False)
     out = tmp_path / "resumed"

@@ -22,7 +22,7 @@ import pytest
 from cmoe_jax.checkpoint import MANIFEST, restore_model
 from cmoe_jax.convert import convert
 from cmoe_jax.errors import CheckpointError
-from cmoe_jax.jobs import OutputJob, ResumeMismatchError, fingerprint
+from cmoe_jax.jobs import OutputDir, ResumeMismatchError, fingerprint
 from tests.conftest import write_random_text
 from tests.test_bad_input import _convert, _export, _tiny_job, _train, inputs  # noqa: F401 (fixture)
 
@@ -160,7 +160,7 @@ def _read_during_publish(inputs, tmp_path, monkeypatch):
     assert (gate / "paused").exists(), "the reader did not pause between its layers"
 
     def publish():
-        with OutputJob(old, "test-publish", overwrite=True) as job:
+        with OutputDir(old, "test-publish", overwrite=True) as job:
             job.open(fingerprint("test-publish", {}, None))
             shutil.copytree(new, job.staging.dir / "final")
             job.publish(job.staging.dir / "final")
@@ -300,12 +300,12 @@ def test_a_resume_drops_the_temporary_of_a_json_write_killed_midway(tmp_path):
     the resumed job must not carry it into its published output."""
     out = tmp_path / "out"
     fp = fingerprint("x", {"a": 1}, None)
-    with OutputJob(out, "x") as job:
+    with OutputDir(out, "x") as job:
         job.open(fp)
         (job.staging.dir / "final").mkdir()
         (job.staging.dir / "final" / ".train_log.json.abc123.tmp").write_text("{")
         (job.staging.dir / "final" / "kept.json").write_text("{}")
-    with OutputJob(out, "x", resume=True) as job:
+    with OutputDir(out, "x", resume=True) as job:
         assert job.open(fp)
         left = sorted(p.name for p in (job.staging.dir / "final").iterdir())
         assert left == ["kept.json"], left

@@ -12,12 +12,10 @@ import json
 from cmoe_jax import distributed
 from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir,
                                add_progress, add_seed, add_seqlen, check_writable_dir, command_main,
-                               positive_int, share)
-from cmoe_jax.compress.api import METHODS, CompressConfig, compress
-from cmoe_jax.methods.conmoe import DISTANCES, DUPLICATE_GATES, SELECTIONS
-
-CONMOE_ONLY = ("scope", "selection", "distance")
-
+                               share)
+from cmoe_jax.compress.api import compress
+from cmoe_jax.methods import registry
+from cmoe_jax.methods.conmoe import DUPLICATE_GATES
 
 EXAMPLE = ("{prog} --model out/s3a3e8 --method conmoe --ratio 0.25 "
            "--data-path wikitext-2/wiki.valid.raw --out out/s3a3e8-conmoe25")
@@ -26,19 +24,11 @@ EXAMPLE = ("{prog} --model out/s3a3e8 --method conmoe --ratio 0.25 "
 def build_parser(prog: str = "python -m cmoe_jax.compress") -> Parser:
     p = Parser(prog, __doc__.split("\n")[0], EXAMPLE.format(prog=prog))
     add_model(p, None, "MoE checkpoint")
-    p.add_argument("--method", required=True, choices=METHODS,
-                   help="conmoe (expert-pool consolidation) or a baseline")
+    p.add_argument("--method", required=True, choices=registry.choices("compress"),
+                   help=registry.method_help("compress"))
     p.add_argument("--ratio", type=share, required=True,
                    help="rho: share of the routed experts removed (e.g. 0.25, 0.5; 0 keeps the model)")
-    cm = p.add_argument_group("conmoe (with --method conmoe)")
-    cm.add_argument("--scope", type=positive_int, default=1,
-                    help="consecutive MoE layers sharing one prototype pool (1: layer-local)")
-    cm.add_argument("--selection", default="adaptive", choices=SELECTIONS,
-                    help="prototype rule: adaptive (a*b score over the scope), fixed "
-                         "(per-layer budget), usage, reap (a only), distance (b only)")
-    cm.add_argument("--distance", default="weights", choices=DISTANCES,
-                    help="expert distance d: weights (the paper's gate/up/down distance) or outputs "
-                         "(the experts' mean calibration outputs)")
+    registry.add_method_flags(p, "compress")
     p.add_argument("--duplicate-gates", default="sum", choices=DUPLICATE_GATES,
                    help="a token's gates on slots that now share an expert: sum (the paper's), max, "
                         "or renorm (max, rescaled to the token's total gate)")
@@ -52,24 +42,14 @@ def build_parser(prog: str = "python -m cmoe_jax.compress") -> Parser:
 
 
 def parse_args(argv=None, prog: str = "python -m cmoe_jax.compress") -> argparse.Namespace:
-    p = build_parser(prog)
-    args = p.parse_args(argv)
-    if args.method != "conmoe":
-        p.reject(args, CONMOE_ONLY, f"to --method {args.method} (ConMoE flags)")
-    return args
+    return registry.parse_method_args(build_parser(prog), "compress", argv)
 
 
 def run(args) -> dict:
     check_writable_dir(args.out, source=args.model)
     distributed.require_single_process("python -m cmoe_jax.compress")
-
-    config = CompressConfig(method=args.method, ratio=args.ratio, scope=args.scope,
-                            selection=args.selection, distance=args.distance,
-                            duplicate_gates=args.duplicate_gates)
-    return compress(args.model, config, out=args.out, calib=args.dataset,
-                    calib_split=args.split, data_path=args.data_path,
-                    calib_samples=args.calib_samples, seqlen=args.seqlen, seed=args.seed,
-                    resume=args.resume, overwrite=args.overwrite, report=args.report,
+    settings = registry.primary("compress", args.method).from_args(args)
+    return compress(args.model, settings, out=args.out, resume=args.resume, overwrite=args.overwrite,
                     progress=not args.no_progress)
 
 

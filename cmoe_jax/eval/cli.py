@@ -21,7 +21,7 @@ from cmoe_jax.data import default_split, eval_windows, load_text_tokens
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.eval.perplexity import perplexity
 from cmoe_jax.eval.tasks import TASKS, evaluate_task, get_task, load_documents
-from cmoe_jax.jobs import JobModel
+from cmoe_jax.jobs import SourceModel
 from cmoe_jax.loading import window_bos
 
 PERPLEXITY_ONLY = ("dataset", "split", "source", "seqlen", "max_windows")
@@ -93,9 +93,9 @@ def run(args) -> dict:
             "seqlen": args.seqlen, "dtype": args.dtype, "platform": jax.devices()[0].platform, **result}
 
 
-def _checked_source(args) -> JobModel:
+def _checked_source(args) -> SourceModel:
     """The model's config and tokenizer, read once for the whole job (weights later)."""
-    source = JobModel(args.model)  # cheap: validates the path, architecture and context
+    source = SourceModel(args.model)  # cheap: validates the path, architecture and context
     if source.tokenizer is None:
         raise CmoeError(f"{source.path} has no tokenizer (tokenizer.json / tokenizer.model): "
                         "copy the source model's tokenizer files next to its weights")

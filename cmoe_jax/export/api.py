@@ -29,7 +29,7 @@ from cmoe_jax.errors import CmoeError
 from cmoe_jax.export.hf_config import REMOTE_CODE, ExportError, hf_config, keeps_original_architecture
 from cmoe_jax.export.hf_weights import hf_tensors
 from cmoe_jax.export.verify import compare_with_transformers, require_match, verification_windows
-from cmoe_jax.jobs import (JobModel, OutputJob, check_output_free, fault_point, file_digest,
+from cmoe_jax.jobs import (SourceModel, OutputDir, check_output_free, fault_point, file_digest,
                            fingerprint)
 from cmoe_jax.models.stack import layered_state
 
@@ -87,9 +87,9 @@ def export(model: str, *, out, fmt: str = "hf", calib: str = "wikitext2",
     check_output_free(out, overwrite)
     if not (math.isfinite(max_shard_mb) and max_shard_mb > 0) or calib_samples < 0 or seqlen < 2:
         raise CmoeError("--max-shard-mb must be positive, --calib-samples >= 0 and --seqlen >= 2")
-    source = JobModel(model)
+    source = SourceModel(model)
     config_json = hf_config(source.config)  # a model the format cannot hold fails here, before any work
-    with OutputJob(out, "export", overwrite=overwrite, resume=resume,
+    with OutputDir(out, "export", overwrite=overwrite, resume=resume,
                    resumable=(SHARD_RECORD,)) as job:
         windows = None
         if calib_samples:
@@ -127,7 +127,7 @@ def _staged_shards(staging: Path, final: Path) -> dict:
     return done
 
 
-def _export(job: OutputJob, source: JobModel, config_json: dict, windows, fmt: str,
+def _export(job: OutputDir, source: SourceModel, config_json: dict, windows, fmt: str,
             max_shard_mb: float, progress: bool, stop_after_shards) -> dict | None:
     """Shards, config, tokenizer and the check into the staging directory; the record."""
     staging = job.staging.dir

@@ -20,7 +20,7 @@ LOGIT_TOLERANCE = 1e-3
 def verification_windows(source, calib: str, split: str, data_path, samples: int,
                          seqlen: int, seed: int) -> np.ndarray:
     """[samples, seqlen] token windows of the calibration text (checked before any export);
-    `source` is the job's `cmoe_jax.jobs.JobModel`."""
+    `source` is the job's `cmoe_jax.jobs.SourceModel`."""
     cfg = source.config
     if seqlen > cfg.max_position_embeddings:
         raise CmoeError(f"--seqlen {seqlen} exceeds the model's context ({cfg.max_position_embeddings})")

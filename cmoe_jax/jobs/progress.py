@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-from cmoe_jax.checkpoint import write_json_atomic
+from cmoe_jax.checkpoint import write_bytes_atomic, write_json_atomic
 from cmoe_jax.jobs.faults import fault_point
 from cmoe_jax.jobs.fingerprint import content_digest as file_digest  # noqa: F401 (shards' digests)
 
@@ -49,11 +48,3 @@ class LayerLog:
     def count(self) -> int:
         return len(list(self.directory.glob("[0-9]*.*"))) if self.directory.exists() else 0
 
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary file beside `path`, then rename it over `path`."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)

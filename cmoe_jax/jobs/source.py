@@ -13,8 +13,8 @@ class MissingTokenizerError(CmoeError):
     """The job needs a tokenizer and the checkpoint ships none."""
 
 
-class JobModel:
-    """`JobModel(name)`: config read now (a GGUF file is parsed once for the whole job)."""
+class SourceModel:
+    """`SourceModel(name)`: config read now (a GGUF file is parsed once for the whole job)."""
 
     _UNSET = object()
 

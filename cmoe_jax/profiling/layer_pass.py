@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable, Iterable
+from typing import Callable, Collection
 
 import jax
 import jax.numpy as jnp
@@ -130,20 +130,19 @@ def run_ffn(ffn, h_mid, x, mesh: Mesh):
         return ffn_residual_step(fg, fs, h_mid, x)
 
 
-def layer_pass(layers: Iterable[nnx.Module], h, rope, mesh: Mesh,
+def layer_pass(layers: Collection[nnx.Module], h, rope, mesh: Mesh,
                on_layer: Callable[[LayerInput], nnx.Module], *,
                after_layer: Callable[[LayerInput, np.ndarray], None] | None = None,
-               num_layers: int | None = None, desc: str = "calibration pass",
-               progress: bool = True):
+               desc: str = "calibration pass", progress: bool = True):
     """Run the stream `h` (from `start_pass`) through `layers` in order -> h after the last.
 
     At each layer `on_layer(inputs)` returns the FFN that carries the stream on (a
     converted module, or `inputs.layer.mlp` to leave it as it is); the pass runs it and
     calls `after_layer(inputs, load)` with its per-expert token counts (summed over
-    processes; empty for a dense FFN). `layers` may be a generator that reads each layer
-    only when the stream reaches it (a streamed conversion): no layer is referenced here
+    processes; empty for a dense FFN). `layers` may read each layer only when the stream
+    reaches it (a sized iterable, as in a streamed conversion): no layer is referenced here
     once its step is over, nor while the next one is read."""
-    total = len(layers) if num_layers is None else num_layers
+    total = len(layers)
     source = iter(layers)
     with tqdm(total=total, desc=desc, disable=not progress) as bar:
         for index in range(total):

@@ -28,7 +28,7 @@ import numpy as np
 from cmoe_jax import distributed
 from cmoe_jax.checkpoint import MANIFEST, save_converted
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.jobs import JobModel, OutputJob, Staging, fault_point, fingerprint
+from cmoe_jax.jobs import SourceModel, OutputDir, Staging, fault_point, fingerprint
 from cmoe_jax.train.checkpoint import RUN_CONFIG, check_run_config
 from cmoe_jax.train.job import TrainJob
 from cmoe_jax.train.lora import LoRAConfig, TrainError, parse_targets
@@ -116,7 +116,7 @@ def finetune(model: str, job: TrainJob = TrainJob(), *, out, resume: bool = Fals
                                      split_frozen)
 
     # ---- everything that can be wrong is checked before any weight is loaded ---------------
-    source = JobModel(model)
+    source = SourceModel(model)
     cfg, path = source.config, source.path
     if seqlen > cfg.max_position_embeddings:
         raise TrainError(f"--seqlen {seqlen} exceeds the model's context "
@@ -128,7 +128,7 @@ def finetune(model: str, job: TrainJob = TrainJob(), *, out, resume: bool = Fals
         raise TrainError("the model shares prototype tables across layers (compressed with "
                          "--scope > 1): per-layer adapters cannot be merged into a shared table; "
                          "compress with --scope 1, or leave the routed experts out of --targets")
-    with OutputJob(out, "train", overwrite=overwrite, resume=resume, out_may_exist=overwrite or resume,
+    with OutputDir(out, "train", overwrite=overwrite, resume=resume, out_may_exist=overwrite or resume,
                    resumable=("checkpoints/[0-9]*", "final/checkpoints/[0-9]*", RECOVER_DIR)) as job:
         tokenizer = source.require_tokenizer("the training text cannot be tokenized")
         mode_settings = modes.open(source, tokenizer)  # the teacher fits the student, or one line

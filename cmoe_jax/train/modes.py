@@ -13,7 +13,7 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from cmoe_jax.jobs import JobModel, fault_point
+from cmoe_jax.jobs import SourceModel, fault_point
 from cmoe_jax.train.distill import DistillConfig
 from cmoe_jax.train.job import TrainJob
 from cmoe_jax.train.layerwise import RecoverConfig
@@ -28,7 +28,7 @@ class RecoveryModes:
     distill: DistillConfig | None
     recover: RecoverConfig | None
     teacher_arg: str | None
-    teacher: JobModel | None = None
+    teacher: SourceModel | None = None
     teacher_model: object = None
     memory: dict = dataclasses.field(default_factory=dict)
     records: list = dataclasses.field(default_factory=list)
@@ -57,7 +57,7 @@ class RecoveryModes:
     def needs_teacher(self) -> bool:
         return self.distill is not None or self.recover is not None
 
-    def open(self, source: JobModel, tokenizer) -> dict:
+    def open(self, source: SourceModel, tokenizer) -> dict:
         """Check the teacher against the student; the settings this adds to the run."""
         if not self.needs_teacher:
             return {}

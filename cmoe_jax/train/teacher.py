@@ -19,7 +19,7 @@ from flax import nnx
 
 from cmoe_jax.checkpoint import MANIFEST
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.jobs import JobModel
+from cmoe_jax.jobs import SourceModel
 from cmoe_jax.train.lora import TrainError
 
 
@@ -35,12 +35,12 @@ def teacher_name(student_path: Path, student: str, teacher: str | None) -> str:
     return str(source)
 
 
-def open_teacher(name: str, student: JobModel, student_tokenizer) -> JobModel:
-    """The teacher's `JobModel`, refused (one line) when its vocabulary or tokenizer differs
+def open_teacher(name: str, student: SourceModel, student_tokenizer) -> SourceModel:
+    """The teacher's `SourceModel`, refused (one line) when its vocabulary or tokenizer differs
     from the student's or its layers do not match (the distillation compares them token by
     token and layer by layer)."""
     try:
-        teacher = JobModel(name)
+        teacher = SourceModel(name)
     except (OSError, ValueError, CmoeError) as e:
         raise TrainError(f"cannot open the teacher {name!r} ({str(e).splitlines()[0]}): pass "
                          "--teacher MODEL naming the dense model to learn from") from None
@@ -59,7 +59,7 @@ def open_teacher(name: str, student: JobModel, student_tokenizer) -> JobModel:
     return teacher
 
 
-def teacher_identity(teacher: JobModel) -> str:
+def teacher_identity(teacher: SourceModel) -> str:
     """A short digest of the teacher's files (names, sizes, times): a resume with another
     teacher is refused like one with other settings."""
     return hashlib.sha256(json.dumps(teacher.files(), sort_keys=True).encode()).hexdigest()[:16]

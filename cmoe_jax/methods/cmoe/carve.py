@@ -24,8 +24,7 @@ class LayerCarving:
 
 
 def carve_layer(markers, mu, plan: MoEPlan, *, k_act: int = 10, kmeans_iters: int | None = None,
-                router_neurons: int = 1, shared_score=None, representative_score=None,
-                seed: int = 0) -> LayerCarving:
+                router_neurons: int = 1, shared_score=None, representative_score=None) -> LayerCarving:
     """Partition the d_h neurons of one layer from its binary markers [T, d_h] and rates mu [d_h].
 
     Shared: the x*m neurons with the highest `shared_score` (default mu, the paper's rule; the
@@ -35,11 +34,8 @@ def carve_layer(markers, mu, plan: MoEPlan, *, k_act: int = 10, kmeans_iters: in
     assignment; `kmeans_iters` None runs to convergence, 1 is the authors' code. The
     representatives of each cluster are its `router_neurons` members closest to the centroid
     (1: the paper's single representative), or, given `representative_score` [d_h], its
-    members of highest score (ties: lower id). Deterministic:
-    `seed` is not used by the method (it has no random choice) and is kept for API symmetry
-    with the calibration sampling.
+    members of highest score (ties: lower id). Deterministic: the method has no random choice.
     """
-    del seed
     t_start = time.perf_counter()
     markers = np.asarray(markers)
     if markers.ndim != 2:

@@ -10,7 +10,7 @@ embedding and LM head are read once, written, and dropped before the first layer
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -37,18 +37,41 @@ def converted_layer_state(cfg_moe: ModelConfig, index: int, dense_layer, ffn) ->
     return state
 
 
-def convert_streamed(source: TensorSource, cfg: ModelConfig, calib: np.ndarray, cc: ConvertConfig,
-                     out: Path, *, devices=None, progress: bool = True,
-                     done: list[LayerRecord] | None = None,
+class Streamed(NamedTuple):
+    """A dense checkpoint read one layer at a time (`source`, of `config`), and the directory
+    its conversion is written into."""
+
+    source: TensorSource
+    config: ModelConfig
+    out: Path
+
+
+class _Layers:
+    """The dense layers of `model`, each read only when the pass reaches it."""
+
+    def __init__(self, model: Streamed, mesh):
+        self.model, self.mesh = model, mesh
+
+    def __len__(self) -> int:
+        return self.model.config.num_layers
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield load_layer(self.model.source, self.model.config, i, dtype=jnp.float32, mesh=self.mesh)
+
+
+def convert_streamed(model: Streamed, calib: np.ndarray, cc: ConvertConfig, *, devices=None,
+                     progress: bool = True, done: list[LayerRecord] | None = None,
                      on_layer: Callable[[int, LayerRecord], None] | None = None,
                      expert_parallel: int = 1) -> tuple[ModelConfig, list[LayerRecord]]:
-    """Convert the dense model in `source` layer by layer, writing its state into `out`
-    (`out/state/rest`, `out/state/layer_NNNN`) -> (converted config, records).
+    """Convert the dense model in `model.source` layer by layer, writing its state into
+    `model.out` (`out/state/rest`, `out/state/layer_NNNN`) -> (converted config, records).
 
     The result equals `convert_model` on the loaded model (same steps, same order); the
     caller adds the manifest (with `"state_layout": PER_LAYER`) to make `out` loadable.
     `done`, `on_layer`, `expert_parallel`: as in `convert_model`.
     """
+    source, cfg, out = model
     calib = np.asarray(calib, np.int32)
     validate(cfg, calib, cc)
     mesh = conversion_mesh(cc, calib.shape[0], devices, expert_parallel)
@@ -60,10 +83,6 @@ def convert_streamed(source: TensorSource, cfg: ModelConfig, calib: np.ndarray, 
     cfg_moe = cfg.with_moe_layers([moe_spec(cfg, cc)] * cfg.num_layers)
     step = LayerConverter(cfg, cc, mesh, done or (), on_layer)
 
-    def dense_layers():
-        for i in range(cfg.num_layers):
-            yield load_layer(source, cfg, i, dtype=jnp.float32, mesh=mesh)
-
     def save(inputs, load):
         state = converted_layer_state(cfg_moe, inputs.index, inputs.layer, inputs.ffn)
         inputs.layer = inputs.ffn = None  # the dense FFN goes before the save's buffers arrive
@@ -72,9 +91,9 @@ def convert_streamed(source: TensorSource, cfg: ModelConfig, calib: np.ndarray, 
         source.release()
         step.finish(inputs, load)
 
-    layer_pass(dense_layers(), h, rope, mesh, step, after_layer=save, num_layers=cfg.num_layers,
+    layer_pass(_Layers(model, mesh), h, rope, mesh, step, after_layer=save,
                desc=f"converting to {cc.plan.name} (streamed)", progress=progress)
     return cfg_moe, step.records
 
 
-__all__ = ["PER_LAYER", "convert_streamed", "converted_layer_state"]
+__all__ = ["PER_LAYER", "Streamed", "convert_streamed", "converted_layer_state"]

@@ -7,8 +7,21 @@ from cmoe_jax.methods.expertweaver.task_mix import FORMATS, diverse_task_windows
 from cmoe_jax.methods.expertweaver.convert import WeaveConfig, layer_spec, validate, weave_model, woven_slices
 from cmoe_jax.methods.expertweaver.downcycle import Downcycler, checkpoint_manager, downcycle_loss
 from cmoe_jax.methods.expertweaver.weave import WovenLayer, gate_profiles, weave_layer
+from cmoe_jax.methods.expertweaver.job import (DEFAULT_TASKS, DIVERSE_NEEDS_ARC, MIXES, TaskCalibration,
+                                               WeaverSettings, WeaverSteps, calibration_tasks)
+from cmoe_jax.methods.expertweaver.report import layer_summary, write_report
+from cmoe_jax.methods.expertweaver import flags
+from cmoe_jax.methods.method import Method
+
+METHOD = Method(name="expertweaver", command="convert", choices=("expertweaver",), title="ExpertWeaver",
+                summary="expertweaver (layer-adaptive shared experts, gate-centroid router)",
+                settings=WeaverSettings, steps=WeaverSteps, add_flags=flags.add_flags,
+                from_args=flags.settings_from_args, check_args=flags.check_args, refuses=flags.REFUSES,
+                refuse_note="it sizes experts by --experts and --sparsity", single_process=True)
 
 __all__ = ["arc_text", "task_windows", "wikitext_articles", "FORMATS", "diverse_task_windows",
            "format_counts", "pseudo_tasks", "WeaveConfig", "layer_spec", "validate",
            "weave_model", "woven_slices", "Downcycler", "checkpoint_manager", "downcycle_loss",
-           "WovenLayer", "gate_profiles", "weave_layer"]
+           "WovenLayer", "gate_profiles", "weave_layer", "DEFAULT_TASKS", "DIVERSE_NEEDS_ARC", "MIXES",
+           "TaskCalibration", "WeaverSettings", "WeaverSteps", "calibration_tasks", "layer_summary",
+           "write_report", "flags", "METHOD"]

@@ -124,10 +124,8 @@ class LayerWeaver(LayerStep):
                                                mlp.down[...], mlp.activation))
                       if cc.shared_by == "energy" else None)
             t1 = time.perf_counter()
-            woven = weave_layer(profiles, self.task_ids, cc.experts, alpha_min=cc.alpha_min,
-                                alpha_max=cc.alpha_max, tau=cc.tau, max_shared=cc.active - 1,
-                                n_shared=cc.n_shared, assignment=cc.assignment, seed=cc.seed + i,
-                                random_split=cc.random_split, shared_score=energy)
+            woven = weave_layer(profiles, self.task_ids, cc, layer=i, max_shared=cc.active - 1,
+                                shared_score=energy)
             record = dict(woven.to_json(), seconds={"profile": inputs.seconds + t1 - t0,
                                                     "cluster": time.perf_counter() - t1})
         woven = WovenLayer.from_json(record)

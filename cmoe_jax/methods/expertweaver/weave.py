@@ -140,29 +140,30 @@ class WovenLayer:
                    d["alpha"], d["n_shared"], d["kmeans_iterations"], tuple(d.get("cv_quantiles", ())))
 
 
-def weave_layer(profiles, task_ids, num_experts: int, *, alpha_min: float = 0.2,
-                alpha_max: float = 0.7, tau: float = 0.6, max_shared: int | None = None,
-                n_shared: int | None = None, assignment: str = "greedy", seed: int = 0,
-                random_split: bool = False, shared_score=None) -> WovenLayer:
-    """Partition one layer's d_ffn neurons from their profiles [d_ffn, N] (samples of `task_ids`).
+def weave_layer(profiles, task_ids, cc, *, layer: int = 0, max_shared: int | None = None,
+                shared_score=None) -> WovenLayer:
+    """Partition one layer's d_ffn neurons from their profiles [d_ffn, N] (samples of `task_ids`)
+    into `cc.experts` experts as `cc` (a `WeaveConfig`) says; `layer` offsets its seed.
 
-    N_se follows the CV rule, capped at `max_shared` (the training-free mode needs at least one
-    routed expert per token: k - 1); `n_shared` fixes it instead (downcycling's uniform shared
-    count). Shared neurons: highest mean profile (the paper), or highest `shared_score`
-    [d_ffn] when given (e.g. output energy); ties: lower id. `random_split`: the same sizes,
-    but shared and routed neurons drawn at random (the downcycling ablation).
+    N_se follows the CV rule (`cc.tau`, `cc.alpha_min`, `cc.alpha_max`), capped at `max_shared`
+    (the training-free mode needs at least one routed expert per token: k - 1); `cc.n_shared`
+    fixes it instead (downcycling's uniform shared count). Shared neurons: highest mean profile
+    (the paper), or highest `shared_score` [d_ffn] when given (e.g. output energy); ties:
+    lower id. `cc.random_split`: the same sizes, but shared and routed neurons drawn at random
+    (the downcycling ablation).
     """
+    num_experts, n_shared, seed = cc.experts, cc.n_shared, cc.seed + layer
     profiles = np.asarray(profiles, np.float64)
     d_ffn = profiles.shape[0]
     if d_ffn % num_experts:
         raise ValueError(f"d_ffn={d_ffn} does not split into {num_experts} experts")
     d_expert = d_ffn // num_experts
     cv = coefficient_of_variation(profiles, task_ids)
-    r, alpha = shared_ratio(cv, tau, alpha_min, alpha_max)
+    r, alpha = shared_ratio(cv, cc.tau, cc.alpha_min, cc.alpha_max)
     n_se = shared_experts(alpha, d_ffn, num_experts) if n_shared is None else n_shared
     n_se = min(n_se, num_experts - 1 if max_shared is None else max_shared)
     quantiles = tuple(float(q) for q in np.quantile(cv, [0.1, 0.5, 0.9, 0.99]))
-    if random_split:
+    if cc.random_split:
         perm = np.random.default_rng(seed).permutation(d_ffn)
         experts = np.sort(perm[n_se * d_expert:].reshape(num_experts - n_se, d_expert), axis=1)
         return WovenLayer(np.sort(perm[:n_se * d_expert]).astype(np.int64), experts.astype(np.int64),
@@ -173,6 +174,6 @@ def weave_layer(profiles, task_ids, num_experts: int, *, alpha_min: float = 0.2,
     order = np.argsort(-score, kind="stable")
     shared = np.sort(order[:n_se * d_expert]).astype(np.int64)
     rest = np.setdiff1d(np.arange(d_ffn), shared)
-    labels, it = balanced_kmeans(profiles[rest], num_experts - n_se, assignment=assignment, seed=seed)
+    labels, it = balanced_kmeans(profiles[rest], num_experts - n_se, assignment=cc.assignment, seed=seed)
     experts = np.stack([rest[labels == j] for j in range(num_experts - n_se)]).astype(np.int64)
     return WovenLayer(shared, experts, r, alpha, n_se, it, quantiles)

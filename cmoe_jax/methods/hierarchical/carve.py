@@ -14,7 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from cmoe_jax.methods.cmoe import LayerCarving, carve_layer, slice_ffn
+from cmoe_jax.methods.cmoe import LayerCarving, carve_profiled, slice_ffn
 from cmoe_jax.profiling.markers import profile_layer
 from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.methods.cmoe import router_fit_sums, scale_router_up
@@ -50,24 +50,18 @@ def expert_tokens(x: np.ndarray, top_ids: np.ndarray, expert: int, min_tokens: i
     return x[chosen], len(chosen), False
 
 
-def carve_expert(rows: np.ndarray, w_gate, w_up, w_down, plan: MoEPlan, cc,
-                 activation: str = "silu") -> LayerCarving:
-    """The dense carving (`carve_layer`) of one expert's SwiGLU on its tokens `rows [n, d]`.
+def carve_expert(rows: np.ndarray, w_gate, w_up, w_down, cc, activation: str = "silu") -> LayerCarving:
+    """The dense carving (`carve_profiled`) of one expert's SwiGLU on its tokens `rows [n, d]`.
 
-    `cc`: a `ConvertConfig` (k_act, normalize, kmeans_iters, router_neurons, shared_by,
-    router_reps, seed) read exactly as the dense pipeline reads it; `activation`: the
-    experts' GLU activation."""
+    `cc`: a `ConvertConfig` (its plan the per-expert plan) read exactly as the dense pipeline
+    reads it; `activation`: the experts' GLU activation."""
     n = len(rows)
     markers, mu, energy = profile_layer(padded(rows), w_gate, w_up, w_down, k_act=cc.k_act,
                                         normalize=cc.normalize, activation=activation)
     markers = np.asarray(markers)[:n]
     mu = markers.mean(axis=0, dtype=np.float64).astype(np.float32)
     energy = np.asarray(energy, np.float64) * (len(padded(rows)) / n)  # mean over the real rows
-    return carve_layer(markers, mu, plan, k_act=cc.k_act, kmeans_iters=cc.kmeans_iters,
-                       router_neurons=cc.router_neurons,
-                       shared_score=energy if cc.shared_by == "energy" else None,
-                       representative_score=energy if cc.router_reps == "energy" else None,
-                       seed=cc.seed)
+    return carve_profiled(markers, mu, energy, cc)
 
 
 def sub_expert_slices(w_gate, w_up, w_down, carving: LayerCarving, plan: MoEPlan) -> dict:
@@ -95,16 +89,18 @@ def fit_sub_router(rows: np.ndarray, sub: dict, plan: MoEPlan, fit_tokens: int,
     return scale_router_up(sub["router_up"], num, den, plan.routed)
 
 
-def carve_moe_layer(x: np.ndarray, top_ids: np.ndarray, weights: dict, plan: MoEPlan, cc, *,
+def carve_moe_layer(x: np.ndarray, top_ids: np.ndarray, weights: dict, cc, *,
                     min_tokens: int, done: list[ExpertCarving] | None = None, progress=None,
                     activation: str = "silu"):
     """(HierMoEFFN variables of the carved experts, [ExpertCarving] per expert).
 
+    `cc`: the conversion's `ConvertConfig`, `cc.plan` the per-expert plan.
     `x [T, d]` the layer's FFN inputs, `top_ids [T, k]` their top-level experts, `weights`
     the source layer's `expert_gate/expert_up [N, d, d_e]`, `expert_down [N, d_e, d]` (numpy
     float32). `done`: carvings of a previous run (resume): only slicing and fitting re-run.
     Returns `expert_gate/up/down [N*N', ...]`, `sub_gate/sub_up [N, d, N'_r*r]`,
     `u`, `router_bias` zeros `[N, N'_r]`."""
+    plan = cc.plan
     num_experts, d, d_e = weights["expert_gate"].shape
     n_sub, m = plan.total, plan.expert_width(d_e)
     cols = plan.routed * cc.router_neurons
@@ -121,7 +117,7 @@ def carve_moe_layer(x: np.ndarray, top_ids: np.ndarray, weights: dict, plan: MoE
         w = [np.asarray(weights["expert_" + p][i], np.float32) for p in ("gate", "up", "down")]
         rows, count, fallback = expert_tokens(x, top_ids, i, min_tokens)
         carving = (done[i].carving if done is not None
-                   else carve_expert(rows, *w, plan, cc, activation))
+                   else carve_expert(rows, *w, cc, activation))
         sub = sub_expert_slices(*w, carving, plan)
         scales = None
         if cc.router_scale:

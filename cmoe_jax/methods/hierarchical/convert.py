@@ -125,7 +125,7 @@ class ExpertCarver(LayerStep):
             xf = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
             top_ids = np.asarray(_top_ids(*nnx.split(src), jnp.asarray(xf)))
             carved, experts = carve_moe_layer(
-                xf, top_ids, _expert_weights(src), self.cc.plan, self.cc, min_tokens=self.min_tokens,
+                xf, top_ids, _expert_weights(src), self.cc, min_tokens=self.min_tokens,
                 done=self.done[i].experts if i < len(self.done) else None,
                 activation=self.cfg.activation)
             seconds["carve"] = time.perf_counter() - t1

@@ -1,6 +1,6 @@
 """One output-writing job: the output checked, locked, staged, published, cleaned up.
 
-    with OutputJob(out, "convert", overwrite=..., resume=...) as job:   # lock taken here
+    with OutputDir(out, "convert", overwrite=..., resume=...) as job:   # lock taken here
         ...check the inputs...
         resuming = job.open(fingerprint)       # OUT.partial made, or verified for --resume
         ...work, saving resumable pieces under job.staging.dir...
@@ -29,7 +29,7 @@ def check_output_free(out: Path, overwrite: bool, hint: str = "") -> None:
         raise OutputExistsError(f"output directory {out} exists: pass --overwrite to replace it{hint}")
 
 
-class OutputJob:
+class OutputDir:
     """Lock, staging directory and publish of one job's `--out` (see the module docstring)."""
 
     def __init__(self, out: Path, job: str, *, overwrite: bool = False, resume: bool = False,
@@ -42,7 +42,7 @@ class OutputJob:
         self.staging = Staging(self.out, self._lock)
         self._opened = False
 
-    def __enter__(self) -> "OutputJob":
+    def __enter__(self) -> "OutputDir":
         error = None
         if self.main:
             try:

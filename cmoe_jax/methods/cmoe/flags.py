@@ -1,0 +1,80 @@
+"""CMoE's command line: its flag group, its checks across flags and its settings from them
+(the shared plan, data and output flags are the convert command's)."""
+from __future__ import annotations
+
+from cmoe_jax.cli_args import positive_int
+from cmoe_jax.data import Calibration
+from cmoe_jax.errors import CmoeError
+from cmoe_jax.methods.cmoe.convert import ConvertConfig
+from cmoe_jax.methods.cmoe.job import ConvertSettings
+from cmoe_jax.methods.cmoe.plan import MoEPlan
+
+
+def add_flags(g) -> None:
+    g.add_argument("--k-act", type=positive_int, default=10, help="K_a: markers per token (ATopK)")
+    g.add_argument("--kmeans-iters", type=positive_int, default=None,
+                   help="balanced K-means iterations (default: to convergence; 1 = the authors' code)")
+    g.add_argument("--no-normalize", action="store_true",
+                   help="profile unnormalised activations instead of the L2-normalised form")
+    g.add_argument("--router-neurons", type=positive_int, default=None,
+                   help=f"representative neurons scoring each routed expert (default "
+                        f"{ConvertConfig.router_neurons}; 1 = the paper's router)")
+    g.add_argument("--no-router-scale", action="store_true",
+                   help="do not fit per-expert router score scales (the paper's raw |h| scores)")
+    g.add_argument("--paper-router", action="store_true",
+                   help="the CMoE paper's router: one representative neuron per expert, closest to "
+                        "the centroid, raw |h| scores (= --router-neurons 1 --router-reps centroid "
+                        "--no-router-scale)")
+    g.add_argument("--router-fit-tokens", type=positive_int, default=2048,
+                   help="calibration tokens used to fit the router score scales")
+    g.add_argument("--router-reps", choices=["centroid", "energy"], default=None,
+                   help="router neurons of each expert: the members of highest output energy "
+                        "(default) or closest to the cluster centroid (the paper's rule)")
+    g.add_argument("--expert-parallel", type=positive_int, default=1, metavar="N",
+                   help="split each converted layer's routed experts over N devices (all-to-all "
+                        "token exchange) when it runs forward; the batch uses the rest")
+    g.add_argument("--stream", action="store_true",
+                   help="read, convert and write one decoder layer at a time (peak host memory "
+                        "about one layer: models larger than the host's memory); dense sources")
+
+
+def check_args(args, error) -> None:
+    if args.shared_by == "profile":
+        error("--shared-by profile is ExpertWeaver's rule: --method cmoe takes rate (its "
+              "paper's rule, the default) or energy")
+
+
+def plan_from_args(args) -> MoEPlan:
+    if args.config:
+        return MoEPlan.parse(args.config, flag="--config")
+    if None in (args.shared, args.active, args.experts):
+        raise CmoeError("give --config SxAyEz, or all three of --shared, --active, --experts")
+    return MoEPlan(args.shared, args.active, args.experts)
+
+
+def router_options(args) -> dict:
+    """Router settings from the flags; `--paper-router` fixes all three and excludes the others."""
+    if args.paper_router:
+        given = [f for f, v in (("--router-neurons", args.router_neurons), ("--router-reps", args.router_reps),
+                                ("--no-router-scale", args.no_router_scale or None)) if v is not None]
+        if given:
+            raise CmoeError(f"--paper-router sets the router itself: drop {', '.join(given)}")
+        return dict(ConvertConfig.PAPER_ROUTER)
+    neurons, reps = args.router_neurons, args.router_reps
+    return {"router_neurons": ConvertConfig.router_neurons if neurons is None else neurons,
+            "router_reps": ConvertConfig.router_reps if reps is None else reps,
+            "router_scale": not args.no_router_scale}
+
+
+def settings_from_args(args) -> ConvertSettings:
+    """The CMoE conversion the flags describe (hierarchical when the source is an MoE)."""
+    method = ConvertConfig(plan=plan_from_args(args), k_act=args.k_act, normalize=not args.no_normalize,
+                           kmeans_iters=args.kmeans_iters, seed=args.seed,
+                           router_fit_tokens=args.router_fit_tokens,
+                           shared_by=args.shared_by or ConvertConfig.shared_by,
+                           **router_options(args))
+    calibration = Calibration(dataset=args.dataset, split=args.split, data_path=args.data_path,
+                              samples=args.calib_samples,
+                              seqlen=2048 if args.seqlen is None else args.seqlen)
+    return ConvertSettings(method, calibration, stream=args.stream, expert_parallel=args.expert_parallel,
+                           min_expert_tokens=args.min_expert_tokens, report=args.report)
