@@ -68,7 +68,7 @@ class JaxSide:
         import jax
 
         from cmoe_jax.loading import load_model
-        from cmoe_jax.train import (LoRAConfig, OptimConfig, init_state, make_mesh, make_train_step,
+        from cmoe_jax.train import (LoRAConfig, OptimConfig, init_state, lm_loss, make_mesh, make_train_step,
                                     split_frozen)
 
         self.mesh = make_mesh()
@@ -94,7 +94,8 @@ class JaxSide:
             self.frozen = {"model": self.frozen, "teacher": teacher.own}
             frozen_sh = {"model": frozen_sh, "teacher": jax.tree.map(lambda a: a.sharding, teacher.own)}
             loss = distill_loss(graphdef, teacher, lora, distill)
-        self.step = make_train_step(graphdef, lora, oc, tx, shardings, frozen_sh, self.mesh, loss=loss)
+        self.step = make_train_step(loss or lm_loss(graphdef, lora), tx, shardings, frozen_sh, self.mesh,
+                                    bias_speed=oc.bias_speed)
 
     def first_step(self, batch: np.ndarray) -> float:
         import jax

@@ -27,14 +27,14 @@ from test_structure import LAYERS, import_graph  # noqa: E402
 
 # what each part is for, in a few words (a part missing here is drawn with its name only)
 ROLE = {
-    "errors": "one-line errors", "lora": "LoRA mechanism", "faults": "fault hook",
+    "errors": "one-line errors", "lora": "LoRA variables\n(per module)", "faults": "fault hook",
     "moe": "MoE layers, routers,\ngrouped matmuls", "sharding": "meshes", "distributed": "multi-host",
     "cli_args": "shared flags", "models": "decoder, families", "data": "corpora, windows",
     "checkpoint": "converted format", "profiling": "markers, layer pass",
     "carving": "assignment, K-means", "loading": "checkpoints in", "methods": "cmoe, hierarchical,\nexpertweaver, conmoe",
     "jobs": "lock, staging,\nresume, publish", "convert": "job + CLI", "compress": "job + CLI",
-    "train": "job + CLI", "eval": "job + CLI", "export": "job + CLI", "demo": "README table",
-    "__init__": "public API", "downcycle": "job + CLI", "generate": "KV-cache decoding\n+ CLI",
+    "train": "jobs + CLI\n(LoRA, downcycle)", "eval": "job + CLI", "export": "job + CLI", "demo": "README table",
+    "__init__": "public API", "downcycle": "entry point", "generate": "KV-cache decoding\n+ CLI",
     "commands": "cmoe-jax",
 }
 

@@ -20,7 +20,7 @@ from cmoe_jax.compress.cli import main as compress_main
 from cmoe_jax.convert import Calibration, ConvertConfig, ConvertSettings, convert
 from cmoe_jax.convert.cli import main as convert_main
 from cmoe_jax.errors import run_job
-from cmoe_jax.export import ExportError, export
+from cmoe_jax.export import ExportError, ExportSettings, export
 from cmoe_jax.export.cli import main as export_main
 from cmoe_jax.eval.cli import main as eval_main
 from cmoe_jax.export.verify import compare_with_transformers, require_match
@@ -248,8 +248,8 @@ def _record(case, line: str) -> None:
 def test_export_resume_refuses_a_changed_source(inputs, tmp_path, capsys):
     src = tmp_path / "src"
     shutil.copytree(inputs["converted"], src)
-    kw = dict(calib_samples=0, max_shard_mb=0.01, progress=False)
-    assert export(str(src), out=tmp_path / "hf", stop_after_shards=2, **kw)["out"] is None
+    settings = ExportSettings(calib_samples=0, max_shard_mb=0.01)
+    assert export(str(src), settings, out=tmp_path / "hf", stop_after_shards=2, progress=False)["out"] is None
     manifest = json.loads((src / "cmoe_manifest.json").read_text())
     (src / "cmoe_manifest.json").write_text(json.dumps(dict(manifest, note="edited")))  # new content
     capsys.readouterr()

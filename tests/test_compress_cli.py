@@ -131,7 +131,7 @@ def test_dense_model_is_refused(save_tiny, tmp_path, capsys):
 
 def test_lora_trains_on_the_prototype_runtime(mixtral, tmp_path):
     """LoRA gradients flow through a scope-shared prototype table (adapters per layer)."""
-    from cmoe_jax.train.lora import LoRAConfig, init_adapters, lora_loss, router_params
+    from cmoe_jax.train import LoRAConfig, init_adapters, lora_loss, router_params
 
     path, text = mixtral
     compress(str(path), CompressSettings(CompressConfig(method="conmoe", ratio=0.5, scope=2), _calibration(text)),
@@ -142,7 +142,7 @@ def test_lora_trains_on_the_prototype_runtime(mixtral, tmp_path):
     assert "expert_gate" in adapters["layers"]["1"]["mlp"]
     u, b = router_params(model)
     tokens = jnp.asarray(np.arange(32, dtype=np.int32).reshape(2, 16) % 90)
-    loss, grads = jax.value_and_grad(lambda ad: lora_loss(model, ad, u, b, tokens, scale=cfg.scale)[0])(adapters)
+    loss, grads = jax.value_and_grad(lambda ad: lora_loss(model, cfg.applied(ad, u, b), tokens)[0])(adapters)
     assert np.isfinite(float(loss))
     gb = grads["layers"]["1"]["mlp"]["expert_gate"]["b"]
     assert float(jnp.abs(gb).sum()) > 0
@@ -151,13 +151,13 @@ def test_lora_trains_on_the_prototype_runtime(mixtral, tmp_path):
 def test_train_job_runs_on_a_compressed_model(mixtral, tmp_path):
     """`python -m cmoe_jax.train`'s job on a layer-local ConMoE model: the adapters merge into
     the prototype table, and the result loads with its slot maps."""
-    from cmoe_jax.train import TrainJob, finetune
+    from cmoe_jax.train import TrainSettings, finetune
 
     path, text = mixtral
     compress(str(path), CompressSettings(CompressConfig(method="conmoe", ratio=0.5), _calibration(text)),
              out=tmp_path / "c", progress=False)
     before = load_model(str(tmp_path / "c")).model
-    finetune(str(tmp_path / "c"), TrainJob(data_path=str(text), samples=8, seqlen=32, batch_size=2,
+    finetune(str(tmp_path / "c"), TrainSettings(data_path=str(text), samples=8, seqlen=32, batch_size=2,
                                            lora_rank=4, lr=1e-2, epochs=1),
              out=tmp_path / "ft", progress=False)
     after = load_model(str(tmp_path / "ft")).model

@@ -145,7 +145,7 @@ def test_cli_compresses_a_hierarchical_model_and_lora_trains_it(tmp_path):
     from tests.conftest import save_tiny_tokenizer, tiny_hf_model, write_random_text
     from cmoe_jax.compress.cli import main as compress_main
     from cmoe_jax.convert.cli import main as convert_main
-    from cmoe_jax.train.lora import LoRAConfig, init_adapters, lora_loss, router_params
+    from cmoe_jax.train import LoRAConfig, init_adapters, lora_loss, router_params
 
     tiny_hf_model("qwen3_moe", num_hidden_layers=4).save_pretrained(tmp_path / "moe")
     save_tiny_tokenizer(tmp_path / "moe")
@@ -173,15 +173,15 @@ def test_cli_compresses_a_hierarchical_model_and_lora_trains_it(tmp_path):
     adapters = init_adapters(restored, cfg, jax.random.key(0))
     u, b = router_params(restored)
     loss, grads = jax.value_and_grad(
-        lambda ad: lora_loss(restored, ad, u, b, TOKENS, scale=cfg.scale)[0])(adapters)
+        lambda ad: lora_loss(restored, cfg.applied(ad, u, b), TOKENS)[0])(adapters)
     assert np.isfinite(float(loss))
     assert float(jnp.abs(grads["layers"]["1"]["mlp"]["expert_gate"]["b"]).sum()) > 0
     # the training job itself on a compressed model (layer-local: adapters merge into the table)
-    from cmoe_jax.train import TrainJob, finetune
+    from cmoe_jax.train import TrainSettings, finetune
 
     assert compress_main(["--model", str(tmp_path / "hier"), "--method", "reap", "--ratio", "0.5",
                           "--out", str(tmp_path / "r"), *data]) == 0
-    finetune(str(tmp_path / "r"), TrainJob(data_path=str(text), samples=8, seqlen=32, batch_size=2,
+    finetune(str(tmp_path / "r"), TrainSettings(data_path=str(text), samples=8, seqlen=32, batch_size=2,
                                            lora_rank=4, lr=1e-2, router_lr=1e-1, bias_speed=1e-2,
                                            epochs=1),
              out=tmp_path / "ft", progress=False)

@@ -18,7 +18,7 @@ from cmoe_jax.checkpoint import save_converted
 from cmoe_jax.data import load_text_tokens
 from cmoe_jax.loading import load_model
 from cmoe_jax.sharding import make_mesh, placed_split
-from cmoe_jax.train import (DistillConfig, LoRAConfig, RecoverConfig, SharedTeacher, TrainJob,
+from cmoe_jax.train import (AdapterSet, DistillConfig, LoRAConfig, RecoverConfig, SharedTeacher, TrainSettings,
                             chunked_kd, distill_objective, finetune, init_adapters, kd_tile,
                             layerwise_recover, load_adapters, merge_adapters, router_params)
 from cmoe_jax.train.cli import main as train_main
@@ -52,7 +52,7 @@ def dirs(models, tmp_path_factory):
 def _sharpened(model, factor: float = 30.0):
     """A copy with its LM head scaled: a random tiny model's next-token distributions are
     almost uniform, which leaves nothing to distil."""
-    from cmoe_jax.train.lora import _copy
+    from cmoe_jax.models.lora import _copy
 
     out = _copy(model)
     out.lm_head[...] = model.lm_head[...] * factor
@@ -119,7 +119,7 @@ def test_student_equal_to_teacher_has_zero_loss_and_gradient(models, top_k):
     tokens = _tokens()
 
     def loss(a):
-        return distill_objective(dense, dense, a, {}, {}, tokens, cfg, scale=lora.scale)[0]
+        return distill_objective(dense, dense, lora.applied(a), tokens, cfg)[0]
 
     value, grads = jax.value_and_grad(loss)(adapters)
     assert abs(float(value)) < 1e-6
@@ -147,7 +147,7 @@ def _run(dirs, out, **kw):
                 lora_rank=4, lr=1e-2, router_lr=1e-2, bias_speed=1e-2, epochs=2, save_every=2,
                 progress=False, distill=True, kd_temperature=2.0, kd_weight=0.7, hidden_weight=0.5)
     args.update(kw)
-    job, options = TrainJob.split_options(args)
+    job, options = TrainSettings.split_options(args)
     return finetune(str(dirs / "moe"), job, out=out, **options)
 
 
@@ -183,8 +183,7 @@ def _kl_to_teacher(dirs, model_dir, batch) -> float:
     """Mean KL of a saved model to the dense teacher on `batch`."""
     model = load_model(str(model_dir), progress=False).model
     dense = load_model(str(dirs / "dense"), progress=False).model
-    return float(distill_objective(model, dense, {}, {}, {}, jnp.asarray(batch), DistillConfig(),
-                                   scale=1.0)[0])
+    return float(distill_objective(model, dense, AdapterSet({}), jnp.asarray(batch), DistillConfig())[0])
 
 
 @pytest.mark.parametrize("recover", [None, "layerwise"])
@@ -274,14 +273,14 @@ SHARDED = r'''
 import json, os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, numpy as np
-from cmoe_jax.train import TrainJob, finetune, load_adapters
+from cmoe_jax.train import TrainSettings, finetune, load_adapters
 root, out = sys.argv[1], sys.argv[2]
 kw = dict(data_path=root + "/text.txt", samples=8, seqlen=32, batch_size=4, lora_rank=4, lr=1e-2,
           router_lr=1e-2, bias_speed=1e-2, epochs=2, distill=True, kd_temperature=2.0,
           kd_weight=0.7, kd_top_k=20, hidden_weight=0.5)
-one = finetune(root + "/moe", TrainJob(mesh_shape=(1, 1), **kw), out=out + "/one",
+one = finetune(root + "/moe", TrainSettings(mesh_shape=(1, 1), **kw), out=out + "/one",
                devices=jax.devices()[:1], progress=False)
-many = finetune(root + "/moe", TrainJob(mesh_shape=(4, 2), **kw), out=out + "/many", progress=False)
+many = finetune(root + "/moe", TrainSettings(mesh_shape=(4, 2), **kw), out=out + "/many", progress=False)
 logs = {k: [s["loss"] for s in json.load(open(f"{out}/{k}/train_log.json"))["steps"]] for k in ("one", "many")}
 a, _ = load_adapters(out + "/one/adapters")
 b, _ = load_adapters(out + "/many/adapters")

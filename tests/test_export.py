@@ -15,7 +15,7 @@ from flax import nnx
 from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.checkpoint import save_converted
 from cmoe_jax.convert import ConvertConfig, convert_model
-from cmoe_jax.export import EXPORT_MANIFEST, export
+from cmoe_jax.export import EXPORT_MANIFEST, ExportSettings, export
 from cmoe_jax.export.cli import main as export_main
 from cmoe_jax.loading import load_model
 from conftest import save_tiny_tokenizer, write_random_text
@@ -53,8 +53,8 @@ def converted_dir(save_tiny, tmp_path, family, plan="S2A2E8", trained=True):
 def test_carved_model_exports_with_remote_code(save_tiny, tmp_path, family):
     moe, src = converted_dir(save_tiny, tmp_path, family)
     text = write_random_text(tmp_path / "text.txt", 2000)
-    record = export(str(src), out=tmp_path / "hf", data_path=str(text), calib_samples=2, seqlen=32,
-                    progress=False)
+    record = export(str(src), ExportSettings(data_path=str(text), calib_samples=2, seqlen=32),
+                    out=tmp_path / "hf", progress=False)
     assert record["remote_code"] and (tmp_path / "hf" / "modeling_cmoe.py").exists()
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["model_type"] == f"cmoe_{family}" and config["moe_layers"][0]["router"] == "cmoe"
@@ -72,7 +72,7 @@ def test_carved_model_exports_with_remote_code(save_tiny, tmp_path, family):
 def test_dense_and_sparse_families_export_to_their_own_architecture(save_tiny, tmp_path, family):
     _, path = save_tiny(family)
     ours = np.asarray(load_model(str(path), progress=False).model(TOKENS))
-    record = export(str(path), out=tmp_path / "hf", calib_samples=0, progress=False)
+    record = export(str(path), ExportSettings(calib_samples=0), out=tmp_path / "hf", progress=False)
     assert not record["remote_code"] and not (tmp_path / "hf" / "modeling_cmoe.py").exists()
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert "auto_map" not in config
@@ -81,13 +81,14 @@ def test_dense_and_sparse_families_export_to_their_own_architecture(save_tiny, t
 
 def test_sharded_export_resumes_to_the_same_files(save_tiny, tmp_path):
     moe, src = converted_dir(save_tiny, tmp_path, "llama")
-    kw = dict(calib_samples=0, max_shard_mb=0.02, progress=False)
-    stopped = export(str(src), out=tmp_path / "a", stop_after_shards=2, **kw)
+    kw = dict(progress=False)
+    settings = ExportSettings(calib_samples=0, max_shard_mb=0.02)
+    stopped = export(str(src), settings, out=tmp_path / "a", stop_after_shards=2, **kw)
     assert stopped["out"] is None and not (tmp_path / "a").exists()
     first = sorted((tmp_path / "a.partial" / "final").glob("*.safetensors"))
     assert len(first) == 2
     stamps = {f.name: f.stat().st_mtime_ns for f in first}
-    record = export(str(src), out=tmp_path / "a", resume=True, **kw)
+    record = export(str(src), settings, out=tmp_path / "a", resume=True, **kw)
     index = json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())
     assert record["shards"] > 2 and len(set(index["weight_map"].values())) == record["shards"]
     for name, stamp in stamps.items():  # the finished shards were kept, not rewritten
@@ -115,7 +116,7 @@ def test_exported_tokenizer_loads_without_remote_code(save_tiny, tmp_path):
     no trust_remote_code, and it encodes as the source tokenizer does; the tokenizer files
     name their class, so transformers does not take it from the `cmoe_llama` config."""
     _, src = converted_dir(save_tiny, tmp_path, "llama", trained=False)
-    export(str(src), out=tmp_path / "hf", calib_samples=0, progress=False)
+    export(str(src), ExportSettings(calib_samples=0), out=tmp_path / "hf", progress=False)
     config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert config.get("tokenizer_class")
     text = "w1 w2 w3 w17 w40"

@@ -14,7 +14,7 @@ from cmoe_jax.checkpoint import restore_model, save_converted
 from cmoe_jax.models import Decoder, ModelConfig
 from cmoe_jax.models.stack import STACKED, LayerStack, layered_state
 from cmoe_jax.sharding import make_mesh, place_state, shardings_of
-from cmoe_jax.train import LoRAConfig, init_adapters, lora_loss, router_params
+from cmoe_jax.train import AdapterSet, LoRAConfig, init_adapters, lora_loss, router_params
 from conftest import dense_and_converted
 
 CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
@@ -77,7 +77,7 @@ def test_training_loss_and_gradients_equal_the_per_layer_model(converted):
     tokens, key = _tokens(2, 16, 3), jax.random.key(7)
 
     def grads(model):
-        f = lambda ad, u: lora_loss(model, ad, u, bs, tokens, scale=lora.scale, dropout=0.2,
+        f = lambda ad, u: lora_loss(model, AdapterSet(ad, u, bs, lora.scale, dropout=0.2), tokens,
                                     key=key, remat=True)
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(adapters, us)
 
@@ -102,8 +102,8 @@ def test_the_loss_reads_stacked_weights_in_place(converted):
     weight_shapes = {tuple(v.get_value().shape) for p, v in nnx.to_flat_state(frozen)
                      if p[:2] == ("layers", STACKED) and np.prod(v.get_value().shape) > 64 * 4}
     tokens = _tokens(2, 16)
-    jaxpr = jax.make_jaxpr(lambda fr, ad: lora_loss(nnx.merge(graphdef, fr), ad, us, bs, tokens,
-                                                    scale=lora.scale))(frozen, adapters)
+    jaxpr = jax.make_jaxpr(lambda fr, ad: lora_loss(nnx.merge(graphdef, fr),
+                                                    lora.applied(ad, us, bs), tokens))(frozen, adapters)
     top = jaxpr.jaxpr
     assert any(e.primitive.name == "scan" for e in top.eqns)
     built = {tuple(v.aval.shape) for e in top.eqns if e.primitive.name != "scan" for v in e.outvars}

@@ -19,7 +19,7 @@ from cmoe_jax.loading import load_model
 from cmoe_jax.models import ModelConfig
 from cmoe_jax.models.stack import LayerStack
 from cmoe_jax.lora import LoRA
-from cmoe_jax.train import (LoRAConfig, TrainJob, adapted_weights, finetune, init_adapters, load_adapters,
+from cmoe_jax.train import (AdapterSet, LoRAConfig, TrainSettings, adapted_weights, finetune, init_adapters, load_adapters,
                             lora_logits, lora_loss, merge_adapters, router_params, with_adapters)
 from cmoe_jax.train.cli import main as train_main
 from conftest import dense_and_converted, save_tiny_tokenizer, write_random_text
@@ -85,7 +85,7 @@ def test_zero_adapters_give_the_base_model(models, which):
     adapters = init_adapters(model, lora, jax.random.key(1))  # B = 0, A random
     us, bs = router_params(model)
     tokens = _tokens()
-    got = lora_logits(model, adapters, us, bs, tokens, scale=lora.scale)
+    got = lora_logits(model, lora.applied(adapters, us, bs), tokens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(model(tokens)), rtol=0, atol=1e-6)
 
 
@@ -104,7 +104,7 @@ def test_adapters_are_variables_of_the_model_split_by_type(models):
     # the model's own forward runs them: the same logits as the functional entry point
     tokens = _tokens()
     np.testing.assert_allclose(np.asarray(adapted(tokens)),
-                               np.asarray(lora_logits(moe, adapters, us, bs, tokens, scale=lora.scale)),
+                               np.asarray(lora_logits(moe, lora.applied(adapters, us, bs), tokens)),
                                rtol=0, atol=0)
 
 
@@ -114,7 +114,7 @@ def test_dropout_follows_the_key_and_remat_changes_nothing(models):
     adapters, us, bs = _trained_like(moe, lora)
     tokens, key = _tokens(), jax.random.key(9)
     f = lambda remat, key=key: jax.jit(lambda ad, u: lora_loss(
-        moe, ad, u, bs, tokens, scale=lora.scale, dropout=0.3, key=key, remat=remat))(adapters, us)
+        moe, lora.applied(ad, u, bs), tokens, key=key, remat=remat))(adapters, us)
     (l1, loads1), (l2, loads2) = f(True), f(False)
     np.testing.assert_allclose(float(l1), float(l2), rtol=1e-6)
     assert abs(float(f(False, jax.random.key(10))[0]) - float(l1)) > 1e-5  # masks follow the key
@@ -122,7 +122,7 @@ def test_dropout_follows_the_key_and_remat_changes_nothing(models):
     for k in loads1:
         np.testing.assert_array_equal(np.asarray(loads1[k]), np.asarray(loads2[k]))
         assert int(loads1[k].sum()) == tokens.size * moe.layers[0].mlp.top_k
-    no_drop = lora_loss(moe, adapters, us, bs, tokens, scale=lora.scale)[0]
+    no_drop = lora_loss(moe, AdapterSet(adapters, us, bs, lora.scale), tokens)[0]
     assert abs(float(no_drop) - float(l1)) > 1e-4  # dropout is applied
 
 
@@ -161,7 +161,7 @@ def test_loss_and_gradients_match_dense_recomputation(models, which):
     tokens = _tokens(2, 24)
 
     def ours(ad, u):
-        return lora_loss(model, ad, u, bs, tokens, scale=lora.scale)[0]
+        return lora_loss(model, lora.applied(ad, u, bs), tokens)[0]
 
     def ref(ad, u):
         return _reference_loss(model, ad, u, bs, tokens, lora.scale)
@@ -187,7 +187,7 @@ def test_merged_and_unmerged_give_the_same_logits(models):
     tokens = _tokens(2, 20, seed=7)
     before = np.asarray(moe(tokens))
     merged = merge_adapters(moe, adapters, lora.scale, us, bs)
-    want = np.asarray(lora_logits(moe, adapters, us, bs, tokens, scale=lora.scale))
+    want = np.asarray(lora_logits(moe, lora.applied(adapters, us, bs), tokens))
     np.testing.assert_allclose(np.asarray(merged(tokens)), want, atol=2e-5)
     np.testing.assert_array_equal(np.asarray(moe(tokens)), before)  # the base is untouched
     assert np.max(np.abs(want - before)) > 1e-2  # the adapters do change the model
@@ -198,7 +198,7 @@ def _run(model_dirs, out, **kw):
                 lora_rank=4, lr=1e-2, router_lr=1e-2, bias_speed=1e-2, epochs=2,
                 save_every=2, progress=False)
     args.update(kw)
-    job, options = TrainJob.split_options(args)
+    job, options = TrainSettings.split_options(args)
     return finetune(str(model_dirs / "moe"), job, out=out, **options)
 
 
@@ -247,7 +247,7 @@ def test_resumed_run_ends_like_an_uninterrupted_one(model_dirs, full_run, tmp_pa
     base = load_model(str(model_dirs / "moe"), progress=False).model
     tuned = load_model(str(full_dir), progress=False).model
     tokens = _tokens(2, 20)
-    want = lora_logits(base, a["lora"], a["u"], a["bias"], tokens, scale=32 / 4)
+    want = lora_logits(base, AdapterSet(a["lora"], a["u"], a["bias"], scale=32 / 4), tokens)
     np.testing.assert_allclose(np.asarray(tuned(tokens)), np.asarray(want), atol=2e-5)
     assert (full_dir / "loss.png").stat().st_size > 1000
     manifest = json.loads((full_dir / "cmoe_manifest.json").read_text())
@@ -258,19 +258,19 @@ SHARDED = r'''
 import json, os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, numpy as np
-from cmoe_jax.train import TrainJob, finetune, load_adapters
+from cmoe_jax.train import TrainSettings, finetune, load_adapters
 assert jax.device_count() == 8
 root, out = sys.argv[1], sys.argv[2]
 kw = dict(data_path=root + "/text.txt", samples=8, seqlen=32, batch_size=4, lora_rank=4,
           lr=1e-2, router_lr=1e-2, bias_speed=1e-2, epochs=3, save_every=100)
-one = finetune(root + "/moe", TrainJob(mesh_shape=(1, 1), **kw), out=out + "/one",
+one = finetune(root + "/moe", TrainSettings(mesh_shape=(1, 1), **kw), out=out + "/one",
                devices=jax.devices()[:1], progress=False)
-many = finetune(root + "/moe", TrainJob(mesh_shape=(4, 2), **kw), out=out + "/many", progress=False)
+many = finetune(root + "/moe", TrainSettings(mesh_shape=(4, 2), **kw), out=out + "/many", progress=False)
 import cmoe_jax.moe.expert_parallel as ep
 exchanges = []
 _exchange = ep._exchange
 ep._exchange = lambda *a, **k: exchanges.append(a[5]) or _exchange(*a, **k)  # traced all-to-all
-expert = finetune(root + "/moe", TrainJob(mesh_shape=(2, 2), expert_parallel=2, **kw),
+expert = finetune(root + "/moe", TrainSettings(mesh_shape=(2, 2), expert_parallel=2, **kw),
                   out=out + "/expert", progress=False)
 assert one["mesh"] == {"data": 1, "model": 1} and many["mesh"] == {"data": 4, "model": 2}
 assert expert["mesh"] == {"data": 2, "expert": 2, "model": 2}, expert["mesh"]

@@ -11,6 +11,7 @@ nothing is published.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -71,40 +72,57 @@ def _write_shard(cfg, values: dict, paths, file: Path, tmp: Path) -> dict:
     return {name: file.name for name in tensors}
 
 
-def export(model: str, *, out, fmt: str = "hf", calib: str = "wikitext2",
-           calib_split: str = "validation", data_path: str | None = None, calib_samples: int = 2,
-           seqlen: int = 512, seed: int = 0, max_shard_mb: float = 2048, overwrite: bool = False,
-           resume: bool = False, progress: bool = True, stop_after_shards: int | None = None) -> dict:
-    """Export `model` to `out` in `fmt`; returns the export record (also `out/cmoe_export.json`).
+@dataclasses.dataclass(frozen=True)
+class ExportSettings:
+    """What an export writes (`fmt`, shards of at most `max_shard_mb` MiB) and the windows the
+    exported model is checked on against ours (`calib*`, `data_path`, `seqlen`, `seed`;
+    `calib_samples=0`: no check)."""
 
-    `calib*`, `seqlen`, `seed`: the windows the exported model is checked on against ours
-    (`calib_samples=0`: no check). `stop_after_shards` exists for testing interruption.
-    """
+    fmt: str = "hf"
+    calib: str = "wikitext2"
+    calib_split: str = "validation"
+    data_path: str | None = None
+    calib_samples: int = 2
+    seqlen: int = 512
+    seed: int = 0
+    max_shard_mb: float = 2048
+
+    def check(self) -> None:
+        if self.fmt not in FORMATS:
+            raise CmoeError(f"--format {self.fmt!r} is not one of {', '.join(FORMATS)}")
+
+    def check_sizes(self) -> None:
+        if not (math.isfinite(self.max_shard_mb) and self.max_shard_mb > 0) or self.calib_samples < 0 \
+                or self.seqlen < 2:
+            raise CmoeError("--max-shard-mb must be positive, --calib-samples >= 0 and --seqlen >= 2")
+
+
+def export(model: str, settings: ExportSettings = ExportSettings(), *, out, overwrite: bool = False,
+           resume: bool = False, progress: bool = True, stop_after_shards: int | None = None) -> dict:
+    """Export `model` to `out` under `settings`; returns the export record (also
+    `out/cmoe_export.json`). `stop_after_shards` exists for testing interruption."""
     t0 = time.perf_counter()
     out = Path(out)
-    if fmt not in FORMATS:
-        raise CmoeError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    settings.check()
     check_output_free(out, overwrite)
-    if not (math.isfinite(max_shard_mb) and max_shard_mb > 0) or calib_samples < 0 or seqlen < 2:
-        raise CmoeError("--max-shard-mb must be positive, --calib-samples >= 0 and --seqlen >= 2")
+    settings.check_sizes()
     source = SourceModel(model)
     config_json = hf_config(source.config)  # a model the format cannot hold fails here, before any work
     with OutputDir(out, "export", overwrite=overwrite, resume=resume,
-                   resumable=(SHARD_RECORD,)) as job:
+                   resumable=(SHARD_RECORD,)) as output:
         windows = None
-        if calib_samples:
-            windows = verification_windows(source, calib, calib_split, data_path, calib_samples,
-                                           seqlen, seed)
-        settings = {"model": str(model), "format": fmt, "max_shard_mb": max_shard_mb}
-        job.open(fingerprint("export", settings, source.path, windows))
-        record = _export(job, source, config_json, windows, fmt, max_shard_mb, progress,
-                         stop_after_shards)
+        if settings.calib_samples:
+            windows = verification_windows(source, settings.calib, settings.calib_split, settings.data_path,
+                                           settings.calib_samples, settings.seqlen, settings.seed)
+        fingerprinted = {"model": str(model), "format": settings.fmt, "max_shard_mb": settings.max_shard_mb}
+        output.open(fingerprint("export", fingerprinted, source.path, windows))
+        record = _export(output, source, settings, config_json, windows, progress, stop_after_shards)
         if record is None:
             return {"out": None, "interrupted_after": stop_after_shards}
         record["seconds"] = time.perf_counter() - t0
-        final = job.staging.dir / "final"
+        final = output.staging.dir / "final"
         write_json_atomic(final / EXPORT_MANIFEST, record)
-        job.publish(final)
+        output.publish(final)
     return dict(record, out=str(out))
 
 
@@ -127,10 +145,10 @@ def _staged_shards(staging: Path, final: Path) -> dict:
     return done
 
 
-def _export(job: OutputDir, source: SourceModel, config_json: dict, windows, fmt: str,
-            max_shard_mb: float, progress: bool, stop_after_shards) -> dict | None:
+def _export(output: OutputDir, source: SourceModel, settings: ExportSettings, config_json: dict,
+            windows, progress: bool, stop_after_shards) -> dict | None:
     """Shards, config, tokenizer and the check into the staging directory; the record."""
-    staging = job.staging.dir
+    staging = output.staging.dir
     final = staging / "final"
     final.mkdir(exist_ok=True)
     done = _staged_shards(staging, final)
@@ -138,7 +156,7 @@ def _export(job: OutputDir, source: SourceModel, config_json: dict, windows, fmt
     cfg = lm.config
     state = layered_state(lm.model)  # tensors per layer, as Hugging Face names them
     values = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(state)}
-    plan = _shard_plan(cfg, state, int(max_shard_mb * 2**20))
+    plan = _shard_plan(cfg, state, int(settings.max_shard_mb * 2**20))
     weight_map: dict[str, str] = {}
     for k, paths in enumerate(tqdm(plan, desc="writing shards", disable=not progress)):
         file = final / f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors"
@@ -163,7 +181,7 @@ def _export(job: OutputDir, source: SourceModel, config_json: dict, windows, fmt
         shutil.copy(Path(__file__).parent / "hf_remote" / REMOTE_CODE, final / REMOTE_CODE)
     if lm.tokenizer is not None:
         lm.tokenizer.hf.save_pretrained(str(final))
-    record = {"source_model": source.name, "format": fmt,
+    record = {"source_model": source.name, "format": settings.fmt,
               "architecture": config_json["architectures"][0],
               "remote_code": not keeps_original_architecture(cfg), "shards": len(plan),
               "tensors": len(weight_map)}
@@ -172,4 +190,4 @@ def _export(job: OutputDir, source: SourceModel, config_json: dict, windows, fmt
     return record
 
 
-__all__ = ["export", "ExportError", "EXPORT_MANIFEST"]
+__all__ = ["export", "ExportSettings", "ExportError", "EXPORT_MANIFEST"]

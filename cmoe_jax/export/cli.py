@@ -16,7 +16,7 @@ from cmoe_jax import distributed
 from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir,
                                add_progress, add_seed, add_seqlen, check_writable_dir, command_main,
                                positive_float)
-from cmoe_jax.export.api import export
+from cmoe_jax.export.api import ExportSettings, export
 
 EXAMPLE = "{prog} --model out/s3a3e8 --data-path wikitext-2/wiki.valid.raw --out hf/s3a3e8"
 
@@ -44,10 +44,10 @@ def run(args) -> dict:
     check_writable_dir(args.out, source=args.model)
     distributed.require_single_process("python -m cmoe_jax.export")
 
-    return export(args.model, out=Path(args.out), fmt=args.format, calib=args.dataset,
-                  calib_split=args.split, data_path=args.data_path,
-                  calib_samples=args.calib_samples, seqlen=args.seqlen, seed=args.seed,
-                  max_shard_mb=args.max_shard_mb, overwrite=args.overwrite, resume=args.resume,
+    settings = ExportSettings(fmt=args.format, calib=args.dataset, calib_split=args.split,
+                              data_path=args.data_path, calib_samples=args.calib_samples,
+                              seqlen=args.seqlen, seed=args.seed, max_shard_mb=args.max_shard_mb)
+    return export(args.model, settings, out=Path(args.out), overwrite=args.overwrite, resume=args.resume,
                   progress=not args.no_progress)
 
 

@@ -22,21 +22,16 @@ RUN_CONFIG = "run_config.json"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def _saveable(state: dict) -> dict:
-    leaves = jax.tree.leaves(state["opt"])
-    return {"lora": state["trainable"]["lora"], "u": state["trainable"]["u"], "bias": state["bias"],
-            "step": state["step"], "opt": {f"{i:05d}": leaf for i, leaf in enumerate(leaves)}}
-
-
-def _unsaveable(tree: dict, like: dict) -> dict:
-    treedef = jax.tree.structure(like["opt"])
-    opt = jax.tree.unflatten(treedef, [tree["opt"][k] for k in sorted(tree["opt"])])
-    return {"trainable": {"lora": tree["lora"], "u": tree.get("u", {})}, "opt": opt,
-            "bias": tree.get("bias", {}), "step": tree["step"]}
+def _flat_opt(tree: dict) -> dict:
+    """`tree` with its optimizer state `tree["opt"]` as `{"00000": leaf, ...}`."""
+    return dict(tree, opt={f"{i:05d}": leaf for i, leaf in enumerate(jax.tree.leaves(tree["opt"]))})
 
 
 class RunCheckpoints:
-    """Save / restore train states under `directory` (keeps the last `keep`)."""
+    """Save / restore the train states of a run under `directory` (keeps the last `keep`).
+
+    A state is a dict of pytrees with the optimizer state under "opt" (stored as its leaves);
+    each job maps its own train state to such a dict (`lora_saved`, `FullTrainer`)."""
 
     def __init__(self, directory: Path, keep: int = 2):
         self.directory = Path(directory).absolute()
@@ -47,21 +42,36 @@ class RunCheckpoints:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state: dict, meta: dict) -> None:
+    def save(self, step: int, tree: dict, meta: dict) -> None:
         self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(_saveable(state)), meta=ocp.args.JsonSave(meta)), force=True)
+            state=ocp.args.StandardSave(_flat_opt(tree)), meta=ocp.args.JsonSave(meta)), force=True)
         self.manager.wait_until_finished()
 
-    def restore(self, step: int, like: dict, shardings: dict) -> tuple[dict, dict]:
-        """(state placed on `shardings`, meta) of a saved step; `like` gives the structure."""
-        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              like, shardings)
+    def restore(self, step: int, like: dict) -> tuple[dict, dict]:
+        """(tree, meta) of a saved step: `like` is a tree as `save` takes it (arrays or
+        `ShapeDtypeStruct`s), whose shapes, shardings and optimizer structure it is given."""
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                              _flat_opt(like))
         got = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_saveable(target)), meta=ocp.args.JsonRestore()))
-        return _unsaveable(got["state"], like), got["meta"]
+            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        saved = got["state"]
+        opt = jax.tree.unflatten(jax.tree.structure(like["opt"]), [saved["opt"][k] for k in sorted(saved["opt"])])
+        return dict(saved, opt=opt), got["meta"]
 
     def close(self) -> None:
         self.manager.close()
+
+
+def lora_saved(state: dict) -> dict:
+    """A LoRA train state (`cmoe_jax.train.step`) as its checkpoint stores it."""
+    return {"lora": state["trainable"]["lora"], "u": state["trainable"]["u"], "bias": state["bias"],
+            "step": state["step"], "opt": state["opt"]}
+
+
+def lora_state(saved: dict) -> dict:
+    """The LoRA train state of a restored `lora_saved` tree."""
+    return {"trainable": {"lora": saved["lora"], "u": saved.get("u", {})}, "opt": saved["opt"],
+            "bias": saved.get("bias", {}), "step": saved["step"]}
 
 
 def check_run_config(directory: Path, settings: dict) -> None:

@@ -15,7 +15,7 @@ from cmoe_jax.cli_args import (Parser, add_data, add_model, add_output_dir, add_
                                positive_float, positive_int)
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.train.api import finetune
-from cmoe_jax.train.job import TrainJob
+from cmoe_jax.train.settings import TrainSettings
 from cmoe_jax.train.lora import DEFAULT_TARGETS
 
 EXAMPLE = ("{prog} --model out/s1a1e8 --data-path wikitext-2/wiki.valid.raw --samples 64 "
@@ -120,7 +120,7 @@ def run(args) -> dict:
     check_writable_dir(args.out, source=args.model)
     distributed.initialize()  # a multi-process job trains data-parallel over all processes
 
-    job = TrainJob(dataset=args.dataset, data_path=args.data_path, split=args.split,
+    settings = TrainSettings(dataset=args.dataset, data_path=args.data_path, split=args.split,
                    samples=args.samples, seqlen=args.seqlen, batch_size=args.batch_size,
                    lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, dropout=args.dropout,
                    targets=args.targets, lr=args.lr, router_lr=args.router_lr,
@@ -132,7 +132,7 @@ def run(args) -> dict:
                    kd_top_k=args.kd_top_k, hidden_weight=args.hidden_weight, recover=args.recover,
                    recover_samples=args.recover_samples, recover_steps=args.recover_steps,
                    recover_lr=args.recover_lr)
-    return finetune(args.model, job, out=args.out, resume=args.resume, overwrite=args.overwrite,
+    return finetune(args.model, settings, out=args.out, resume=args.resume, overwrite=args.overwrite,
                     progress=not args.no_progress)
 
 

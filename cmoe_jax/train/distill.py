@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cmoe_jax.train.lora import LoRAConfig, TrainError, adapted_run
+from cmoe_jax.models.lora import AdapterSet, adapted_run
+from cmoe_jax.train.lora import LoRAConfig, TrainError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +91,12 @@ def hidden_match(student_inputs: list, teacher_inputs: list) -> jax.Array:
     return jnp.mean(jnp.stack(errs))
 
 
-def distill_objective(model, teacher, adapters, u, bias, tokens, cfg: DistillConfig, *,
-                      scale: float, dropout: float = 0.0, key=None, remat: bool = False):
-    """(distillation loss, expert loads) of the adapted `model` against the frozen `teacher`
-    (both `Decoder`s) on `tokens [B, T]`."""
+def distill_objective(model, teacher, adapters: AdapterSet, tokens, cfg: DistillConfig, *,
+                      key=None, remat: bool = False):
+    """(distillation loss, expert loads) of `model` adapted by `adapters` against the frozen
+    `teacher` (both `Decoder`s) on `tokens [B, T]`."""
     capture = cfg.hidden_weight > 0
-    hs, xs, loads = adapted_run(model, adapters, u, bias, tokens, scale=scale, dropout=dropout,
-                                key=key, remat=remat, capture=capture)
+    hs, xs, loads = adapted_run(model, adapters, tokens, key=key, remat=remat, capture=capture)
     ht, xt, _ = jax.lax.stop_gradient(teacher.run_layers(tokens, capture=capture))
     kl, nll = chunked_kd(model.norm(hs)[:, :-1], teacher.norm(ht)[:, :-1], tokens[:, 1:],
                          model.lm_head_matrix(), teacher.lm_head_matrix(), cfg)
@@ -114,7 +114,7 @@ def distill_loss(graphdef, teacher, lora: LoRAConfig, cfg: DistillConfig, remat:
     def loss(trainable, frozen, bias, tokens, key):
         model = nnx.merge(graphdef, frozen["model"])
         return distill_objective(model, teacher.model(frozen["model"], frozen["teacher"]),
-                                 trainable["lora"], trainable["u"], bias, tokens, cfg,
-                                 scale=lora.scale, dropout=lora.dropout, key=key, remat=remat)
+                                 lora.applied(trainable["lora"], trainable["u"], bias), tokens, cfg,
+                                 key=key, remat=remat)
 
     return loss

@@ -26,7 +26,8 @@ from cmoe_jax.models.stack import each_layer
 from cmoe_jax.moe import MoEFFN
 from cmoe_jax.profiling.layer_pass import (calibration_mesh, layer_pass, replicate,
                                            start_pass)
-from cmoe_jax.train.lora import LoRAConfig, TrainError, _trains_router, init_adapters
+from cmoe_jax.models.lora import trains_router
+from cmoe_jax.train.lora import LoRAConfig, TrainError, init_adapters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +104,7 @@ def layerwise_recover(student, teacher, windows: np.ndarray, lora: LoRAConfig,
     if not moe:
         raise TrainError("--recover layerwise: the model has no converted (MoE) FFN to recover")
     if not any((fresh.get(str(i), {}).get("mlp")) for i in moe) and not any(
-            _trains_router(layer.mlp) for layer, _ in each_layer(student)):
+            trains_router(layer.mlp) for layer, _ in each_layer(student)):
         raise TrainError("--recover layerwise fits the FFNs' adapters or router scales: add "
                          "gate_proj/up_proj/down_proj to --targets")
     mesh = calibration_mesh(len(windows), devices)
@@ -118,7 +119,7 @@ def layerwise_recover(student, teacher, windows: np.ndarray, lora: LoRAConfig,
         x = inputs.ffn_input
         y = _apply(*nnx.split(dense_layers[i].mlp), x)
         params = {"lora": fresh.get(str(i), {}).get("mlp", {})}
-        if _trains_router(ffn):
+        if trains_router(ffn):
             params["u"] = jnp.asarray(ffn.u[...], jnp.float32)
         graphdef, state = nnx.split(ffn)
         params, before, after = fit(graphdef, replicate(state, mesh), replicate(params, mesh), x, y)

@@ -1,14 +1,10 @@
-"""LoRA adapters for a `Decoder`: which weights get one, initialisation, shardings, the
-adapted forward and merging.
+"""Which weights of a `Decoder` get LoRA adapters, their initialisation and shardings, and the
+adapted model's next-token loss: the training side of LoRA.
 
-The optimizer and the checkpoints hold the adapters as a nested dict that mirrors the
-parameter paths: ``{"layers": {"3": {"attn": {"q_proj": {"a": A, "b": B}}, ...}}}``.
-A weight ``W [in, out]`` gets ``A [in, r]`` and ``B [r, out]``; stacked experts
-``W [E, in, out]`` get stacked ``A [E, in, r]`` and ``B [E, r, out]``. The adapted weight is
-``W + (alpha / r) * A @ B``; B starts at zero, so a fresh adapter changes nothing.
-`with_adapters` puts them into (a copy of) the model as `cmoe_jax.lora.LoRA` variables of
-the modules they adapt, so the model's own forward (`Decoder.run_layers`) runs them;
-`merge_adapters` folds them into a copy of the weights.
+The adapters are the nested dict `cmoe_jax.models.lora` describes (one `{"a": A, "b": B}` per
+adapted weight, by parameter path); B starts at zero, so a fresh adapter changes nothing.
+The adapted forward and merging are `cmoe_jax.models.lora`'s (`with_adapters`,
+`merge_adapters`, `adapted_run`), re-exported by `cmoe_jax.train`.
 """
 from __future__ import annotations
 
@@ -20,10 +16,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.lora import attach
 from cmoe_jax.models.decoder import chunked_nll
-from cmoe_jax.models.stack import STACKED, LayerStack, each_layer, layer_value, stack_trees
-from cmoe_jax.moe.balance import RouterBias
+from cmoe_jax.models.lora import AdapterSet, adapted_run
+from cmoe_jax.models.stack import STACKED, each_layer
 from cmoe_jax.sharding import logical_axes, spec_for
 
 
@@ -63,6 +58,10 @@ class LoRAConfig:
             raise TrainError(f"--dropout must be in [0, 1), got {self.dropout}")
         if not self.targets:
             raise TrainError("--targets is empty: name at least one weight to adapt")
+
+    def applied(self, lora: dict, u: dict | None = None, bias: dict | None = None) -> AdapterSet:
+        """The adapters `lora` (with router scales u / biases b by layer) at this scale and dropout."""
+        return AdapterSet(lora, u or {}, bias or {}, self.scale, self.dropout)
 
 
 def parse_targets(targets) -> tuple[str, ...]:
@@ -114,15 +113,6 @@ def _put(tree: dict, path: tuple, value) -> None:
     tree[str(path[-1])] = value
 
 
-def get_adapter(adapters: dict, path: tuple):
-    node = adapters
-    for key in path:
-        node = node.get(str(key)) if isinstance(node, dict) else None
-        if node is None:
-            return None
-    return node
-
-
 def adapter_shapes(shape: tuple, rank: int) -> tuple[tuple, tuple]:
     *lead, n_in, n_out = shape
     return (*lead, n_in, rank), (*lead, rank, n_out)
@@ -161,127 +151,24 @@ def named(specs, mesh: Mesh):
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def delta(adapter: dict, scale: float) -> jax.Array:
-    """The weight update `scale * A @ B` (batched over a leading expert axis), float32."""
-    return scale * jnp.matmul(adapter["a"].astype(jnp.float32), adapter["b"].astype(jnp.float32))
-
-
-def _trains_router(mlp) -> bool:
-    """A layer with CMoE gate scales u and balancing bias b: a CMoE layer, or a hierarchical
-    one (its sub-routers' u, b; its top-level router stays as converted)."""
-    return getattr(mlp, "router", None) == "cmoe" or getattr(mlp, "sub_experts", 0) > 0
-
-
-def router_params(model) -> tuple[dict, dict]:
-    """The CMoE router gate scales u and selection biases b by layer: `({"3": u}, {"3": b})`.
-
-    Fresh float32 copies, so donating them to a train step leaves the model intact.
-    """
-    us, bs = {}, {}
-    for i, (layer, _) in enumerate(each_layer(model)):
-        if _trains_router(layer.mlp):
-            us[str(i)] = jnp.array(layer_value(model, i, "mlp", "u"), jnp.float32, copy=True)
-            bs[str(i)] = jnp.array(layer_value(model, i, "mlp", "router_bias"), jnp.float32,
-                                   copy=True)
-    return us, bs
-
-
-def _copy(model):
-    """New module objects over the same arrays (so attributes can change, not the model)."""
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
-
-
-def _per_layer(model, adapters: dict, u: dict | None, bias: dict | None):
-    """`[(layer module, {"attn": .., "mlp": .., "u": .., "bias": ..})]`: what goes into each
-    layer, or, for stacked layers, into the stacked layer, every layer's values stacked (u / b
-    of layers missing from `u` / `bias` then come from the model)."""
-    trees = {}
-    for i, (layer, stacked) in enumerate(each_layer(model)):
-        tree = {g: dict(get_adapter(adapters, ("layers", i, g)) or {}) for g in ("attn", "mlp")}
-        for key, given, name in (("u", u, "u"), ("bias", bias, "router_bias")):
-            if given and str(i) in given:
-                tree[key] = jnp.asarray(given[str(i)])
-            elif given and stacked:
-                tree[key] = layer_value(model, i, "mlp", name)
-        trees[i] = tree
-    if isinstance(model.layers, LayerStack):
-        return [(model.layers.stacked, stack_trees(list(trees.values())))] if trees else []
-    return [(model.layers[i], tree) for i, tree in trees.items()]
-
-
-def with_adapters(model, adapters: dict, scale: float, u: dict | None = None,
-                  bias: dict | None = None, dropout: float = 0.0):
-    """A copy of `model` carrying `adapters` as `LoRA` variables of the modules they adapt,
-    and the router scales u / selection biases b given by layer (float32, as given; layers
-    missing from them keep the model's). Traceable: the train step calls it inside `jit`;
-    for stacked layers it stacks the adapters (small), never the weights."""
-    out = _copy(model)
-    for layer, tree in _per_layer(out, adapters, u, bias):
-        for group in ("attn", "mlp"):
-            for name, ab in tree[group].items():
-                attach(getattr(layer, group), name, ab["a"], ab["b"], scale, dropout)
-        if "u" in tree:
-            layer.mlp.u = nnx.Param(tree["u"])
-        if "bias" in tree:
-            layer.mlp.router_bias = RouterBias(tree["bias"])
-    return out
-
-
-def adapted_run(model, adapters: dict, u: dict, bias: dict, tokens: jax.Array, *,
-                scale: float, dropout: float = 0.0, key: jax.Array | None = None,
-                remat: bool = False, capture: bool = False):
-    """(residual stream after the last layer of the adapted model, every layer's FFN input
-    when `capture` else [], the expert loads `{layer: int32 [E]}` of its CMoE layers).
-    Layer i's dropout masks come from `fold_in(key, i)` (no dropout without a key)."""
-    adapted = with_adapters(model, adapters, scale, u, bias, dropout)
-    h, inputs, loads = adapted.run_layers(tokens, key=key, remat=remat, capture=capture)
-    cmoe = {str(i) for i, (layer, _) in enumerate(each_layer(model)) if _trains_router(layer.mlp)}
-    return h, inputs, {k: v for k, v in loads.items() if k in cmoe}
-
-
-def lora_hidden(model, adapters: dict, u: dict, bias: dict, tokens: jax.Array, *,
-                scale: float, dropout: float = 0.0, key: jax.Array | None = None,
+def lora_hidden(model, adapters: AdapterSet, tokens: jax.Array, *, key: jax.Array | None = None,
                 remat: bool = False):
     """Residual stream after the last layer of the adapted model, and the expert loads of
     its CMoE layers (`adapted_run` without the captured inputs)."""
-    h, _, loads = adapted_run(model, adapters, u, bias, tokens, scale=scale, dropout=dropout,
-                              key=key, remat=remat)
+    h, _, loads = adapted_run(model, adapters, tokens, key=key, remat=remat)
     return h, loads
 
 
-def lora_logits(model, adapters: dict, u: dict | None = None, bias: dict | None = None,
-                tokens=None, *, scale: float, dropout: float = 0.0, key=None) -> jax.Array:
+def lora_logits(model, adapters: AdapterSet, tokens, *, key=None) -> jax.Array:
     """Logits `[B, T, vocab]` of the adapted model (for tests and small inputs)."""
-    h, _ = lora_hidden(model, adapters, u or {}, bias or {}, tokens, scale=scale,
-                       dropout=dropout, key=key)
+    h, _ = lora_hidden(model, adapters, tokens, key=key)
     return model.unembed(h)
 
 
-def lora_loss(model, adapters, u, bias, tokens, *, scale, dropout=0.0, key=None, remat=False):
+def lora_loss(model, adapters: AdapterSet, tokens, *, key=None, remat=False):
     """(mean next-token NLL, expert loads by layer) of the adapted model on `tokens [B, T]`;
     the LM head runs in rematerialised chunks, so `[B, T, vocab]` logits are never stored."""
-    h, loads = lora_hidden(model, adapters, u, bias, tokens, scale=scale, dropout=dropout,
-                           key=key, remat=remat)
+    h, loads = lora_hidden(model, adapters, tokens, key=key, remat=remat)
     h = model.norm(h)[:, :-1]
     nll = chunked_nll(h, tokens[:, 1:], model.lm_head_matrix(), 128, remat=True)
     return jnp.mean(nll), loads
-
-
-def merge_adapters(model, adapters: dict, scale: float, u: dict | None = None,
-                   bias: dict | None = None):
-    """A copy of `model` with `W + scale * A @ B` folded in and u / b set; `model` is unchanged."""
-    merged = _copy(model)
-    for layer, tree in _per_layer(merged, adapters, u, bias):
-        for group in ("attn", "mlp"):
-            module = getattr(layer, group)
-            for name, adapter in tree[group].items():
-                w = getattr(module, name)
-                new = w[...].astype(jnp.float32) + delta(adapter, scale)
-                setattr(module, name, nnx.Param(new.astype(w[...].dtype)))
-        mlp = layer.mlp
-        if "u" in tree:
-            mlp.u = nnx.Param(tree["u"].astype(mlp.u[...].dtype))
-        if "bias" in tree:
-            mlp.router_bias[...] = tree["bias"].astype(mlp.router_bias[...].dtype)
-    return merged

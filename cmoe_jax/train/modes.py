@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cmoe_jax.jobs import SourceModel, fault_point
 from cmoe_jax.train.distill import DistillConfig
-from cmoe_jax.train.job import TrainJob
+from cmoe_jax.train.settings import TrainSettings
 from cmoe_jax.train.layerwise import RecoverConfig
 from cmoe_jax.train.lora import TrainError
 from cmoe_jax.train.teacher import open_teacher, teacher_identity, teacher_name
@@ -34,7 +34,7 @@ class RecoveryModes:
     records: list = dataclasses.field(default_factory=list)
 
     @classmethod
-    def of(cls, job: TrainJob) -> "RecoveryModes":
+    def of(cls, job: TrainSettings) -> "RecoveryModes":
         distill = recover = None
         if job.distill:
             distill = DistillConfig(temperature=job.kd_temperature, kd_weight=job.kd_weight,
@@ -84,7 +84,7 @@ class RecoveryModes:
         from cmoe_jax import distributed
         from cmoe_jax.train.checkpoint import load_adapters, save_adapters
         from cmoe_jax.train.layerwise import layerwise_recover
-        from cmoe_jax.train.lora import merge_adapters
+        from cmoe_jax.models.lora import merge_adapters
 
         saved = Path(staging) / RECOVER_DIR
         if saved.is_dir():

@@ -23,8 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cmoe_jax.moe.balance import update_router_bias
 from cmoe_jax.sharding import batch_axes, placed_split
-from cmoe_jax.train.lora import (LoRAConfig, adapter_specs, init_adapters, lora_loss, named,
-                                 router_params)
+from cmoe_jax.models.lora import router_params
+from cmoe_jax.train.lora import LoRAConfig, adapter_specs, init_adapters, lora_loss, named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,32 +83,36 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(batch_axes(mesh), None))
 
 
-def make_train_step(graphdef, lora: LoRAConfig, oc: OptimConfig, tx, shardings, frozen_sh,
-                    mesh: Mesh, seed: int = 0, remat: bool = False,
-                    loss: Callable | None = None) -> Callable:
+def lm_loss(graphdef, lora: LoRAConfig, remat: bool = False) -> Callable:
+    """The step's default objective: the next-token NLL of `lora_loss` on the model
+    `graphdef` + `frozen` with the trainable adapters."""
+
+    def loss(trainable, frozen, bias, tokens, key):
+        model = nnx.merge(graphdef, frozen)
+        return lora_loss(model, lora.applied(trainable["lora"], trainable["u"], bias), tokens,
+                         key=key, remat=remat)
+
+    return loss
+
+
+def make_train_step(loss: Callable, tx, shardings, frozen_sh, mesh: Mesh, *, seed: int = 0,
+                    bias_speed: float = 1e-3) -> Callable:
     """`step(state, frozen, tokens) -> (state, loss, loads)`, jitted, state donated.
 
-    `loss(trainable, frozen, bias, tokens, key) -> (loss, loads)`: the objective (default:
-    the next-token NLL of `lora_loss` on the model `graphdef` + `frozen`; distillation passes
-    its own, `cmoe_jax.train.distill.distill_loss`)."""
+    `loss(trainable, frozen, bias, tokens, key) -> (loss, loads)`: the objective (`lm_loss`,
+    or distillation's `cmoe_jax.train.distill.distill_loss`); the dropout key of a step is
+    `fold_in(key(seed), step)`; the selection biases move by `bias_speed` (`OptimConfig`)."""
     replicated = NamedSharding(mesh, P())
-
-    def lm_loss(trainable, frozen, bias, tokens, key):
-        model = nnx.merge(graphdef, frozen)
-        return lora_loss(model, trainable["lora"], trainable["u"], bias, tokens,
-                         scale=lora.scale, dropout=lora.dropout, key=key, remat=remat)
-
-    loss_fn = lm_loss if loss is None else loss
 
     def step(state, frozen, tokens):
         key = jax.random.fold_in(jax.random.key(seed), state["step"])
-        (loss, loads), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        (value, loads), grads = jax.value_and_grad(loss, has_aux=True)(
             state["trainable"], frozen, state["bias"], tokens, key)
         updates, opt = tx.update(grads, state["opt"], state["trainable"])
         trainable = optax.apply_updates(state["trainable"], updates)
-        bias = {k: update_router_bias(b, loads[k], oc.bias_speed) for k, b in state["bias"].items()}
+        bias = {k: update_router_bias(b, loads[k], bias_speed) for k, b in state["bias"].items()}
         new = {"trainable": trainable, "opt": opt, "bias": bias, "step": state["step"] + 1}
-        return new, loss, loads
+        return new, value, loads
 
     loads_sh = jax.tree.map(lambda _: replicated, shardings["bias"])
     return jax.jit(step, donate_argnums=(0,),

@@ -1,0 +1,251 @@
+"""The steps of one fine-tuning run, in the order `finetune` takes them: check, read the data
+and build the mesh, set up the train state, train, then merge and write the output.
+
+`FineTuning` carries what one step hands the next (source, data, mesh, state), so each step
+is a short method; nothing here touches the output directory's lock or staging (`api.py`).
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cmoe_jax import distributed
+from cmoe_jax.errors import CmoeError
+from cmoe_jax.jobs import SourceModel, fault_point
+from cmoe_jax.train.checkpoint import RunCheckpoints, lora_saved, lora_state, save_adapters
+from cmoe_jax.train.lora import TrainError, adapted_weights
+from cmoe_jax.train.modes import RecoveryModes
+from cmoe_jax.train.settings import TrainSettings
+
+
+def check_settings(s: TrainSettings) -> None:
+    """The settings' own checks (before the model is opened)."""
+    if s.samples < 1:
+        raise TrainError(f"--samples must be at least 1, got {s.samples}")
+    if s.seqlen < 2:
+        raise TrainError(f"--seqlen must be at least 2, got {s.seqlen}")
+    if s.save_every is not None and s.save_every < 1:
+        raise TrainError(f"--save-every must be at least 1, got {s.save_every}")
+    if s.max_steps is not None and s.max_steps < 0:
+        raise TrainError(f"--max-steps must be non-negative, got {s.max_steps}")
+    if s.dtype not in ("float32", "bfloat16"):
+        raise TrainError(f"--dtype must be float32 or bfloat16, got {s.dtype!r}")
+    for name, value in (("--lr", s.lr), ("--router-lr", s.router_lr), ("--bias-speed", s.bias_speed)):
+        if not value >= 0:
+            raise TrainError(f"{name} must be non-negative, got {value}")
+
+
+class FineTuning:
+    """One fine-tuning run of `model` under `settings`, step by step."""
+
+    def __init__(self, model: str, settings: TrainSettings):
+        self.t_start = time.perf_counter()
+        self.name, self.settings = model, settings
+        self.modes = RecoveryModes.of(settings)  # --distill / --recover checked before anything is read
+        self.lora = settings.lora()
+        self.lora.validate()
+        check_settings(settings)
+        self.source = SourceModel(model)
+        self.adapted = self._check_model()
+
+    def _check_model(self) -> list:
+        """Everything about the model that can be wrong, before any weight is loaded."""
+        from flax import nnx
+
+        from cmoe_jax.models import Decoder
+
+        cfg, s = self.source.config, self.settings
+        if s.seqlen > cfg.max_position_embeddings:
+            raise TrainError(f"--seqlen {s.seqlen} exceeds the model's context "
+                             f"({cfg.max_position_embeddings} positions)")
+        abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+        adapted = adapted_weights(abstract, self.lora.targets)  # targets that match nothing fail here
+        tied = [i for i, spec in enumerate(cfg.moe_layers) if spec is not None and spec.prototype_owner >= 0]
+        if tied and any(p[1] in tied and p[3].startswith("expert_") for p, _ in adapted):
+            raise TrainError("the model shares prototype tables across layers (compressed with "
+                             "--scope > 1): per-layer adapters cannot be merged into a shared table; "
+                             "compress with --scope 1, or leave the routed experts out of --targets")
+        return adapted
+
+    def read_data(self) -> None:
+        """Tokenizer, teacher checks, training windows and batch order (output locked)."""
+        from cmoe_jax.data import load_text_tokens
+        from cmoe_jax.train.data import BatchOrder, training_windows
+
+        s = self.settings
+        self.tokenizer = self.source.require_tokenizer("the training text cannot be tokenized")
+        self.mode_settings = self.modes.open(self.source, self.tokenizer)  # the teacher fits, or one line
+        self.tokens = load_text_tokens(s.dataset, self.tokenizer, split=s.split, data_path=s.data_path)
+        self.windows = training_windows(self.tokens, s.samples, s.seqlen, s.seed,
+                                        name=f"{s.dataset} ({s.data_path or s.split})")
+        self.order = BatchOrder(s.samples, s.batch_size, s.epochs, s.seed)
+
+    def build_mesh(self, devices) -> None:
+        """The mesh over all processes' devices, checked against the batch and the experts."""
+        import jax
+
+        from cmoe_jax.sharding import batch_axes, make_mesh
+
+        s, cfg = self.settings, self.source.config
+        routed = {spec.num_experts for spec in cfg.moe_layers if spec is not None}
+        if s.expert_parallel > 1 and (not routed or any(n % s.expert_parallel for n in routed)):
+            raise TrainError(f"--expert-parallel {s.expert_parallel} must divide the number of routed "
+                             f"experts of every MoE layer ({sorted(routed) or 'the model has none'})")
+        model_par = 1 if s.mesh_shape is None else s.mesh_shape[1]
+        mesh = make_mesh(None if s.mesh_shape is None else s.mesh_shape[0], model_par,
+                         expert=s.expert_parallel,
+                         devices=jax.devices() if devices is None else devices)  # all processes
+        data_par = math.prod(dict(mesh.shape)[a] for a in batch_axes(mesh))
+        if s.batch_size % data_par:
+            raise TrainError(f"--batch-size {s.batch_size} is not a multiple of the {data_par} devices "
+                             "the batch is split over (data x expert axes of the mesh)")
+        if s.expert_parallel > 1 and (s.batch_size * s.seqlen) % mesh.size:
+            raise TrainError(f"--batch-size x --seqlen = {s.batch_size * s.seqlen} tokens must split over "
+                             f"all {mesh.size} devices for the expert all-to-all")
+        self.mesh = mesh
+
+    def run_settings(self) -> dict:
+        """The settings that decide the trajectory (run_config.json, the fingerprint)."""
+        s, lora = self.settings, self.lora
+        return {"model": str(self.name), "dataset": s.dataset, "split": s.split, "data_path": s.data_path,
+                "samples": s.samples, "seqlen": s.seqlen, "batch_size": s.batch_size,
+                "lora_rank": s.lora_rank, "lora_alpha": float(s.lora_alpha), "dropout": float(s.dropout),
+                "targets": list(lora.targets), "lr": s.lr, "router_lr": s.router_lr,
+                "bias_speed": s.bias_speed, "epochs": s.epochs, "seed": s.seed, "dtype": s.dtype,
+                **self.mode_settings}
+
+    def set_up(self, staging: Path, resume: bool, progress: bool) -> None:
+        """Load (and recover) the model, the train state (resumed from the latest checkpoint
+        under `staging`), the compiled step."""
+        import jax
+        import jax.numpy as jnp
+
+        from cmoe_jax.train.step import init_state, lm_loss, make_train_step, split_frozen
+
+        s, modes, mesh, lora = self.settings, self.modes, self.mesh, self.lora
+        self.lm = self.source.load(dtype=getattr(jnp, s.dtype), mesh=mesh, progress=progress)
+        modes.load_teacher(getattr(jnp, s.dtype), mesh, progress)
+        self.lm.model = modes.recover_model(self.lm.model, self.windows, lora, s.seed, staging, progress)
+        state, shardings, tx = init_state(self.lm.model, lora, self.settings.optim(), jax.random.key(s.seed), mesh)
+        graphdef, frozen, frozen_sh = split_frozen(self.lm.model, mesh)
+        self.frozen, frozen_sh, objective = modes.objective(graphdef, frozen, frozen_sh, lora, s.remat, mesh)
+        step_fn = make_train_step(objective or lm_loss(graphdef, lora, s.remat), tx, shardings, frozen_sh,
+                                  mesh, seed=s.seed, bias_speed=s.bias_speed)
+        self.checkpoints = RunCheckpoints(staging / "checkpoints")
+        self.log, self.start = [], 0
+        latest = self.checkpoints.latest_step() if resume else None
+        if latest is not None:
+            like = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                state, shardings)
+            saved, meta = self.checkpoints.restore(latest, lora_saved(like))
+            state = lora_state(saved)
+            self.log, self.start = meta["log"], int(meta["position"]["step"])
+        self.state, self.saved_at = state, latest
+        self.total = self.order.total_steps if s.max_steps is None else min(self.order.total_steps, s.max_steps)
+        t_compile = time.perf_counter()
+        with jax.set_mesh(mesh):  # an "expert" axis makes the MoE layers run expert-parallel
+            self.compiled = (step_fn.lower(state, self.frozen, self._batch(min(self.start, self.total - 1)))
+                             .compile() if self.total else None)
+        self.compile_seconds = time.perf_counter() - t_compile
+
+    def _batch(self, step: int):
+        """Batch `step`: each process builds only the rows its devices hold."""
+        import jax
+
+        from cmoe_jax.train.step import batch_sharding
+
+        rows = self.windows[self.order.indices(step)]
+        return jax.make_array_from_callback(rows.shape, batch_sharding(self.mesh), lambda index: rows[index])
+
+    def train(self, progress: bool, stop_after_steps: int | None) -> str:
+        """The step loop (`cmoe_jax.train.loop`); DONE, OUT_OF_TIME or STOPPED."""
+        from cmoe_jax.train.loop import TrainLoop
+
+        s, tokens_per_step = self.settings, self.settings.batch_size * self.settings.seqlen
+
+        def step(i: int) -> dict:
+            t0 = time.perf_counter()
+            self.state, loss, _ = self.compiled(self.state, self.frozen, self._batch(i))
+            loss = float(loss)
+            dt = time.perf_counter() - t0
+            if not np.isfinite(loss):
+                raise CmoeError(f"the loss became {loss} at step {i + 1}: lower --lr / --router-lr")
+            return {"step": i + 1, "epoch": i // self.order.steps_per_epoch, "loss": loss,
+                    "seconds": dt, "tokens_per_s": tokens_per_step / dt}
+
+        def save(n: int) -> None:
+            self.checkpoints.save(n, lora_saved(self.state), {"position": self.order.position(n), "log": self.log})
+            fault_point("checkpoint")
+
+        def out_of_time(last_seconds: float) -> bool:  # process 0's clock decides for all
+            over = time.perf_counter() - self.t_start + last_seconds > s.max_minutes * 60
+            return distributed.broadcast_from_main(over)
+
+        loop = TrainLoop(step=step, save=save, save_every=s.save_every, desc="fine-tuning", progress=progress,
+                         postfix=lambda r: {"loss": f"{r['loss']:.4f}", "tok_s": f"{r['tokens_per_s']:,.0f}"},
+                         out_of_time=None if s.max_minutes is None else out_of_time,
+                         stop_after=stop_after_steps)
+        how = loop.run(self.log, self.start, self.total, self.saved_at)
+        self.checkpoints.close()
+        return how
+
+    def summary(self, how: str, settings: dict) -> dict:
+        """The run's record (train_log.json without its steps, the command's JSON)."""
+        import jax
+
+        from cmoe_jax.train.loop import OUT_OF_TIME
+
+        log, start = self.log, self.start
+        tokens_per_step = self.settings.batch_size * self.settings.seqlen
+        measured = log[start:] if len(log) > start else log
+        return {
+            **settings, "steps": len(log), "total_steps": self.order.total_steps, "resumed_from": start or None,
+            "stopped_by_time": how == OUT_OF_TIME, "adapted_weights": len(self.adapted),
+            "trainable_parameters": int(sum(np.size(a) for a in jax.tree.leaves(
+                {"lora": self.adapters[0], "u": self.adapters[1]}))),
+            "final_loss": log[-1]["loss"] if log else None,
+            "first_loss": log[0]["loss"] if log else None,
+            "tokens_per_s": (tokens_per_step * len(measured) / sum(r["seconds"] for r in measured)
+                             if measured else None),
+            "train_seconds": sum(r["seconds"] for r in log), "compile_seconds": self.compile_seconds,
+            "mesh": dict(self.mesh.shape), "platform": jax.devices()[0].platform,
+            "wall_seconds": time.perf_counter() - self.t_start, **self.modes.memory,
+            **({"recover_layers": self.modes.records} if self.modes.records else {}),
+        }
+
+    def write_final(self, staging: Path, how: str, settings: dict, manifest: dict) -> dict:
+        """The merged model, adapters, checkpoints, run config, log and plot into
+        `staging/final` (what is published); returns the summary."""
+        import shutil
+
+        from cmoe_jax.checkpoint import save_converted
+        from cmoe_jax.models.lora import merge_adapters
+        from cmoe_jax.train.modes import RECOVER_DIR
+        from cmoe_jax.train.report import plot_loss, write_log
+
+        state, lora, s = self.state, self.lora, self.settings
+        self.adapters = distributed.to_host((state["trainable"]["lora"], state["trainable"]["u"], state["bias"]))
+        adapters, us, bs = self.adapters
+        merged = merge_adapters(self.lm.model, adapters, lora.scale, us, bs)
+        summary = self.summary(how, settings)
+        manifest["finetune"] = {k: summary[k] for k in (*settings, "steps", "final_loss")}
+        final, main = staging / "final", distributed.is_main()
+        if main:
+            shutil.rmtree(final, ignore_errors=True)
+        distributed.barrier("train:final")
+        save_converted(merged, manifest, final, tokenizer=self.lm.tokenizer)  # Orbax from all processes
+        save_adapters(final / "adapters", adapters, us, bs,
+                      {"source_model": str(self.name), "rank": s.lora_rank, "alpha": float(s.lora_alpha),
+                       "scale": lora.scale, "dropout": float(s.dropout), "targets": list(lora.targets),
+                       "steps": len(self.log)})
+        if main:
+            shutil.move(str(staging / "checkpoints"), str(final / "checkpoints"))
+            if (staging / RECOVER_DIR).is_dir():
+                shutil.move(str(staging / RECOVER_DIR), str(final / RECOVER_DIR))
+            shutil.copy(staging / "run_config.json", final / "run_config.json")
+            write_log(final / "train_log.json", summary, self.log)
+            plot_loss(final / "loss.png", self.log, title=f"LoRA r={s.lora_rank} on {Path(str(self.name)).name}")
+        return summary
