@@ -24,7 +24,7 @@ COMMANDS = {
     "export": ("cmoe_jax.export.cli", "write a Hugging Face directory transformers can load"),
     "downcycle": ("cmoe_jax.downcycle", "weave a dense model into an MoE and train all of it"),
     "demo": ("cmoe_jax.demo", "dense vs CMoE perplexity of the embedded SmolLM2-135M"),
-    "generate": ("cmoe_jax.generate", "generate text with a dense or converted model"),
+    "generate": ("cmoe_jax.generate.cli", "generate text with a dense or converted model"),
     "lmeval": ("cmoe_jax.eval.lmeval", "lm-evaluation-harness with the cmoe_jax backend (extra: lmeval)"),
 }
 
