@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from cmoe_jax.loading import load_model
 from tests.conftest import tiny_hf_model
+from tests.test_loading import close_gguf, gguf_writer
 
 TOKENS = np.random.default_rng(3).integers(0, 96, size=(2, 20))
 # family -> (llama.cpp arch, the tiny model's overrides llama.cpp's semantics need: every
@@ -55,16 +56,7 @@ def write_moe_gguf(model, arch: str, path, gate_1d: bool = False):
     every tensor did (and transformers' GGUF reader expects), not [1, d] as llama.cpp's
     converter writes it now."""
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+    w = gguf_writer(cfg, path, arch)
     w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if arch in ("qwen2moe", "qwen3moe"):  # Qwen2MoeModel.set_gguf_parameters (Qwen3-MoE inherits)
@@ -82,10 +74,7 @@ def write_moe_gguf(model, arch: str, path, gate_1d: bool = False):
         if gate_1d and gguf_name.endswith("ffn_gate_inp_shexp"):
             t = t.reshape(-1)
         w.add_tensor(f"{gguf_name}.{suffix}", t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 def _ours(path) -> np.ndarray:
