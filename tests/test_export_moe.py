@@ -125,6 +125,21 @@ def test_cross_layer_scope_exports_one_table(save_tiny, tmp_path):
     assert "model.layers.0.mlp.expert_gate" in keys and "model.layers.1.mlp.expert_gate" not in keys
 
 
+def test_hierarchical_cmoe_of_a_cmoe_model_exports(save_tiny, tmp_path):
+    """Hierarchical CMoE on a CMoE-carved Llama: the parent router is CMoE's own (its
+    neurons, scales and biases kept as top_*), under the remote code's Llama class."""
+    from cmoe_jax.convert import convert_model
+
+    _, path = save_tiny("llama", intermediate_size=64)
+    dense = load_model(str(path), progress=False).model
+    moe, _ = convert_model(dense, CALIB, ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4),
+                           progress=False)
+    hier, _ = convert_moe_model(moe, CALIB, ConvertConfig(plan=MoEPlan(1, 1, 2), k_act=2,
+                                                          router_neurons=1), progress=False)
+    config = _check(trained(hier), tmp_path, "llama")
+    assert all(s["router"] == "cmoe" and s["sub_experts"] == 2 for s in config["moe_layers"])
+
+
 def test_conmoe_on_hierarchical_layers_exports(save_tiny, tmp_path):
     _, path = save_tiny("qwen2_moe")
     hier = trained(hierarchical(load_model(str(path), progress=False).model))

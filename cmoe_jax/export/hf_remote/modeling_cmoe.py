@@ -104,7 +104,8 @@ class MoEMLP(nn.Module):
         units = num_prototypes or n  # stored experts (hierarchical: expert families)
         rows = units * max(sub_experts, 1)
         if owner is None:
-            self.expert_gate, self.expert_up, self.expert_down = new(rows, d, m), new(rows, d, m), new(rows, m, d)
+            self.expert_gate, self.expert_up = new(rows, d, m), new(rows, d, m)
+            self.expert_down = new(rows, m, d)
         top = "top_" if sub_experts else "router_"  # the top-level cmoe router's names
         if router == "cmoe":
             setattr(self, top + "gate", new(d, n * router_neurons))

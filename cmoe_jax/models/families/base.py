@@ -77,7 +77,7 @@ class Family:
     parse: Callable[[Get], dict] = _nothing  # ModelConfig fields beyond the shared ones
     export: Callable[[Any], dict] = _nothing  # config.json fields beyond the shared ones
     export_drops: tuple[str, ...] = ()  # shared config.json fields the family does not have
-    remote: str | None = None  # remote-code class prefix of its carved (CMoE) form
+    remote: str | None = None  # remote-code class prefix of its carved / compressed MoE forms
     norms: Mapping[str, str] = dataclasses.field(default_factory=lambda: PRE_NORMS)
     moe_prefix: str = "mlp"  # transformers' module holding the MoE block
     experts: Mapping[str, str] = dataclasses.field(default_factory=lambda: EXPERTS)
