@@ -15,7 +15,7 @@ import transformers
 from safetensors import safe_open
 
 from cmoe_jax.checkpoint import save_converted
-from cmoe_jax.convert import ConvertConfig
+from cmoe_jax.convert import ConvertConfig, convert_model
 from cmoe_jax.export import ExportSettings, export
 from cmoe_jax.loading import load_model
 from cmoe_jax.methods.cmoe import MoEPlan
@@ -56,6 +56,15 @@ def trained(model):
                                         size).reshape(var.shape)
         model.set_layer(i, layer)
     return model
+
+
+def carved_llama(save_tiny):
+    """A tiny Llama carved by CMoE (S2A2E8): an MoE whose router is CMoE's own."""
+    _, path = save_tiny("llama", intermediate_size=64)
+    dense = load_model(str(path), progress=False).model
+    moe, _ = convert_model(dense, CALIB, ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4),
+                           progress=False)
+    return moe
 
 
 def exported(model, tmp_path):
@@ -128,16 +137,19 @@ def test_cross_layer_scope_exports_one_table(save_tiny, tmp_path):
 def test_hierarchical_cmoe_of_a_cmoe_model_exports(save_tiny, tmp_path):
     """Hierarchical CMoE on a CMoE-carved Llama: the parent router is CMoE's own (its
     neurons, scales and biases kept as top_*), under the remote code's Llama class."""
-    from cmoe_jax.convert import convert_model
-
-    _, path = save_tiny("llama", intermediate_size=64)
-    dense = load_model(str(path), progress=False).model
-    moe, _ = convert_model(dense, CALIB, ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4),
-                           progress=False)
+    moe = carved_llama(save_tiny)
     hier, _ = convert_moe_model(moe, CALIB, ConvertConfig(plan=MoEPlan(1, 1, 2), k_act=2,
                                                           router_neurons=1), progress=False)
     config = _check(trained(hier), tmp_path, "llama")
     assert all(s["router"] == "cmoe" and s["sub_experts"] == 2 for s in config["moe_layers"])
+
+
+@pytest.mark.parametrize("method", ["conmoe", "frequency"])
+def test_compressed_cmoe_model_exports(save_tiny, tmp_path, method):
+    """ConMoE / pruning on a CMoE-carved Llama: the cmoe router's slots masked or mapped."""
+    moe = carved_llama(save_tiny)
+    config = _check(compressed(trained(moe), method), tmp_path, "llama")
+    assert all(s["router"] == "cmoe" and s["num_prototypes"] for s in config["moe_layers"])
 
 
 def test_conmoe_on_hierarchical_layers_exports(save_tiny, tmp_path):
