@@ -51,10 +51,11 @@ def _tensors(model, permute: bool):
             yield module, suffix, t
 
 
-def write_moe_gguf(model, arch: str, path, gate_1d: bool = False):
+def write_moe_gguf(model, arch: str, path, gate_1d: bool = False, q8_experts: bool = False):
     """`gate_1d`: Qwen2-MoE's shared-expert gate written [d], as converters that squeezed
     every tensor did (and transformers' GGUF reader expects), not [1, d] as llama.cpp's
-    converter writes it now."""
+    converter writes it now. `q8_experts`: the stacked expert tensors whose rows fill Q8_0
+    blocks (32 values) quantized, as a quantized MoE file holds them."""
     cfg = model.config
     w = gguf_writer(cfg, path, arch)
     w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
@@ -73,11 +74,15 @@ def write_moe_gguf(model, arch: str, path, gate_1d: bool = False):
         assert gguf_name is not None, module
         if gate_1d and gguf_name.endswith("ffn_gate_inp_shexp"):
             t = t.reshape(-1)
+        if q8_experts and gguf_name.endswith("_exps") and t.shape[-1] % 32 == 0:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(t, q8), raw_dtype=q8)
+            continue
         w.add_tensor(f"{gguf_name}.{suffix}", t)
     close_gguf(w)
 
 
-def _ours(path) -> np.ndarray:
+def _ours(path):
     lm = load_model(str(path), progress=False)
     return lm, np.asarray(lm.model(jnp.asarray(TOKENS, jnp.int32)))
 
@@ -98,16 +103,19 @@ def test_moe_gguf_loads_to_the_source_logits(tmp_path, family):
     np.testing.assert_allclose(ours, _logits(model), atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
-def test_transformers_reads_the_same_gguf_alike(tmp_path, family):
-    """transformers' own GGUF reader (its qwen2moe / qwen3moe support) on the same file. It
-    takes no expert widths from GGUF metadata, so the shapes come from the source config;
-    every weight comes from the file (the shared-expert gate written [d], the layout that
-    reader takes)."""
+@pytest.mark.parametrize("family,q8", [("qwen2_moe", False), ("qwen3_moe", False), ("qwen3_moe", True)])
+def test_transformers_reads_the_same_gguf_alike(tmp_path, family, q8):
+    """transformers' own GGUF reader (its qwen2moe / qwen3moe support; it has none for olmoe
+    and reads a "llama" file with experts as a dense Llama) on the same file, Q8_0 experts
+    included. It takes no expert widths from GGUF metadata, so the shapes come from the
+    source config; every weight comes from the file (the shared-expert gate written [d], the
+    layout that reader takes)."""
     arch, overrides = ARCHS[family]
     model = tiny_hf_model(family, **overrides)
-    write_moe_gguf(model, arch, tmp_path / "tiny.gguf", gate_1d=True)
+    write_moe_gguf(model, arch, tmp_path / "tiny.gguf", gate_1d=True, q8_experts=q8)
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file="tiny.gguf", config=model.config, dtype=torch.float32).eval()
     _, ours = _ours(tmp_path / "tiny.gguf")
     np.testing.assert_allclose(ours, _logits(ref), atol=1e-4)
+    if q8:  # the quantization is visible: the source model's logits are much further away
+        assert np.abs(ours - _logits(model)).max() > 10 * np.abs(ours - _logits(ref)).max()
