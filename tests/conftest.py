@@ -46,8 +46,8 @@ def tiny_hf_model(family: str, **overrides):
     elif family == "qwen3":
         cfg, cls = tf.Qwen3Config(head_dim=16, **common), tf.Qwen3ForCausalLM
     elif family == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(head_dim=8, moe_intermediate_size=16, num_experts=4,
-                                num_experts_per_tok=2, norm_topk_prob=False, **common)
+        cfg = tf.Qwen3MoeConfig(**{**dict(head_dim=8, moe_intermediate_size=16, num_experts=4,
+                                          num_experts_per_tok=2, norm_topk_prob=False), **common})
         cls = tf.Qwen3MoeForCausalLM
     elif family == "qwen3_moe_norm":
         cfg = tf.Qwen3MoeConfig(head_dim=8, moe_intermediate_size=16, num_experts=4,
@@ -60,9 +60,9 @@ def tiny_hf_model(family: str, **overrides):
         cfg = tf.OlmoeConfig(num_experts=8, num_experts_per_tok=3, **common)
         cls = tf.OlmoeForCausalLM
     elif family == "qwen2_moe":  # layer 0 dense; a shared expert with a sigmoid gate
-        cfg = tf.Qwen2MoeConfig(moe_intermediate_size=16, shared_expert_intermediate_size=24,
-                                num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
-                                mlp_only_layers=[0], **common)
+        cfg = tf.Qwen2MoeConfig(**{**dict(moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                                          mlp_only_layers=[0]), **common})
         cls = tf.Qwen2MoeForCausalLM
     elif family == "mistral":  # a window shorter than the test sequences
         common.setdefault("sliding_window", 7)

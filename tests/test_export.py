@@ -123,3 +123,21 @@ def test_exported_tokenizer_loads_without_remote_code(save_tiny, tmp_path):
     ours = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     source = transformers.AutoTokenizer.from_pretrained(str(src / "tokenizer"))
     assert ours(text)["input_ids"] == source(text)["input_ids"]
+
+
+def test_expertweaver_model_exports_with_remote_code(save_tiny, tmp_path):
+    """ExpertWeaver's training-free top-sum router (top-k by logit, gates 1) beside its shared
+    expert, read back by the remote code."""
+    from cmoe_jax.methods.expertweaver import WeaveConfig, weave_model
+
+    _, path = save_tiny("qwen3", intermediate_size=64)
+    dense = load_model(str(path), progress=False).model
+    calib = np.random.default_rng(0).integers(0, 96, size=(4, 32)).astype(np.int32)
+    moe, _ = weave_model(dense, calib, np.repeat(np.arange(2), 2), WeaveConfig(experts=8, sparsity=0.5),
+                         progress=False)
+    save_converted(moe, {"source_model": "tiny", "method": "expertweaver"}, tmp_path / "woven")
+    record = export(str(tmp_path / "woven"), ExportSettings(calib_samples=0), out=tmp_path / "hf",
+                    progress=False)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert record["remote_code"] and config["moe_layers"][0]["router"] == "topsum"
+    np.testing.assert_allclose(exported_logits(tmp_path / "hf"), np.asarray(moe(TOKENS)), atol=1e-4)

@@ -58,13 +58,12 @@ def _llama_cpp_rope_freqs(cfg) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def _write_llama_gguf(model, path, rope: str | None = None):
-    """Write a llama GGUF the way llama.cpp's converter does (Q/K rows permuted); `rope`
-    "llama3" adds the `rope_freqs` tensor, "linear" the rope.scaling keys."""
+def gguf_writer(cfg, path, arch: str):
+    """A `gguf.GGUFWriter` holding the hyper-parameters llama.cpp's converter writes for every
+    decoder (`TextModel.set_gguf_parameters`) of the transformers config `cfg`."""
     import gguf
 
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -74,6 +73,23 @@ def _write_llama_gguf(model, path, rope: str | None = None):
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
+    return w
+
+
+def close_gguf(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _write_llama_gguf(model, path, rope: str | None = None):
+    """Write a llama GGUF the way llama.cpp's converter does (Q/K rows permuted); `rope`
+    "llama3" adds the `rope_freqs` tensor, "linear" the rope.scaling keys."""
+    import gguf
+
+    cfg = model.config
+    w = gguf_writer(cfg, path, "llama")
     if rope == "llama3":
         w.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(cfg))
     elif rope == "linear":
@@ -103,10 +119,7 @@ def _write_llama_gguf(model, path, rope: str | None = None):
             if mod == "self_attn.k_proj":
                 t = permute(t, cfg.num_key_value_heads)
             w.add_tensor(f"blk.{i}.{names[mod]}.weight", t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 def test_gguf_unpermutes_qk(tmp_path):

@@ -1,10 +1,11 @@
 """A `config.json` for transformers from a cmoe_jax `ModelConfig` (the inverse of `from_hf`).
 
-Dense models and the MoE families transformers knows (Qwen3-MoE, Mixtral: routers and shapes
-unchanged) get their original architecture. Models whose FFNs were carved into a shape
-transformers has no class for (CMoE's router, a shared MLP beside the experts) get the base
-family's config plus `moe_layers` and an `auto_map` to `modeling_cmoe.py`, the remote code
-written beside the weights.
+Dense models and the MoE families transformers knows (Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral:
+routers and shapes unchanged) get their original architecture. Models whose FFNs were carved
+or compressed into a shape transformers has no class for (CMoE's router, a shared MLP beside
+the experts, hierarchical sub-experts, ConMoE's prototype table behind the router's slots)
+get the base family's config plus `moe_layers` and an `auto_map` to `modeling_cmoe.py`, the
+remote code written beside the weights.
 """
 from __future__ import annotations
 
@@ -34,15 +35,19 @@ def _rope(cfg: ModelConfig) -> dict:
 
 
 def keeps_original_architecture(cfg: ModelConfig) -> bool:
-    """Dense, or the unchanged MoE layers of a sparse family (its unit's `own_moe`)."""
+    """Dense, or the unchanged MoE layers of a sparse family (its unit's `own_moe`): never a
+    hierarchical layer (sub-experts) or a ConMoE one (prototype table behind the slots)."""
     specs = [s for s in cfg.moe_layers if s is not None]
-    return not specs or family(cfg.model_type).own_moe(cfg, specs)
+    plain = all(s.sub_experts == 0 and s.num_prototypes == 0 for s in specs)
+    return not specs or (plain and family(cfg.model_type).own_moe(cfg, specs))
 
 
 # FFNSpec fields the remote code's MoEMLP understands; any other field must keep its default
 _MOE_FIELDS = ("num_experts", "top_k", "expert_width", "shared_width", "router",
-               "norm_topk_prob", "router_neurons")
-_ROUTERS = ("cmoe", "linear", "sum")
+               "norm_topk_prob", "router_neurons", "sub_experts", "sub_shared", "sub_top_k",
+               "sub_router_neurons", "num_prototypes", "prototype_owner", "duplicate_gates",
+               "shared_gated")
+_ROUTERS = ("cmoe", "linear", "sum", "topsum")
 
 
 def _moe_layer(spec) -> dict | None:
@@ -53,8 +58,8 @@ def _moe_layer(spec) -> dict | None:
     other = [k for k in d if k not in _MOE_FIELDS and d[k] != defaults[k]]
     if other or spec.router not in _ROUTERS:
         raise ExportError(f"MoE layers with {', '.join(other) or 'router ' + spec.router!s} have "
-                          "no transformers form yet (remote code covers the cmoe, linear and sum "
-                          "routers with an optional shared MLP)")
+                          "no transformers form yet (remote code covers the cmoe, linear, topsum and "
+                          "sum routers, hierarchical and ConMoE layers, with an optional shared MLP)")
     return {k: d[k] for k in _MOE_FIELDS}
 
 

@@ -46,8 +46,8 @@ def _mlp_tensors(cfg: ModelConfig, layer: int, leaf: str, value: np.ndarray):
     base = f"model.layers.{layer}"
     if leaf in _DENSE_MLP and cfg.ffn_spec(layer) is None:
         yield f"{base}.mlp.{_DENSE_MLP[leaf]}.weight", _t(value)
-    elif not keeps_original_architecture(cfg):
-        yield f"{base}.mlp.{leaf}", value  # the remote code's MoEMLP, cmoe_jax layout
+    elif not keeps_original_architecture(cfg):  # the remote code's MoEMLP, cmoe_jax layout
+        yield f"{base}.mlp.{leaf}", (value.astype(np.int32) if leaf == "slot_map" else value)
     elif leaf in _SHARED_EXPERT:
         yield f"{base}.mlp.{_SHARED_EXPERT[leaf]}.weight", _t(value)
     elif leaf == "router_kernel":

@@ -31,16 +31,18 @@ def _first_present(source: TensorSource, names: list[str]) -> str | None:
 
 def _experts(source: TensorSource, layer: int, kind: str, num_experts: int) -> np.ndarray:
     base = f"model.layers.{layer}"
-    # transformers 5 in-memory fused layout: gate_up_proj [E, 2m, d], down_proj [E, d, m]
+    # experts stacked [E, out, in]: transformers 5 in memory (gate and up fused as
+    # gate_up_proj [E, 2m, d], down_proj [E, d, m]) or llama.cpp's GGUF (`*.weight`, unfused)
     for pre in _MOE_PREFIXES:
+        for stacked in (f"{base}.{pre}.experts.{_EXPERT_NAMES[kind][0]}{s}" for s in ("", ".weight")):
+            if stacked in source:
+                return np.ascontiguousarray(np.swapaxes(source.get(stacked), 1, 2))
         fused = f"{base}.{pre}.experts.gate_up_proj"
         if kind != "expert_down" and fused in source:
             w = source.get(fused)
             half = w.shape[1] // 2
             w = w[:, :half] if kind == "expert_gate" else w[:, half:]
             return np.ascontiguousarray(np.swapaxes(w, 1, 2))
-        if kind == "expert_down" and f"{base}.{pre}.experts.down_proj" in source:
-            return np.ascontiguousarray(np.swapaxes(source.get(f"{base}.{pre}.experts.down_proj"), 1, 2))
     stacked = []
     for e in range(num_experts):
         candidates = [f"{base}.{pre}.experts.{e}.{n}.weight"
@@ -86,7 +88,7 @@ def fetch(source: TensorSource, path: tuple, model_type: str) -> tuple[str, np.n
             return name, _get(source, name).T
         if leaf[0] in _SHARED_EXPERT:  # Qwen2-MoE's shared expert and its sigmoid gate
             name = f"{base}.mlp.{_SHARED_EXPERT[leaf[0]]}.weight"
-            return name, _get(source, name).T
+            return name, np.atleast_2d(_get(source, name)).T  # the gate: [1, d], or [d] in a GGUF
         if leaf[0] == "router_kernel":
             candidates = [f"{base}.{pre}.gate.weight" for pre in _MOE_PREFIXES]
             name = _first_present(source, candidates) or candidates[0]

@@ -162,7 +162,7 @@ class GGUFSource(_InMemoryIndex):
             raise CheckpointError(f"{path} is not a readable GGUF file ({e})") from e
         self.path = Path(path)
         self.arch = self.field("general.architecture")
-        self.family = by_gguf_arch(self.arch)
+        self.family = by_gguf_arch(self.arch, experts=bool(self.field(f"{self.arch}.expert_count")))
         self._tensors = {}
         self._rope_freqs = None
         for t in self.reader.tensors:
@@ -214,6 +214,9 @@ class GGUFSource(_InMemoryIndex):
         scaling = self.rope_scaling()
         if scaling:
             cfg["rope_scaling"] = scaling
+        if self.field(f"{a}.expert_count"):  # layers without a router keep a dense FFN
+            cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"])
+                                      if f"model.layers.{i}.mlp.gate.weight" not in self._tensors]
         cfg.update(self.family.gguf_config(self.field))
         return cfg
 

@@ -2,68 +2,169 @@
 
 Copied beside the weights of an exported model and loaded with
 `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`. The decoder is the base
-family's own (Llama, Mistral, Qwen2, Qwen3, Gemma 3); only the FFN of each MoE layer is replaced by `MoEMLP`,
-which computes what `cmoe_jax.moe.MoEFFN` computes (same parameter names and layouts:
-`[in, out]` matrices, routed experts stacked on a leading axis). This file is not imported
-by cmoe_jax itself, which never needs torch.
+family's own (Llama, Mistral, Qwen2, Qwen3, Gemma 3, and the MoE families Qwen2-MoE,
+Qwen3-MoE, OLMoE, Mixtral); only the FFN of each MoE layer is replaced by `MoEMLP`, which
+computes what `cmoe_jax.moe.MoEFFN` / `HierMoEFFN` compute (same parameter names and
+layouts: `[in, out]` matrices, routed experts stacked on a leading axis). This file is not
+imported by cmoe_jax itself, which never needs torch.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+                          MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          OlmoeConfig, OlmoeForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.activations import ACT2FN
+
+NEG = float("-inf")
+
+
+def linear_route(x, kernel, k, norm=False, keep=None, gated=True):
+    """Top-k of softmax(x W) (renormalised when `norm`); `gated` False: top-k of the logits,
+    gates 1 ("topsum"). `keep` [E] bool: the other slots are never chosen (pruned)."""
+    logits = x @ kernel.float()
+    if keep is not None:
+        logits = logits.masked_fill(~keep, NEG)
+    if not gated:
+        ids = torch.topk(logits, k, dim=-1).indices
+        return ids, torch.ones(ids.shape, device=x.device)
+    gates, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+    return ids, (gates / gates.sum(-1, keepdim=True) if norm else gates)
+
+
+def cmoe_route(act, x, gate, up, u, bias, k, keep=None):
+    """CMoE's router: scores |act(x G) * (x U)| summed over each expert's neurons, p =
+    softmax, experts = top-k of p + bias, gates 1 + p u."""
+    h = torch.abs(act(x @ gate.float()) * (x @ up.float()))
+    scores = h.reshape(x.shape[0], u.shape[0], -1).sum(-1)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, NEG)
+    probs = torch.softmax(scores, dim=-1)
+    key = probs + bias.float()
+    ids = torch.topk(key if keep is None else key.masked_fill(~keep, NEG), k, dim=-1).indices
+    return ids, 1.0 + probs.gather(-1, ids) * u.float()[ids]
+
+
+def to_prototypes(ids, gates, slot_map, rule):
+    """ConMoE: chosen slots -> stored prototypes (-1: pruned, weight 0); a token's gates on
+    slots sharing a prototype merged onto the first of them by `rule` (sum, max, renorm)."""
+    proto = slot_map.long()[ids]
+    valid = proto >= 0
+    gates = torch.where(valid, gates, torch.zeros_like(gates))
+    proto = proto.clamp(min=0)
+    same = (proto[:, :, None] == proto[:, None, :]) & valid[:, :, None] & valid[:, None, :]
+    earlier = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril(-1)
+    first = valid & ~(same & earlier).any(-1)
+    if rule == "sum":
+        merged = torch.einsum("tij,tj->ti", same.float(), gates)
+    else:
+        merged = torch.where(same, gates[:, None, :], torch.full_like(same, NEG, dtype=gates.dtype)).amax(-1)
+        merged = torch.where(first, merged, torch.zeros_like(merged))
+        if rule == "renorm":
+            kept, total = merged.sum(-1, keepdim=True), gates.sum(-1, keepdim=True)
+            merged = merged * torch.where(kept != 0, total / torch.where(kept != 0, kept, 1.0), 1.0)
+    return proto, torch.where(first, merged, torch.zeros_like(merged))
 
 
 class MoEMLP(nn.Module):
-    """`shared(x) + sum over the top-k routed experts of gate * expert(x)`; routers:
+    """`shared(x) [* sigmoid(x W_sg)] + sum over the chosen experts of gate * expert(x)`.
 
-    Every GLU uses the family's activation `act` (SiLU, or Gemma's GELU-tanh).
-
-    - "cmoe": scores = |act(x R_gate) * (x R_up)| summed over each expert's r neurons,
-      p = softmax(scores); experts = top-k of p + bias; gate = 1 + p * u.
-    - "linear": softmax(x W_r), top-k probabilities (renormalised when norm_topk_prob).
-    - "sum": every expert, gate 1.
-    Routing runs in float32; experts run one at a time on the tokens that chose them.
+    Routers ("cmoe", "linear", "topsum", "sum") as in `cmoe_jax.moe.routers`; every GLU uses
+    the family's activation `act`. ConMoE (`num_prototypes` K): the router keeps its slots,
+    `slot_map` sends them to the K stored experts (`to_prototypes`); a layer of a cross-layer
+    scope reads its `owner`'s table. Hierarchical CMoE (`sub_experts` N'): each chosen expert
+    runs its `sub_shared` sub-experts and the `sub_top_k` its sub-router picks (scores summed
+    over `sub_router_neurons`, gates 1 + s' u). Routing runs in float32; experts run one at a
+    time on the tokens that chose them.
     """
 
     def __init__(self, hidden_size, num_experts, top_k, expert_width, shared_width=0,
-                 router="cmoe", norm_topk_prob=False, router_neurons=1, act="silu", **_):
+                 router="cmoe", norm_topk_prob=False, router_neurons=1, sub_experts=0,
+                 sub_shared=0, sub_top_k=0, sub_router_neurons=1, num_prototypes=0,
+                 duplicate_gates="sum", shared_gated=False, act="silu", owner=None, **_):
         super().__init__()
         self.act = ACT2FN[act]
-        d, m, e, s = hidden_size, expert_width, num_experts, shared_width
-        self.num_experts, self.top_k, self.router = e, top_k, router
-        self.norm_topk_prob = norm_topk_prob
+        d, m, n, s = hidden_size, expert_width, num_experts, shared_width
+        self.num_experts, self.top_k, self.router, self.norm_topk_prob = n, top_k, router, norm_topk_prob
+        self.sub_experts, self.sub_shared, self.sub_top_k = sub_experts, sub_shared, sub_top_k
+        self.num_prototypes, self.duplicate_gates = num_prototypes, duplicate_gates
+        self.shared_width, self.shared_gated = s, shared_gated and s > 0
+        self._owner = [owner] if owner is not None else []  # a list: not a submodule
         new = lambda *shape: nn.Parameter(torch.zeros(*shape))
-        self.shared_width = s
+        fixed = lambda *shape: nn.Parameter(torch.zeros(*shape), requires_grad=False)
         if s:
             self.shared_gate, self.shared_up, self.shared_down = new(d, s), new(d, s), new(s, d)
-        self.expert_gate, self.expert_up, self.expert_down = new(e, d, m), new(e, d, m), new(e, m, d)
+        if self.shared_gated:
+            self.shared_gate_kernel = new(d, 1)
+        if num_prototypes:
+            self.register_buffer("slot_map", torch.zeros(n, dtype=torch.int32))
+        units = num_prototypes or n  # stored experts (hierarchical: expert families)
+        rows = units * max(sub_experts, 1)
+        if owner is None:
+            self.expert_gate, self.expert_up = new(rows, d, m), new(rows, d, m)
+            self.expert_down = new(rows, m, d)
+        top = "top_" if sub_experts else "router_"  # the top-level cmoe router's names
         if router == "cmoe":
-            self.router_gate, self.router_up = new(d, e * router_neurons), new(d, e * router_neurons)
-            self.u = new(e)
-            self.router_bias = nn.Parameter(torch.zeros(e), requires_grad=False)
-        elif router == "linear":
-            self.router_kernel = new(d, e)
+            setattr(self, top + "gate", new(d, n * router_neurons))
+            setattr(self, top + "up", new(d, n * router_neurons))
+            setattr(self, "top_u" if sub_experts else "u", new(n))
+            setattr(self, "top_bias" if sub_experts else "router_bias", fixed(n))
+        elif router in ("linear", "topsum"):
+            self.router_kernel = new(d, n)
+        if sub_experts:
+            routed = sub_experts - sub_shared
+            if owner is None:
+                self.sub_gate = new(units, d, routed * sub_router_neurons)
+                self.sub_up = new(units, d, routed * sub_router_neurons)
+            self.u, self.router_bias = new(units, routed), fixed(units, routed)
 
-    def route(self, x):
-        """(expert ids [T, k], float32 gates [T, k])."""
-        x = x.float()
+    def table(self, name):
+        """A stored-expert tensor: this layer's, or its scope owner's."""
+        return getattr(self._owner[0] if self._owner else self, name)
+
+    def top_route(self, x, keep):
+        """The top-level choice over the router's slots: (ids [T, k], float32 gates [T, k])."""
         if self.router == "sum":
             ids = torch.arange(self.num_experts, device=x.device).expand(x.shape[0], -1)
             return ids, torch.ones(ids.shape, device=x.device)
-        if self.router == "linear":
-            probs = torch.softmax(x @ self.router_kernel.float(), dim=-1)
-            gates, ids = torch.topk(probs, self.top_k, dim=-1)
-            if self.norm_topk_prob:
-                gates = gates / gates.sum(-1, keepdim=True)
-            return ids, gates
-        h = torch.abs(self.act(x @ self.router_gate.float()) * (x @ self.router_up.float()))
-        probs = torch.softmax(h.reshape(x.shape[0], self.num_experts, -1).sum(-1), dim=-1)
-        ids = torch.topk(probs + self.router_bias.float(), self.top_k, dim=-1).indices
-        return ids, 1.0 + probs.gather(-1, ids) * self.u.float()[ids]
+        if self.router in ("linear", "topsum"):
+            return linear_route(x, self.router_kernel, self.top_k, self.norm_topk_prob, keep,
+                                gated=self.router == "linear")
+        if self.sub_experts:
+            return cmoe_route(self.act, x, self.top_gate, self.top_up, self.top_u, self.top_bias,
+                              self.top_k, keep)
+        return cmoe_route(self.act, x, self.router_gate, self.router_up, self.u, self.router_bias,
+                          self.top_k, keep)
+
+    def route(self, x):
+        """(expert rows [T, j], float32 gates [T, j]) of tokens x [T, d]."""
+        x = x.float()
+        keep = self.slot_map >= 0 if self.num_prototypes else None
+        ids, gates = self.top_route(x, keep)
+        if self.num_prototypes:
+            ids, gates = to_prototypes(ids, gates, self.slot_map, self.duplicate_gates)
+        return self.sub_route(x, ids, gates) if self.sub_experts else (ids, gates)
+
+    def sub_route(self, x, top_ids, top_w):
+        """Each chosen expert's shared sub-experts and the top `sub_top_k` of its sub-router."""
+        gate, up = self.table("sub_gate"), self.table("sub_up")
+        (t, k), routed = top_ids.shape, self.u.shape[1]
+        h = torch.zeros(t, k, gate.shape[-1], device=x.device)
+        for e in range(gate.shape[0]):
+            rows, slot = torch.nonzero(top_ids == e, as_tuple=True)
+            if rows.numel():
+                h[rows, slot] = self.act(x[rows] @ gate[e].float()) * (x[rows] @ up[e].float())
+        probs = torch.softmax(torch.abs(h).reshape(t, k, routed, -1).sum(-1), dim=-1)
+        picked = torch.topk(probs + self.router_bias.float()[top_ids], self.sub_top_k, dim=-1).indices
+        g = 1.0 + probs.gather(-1, picked) * self.u.float()[top_ids[..., None], picked]
+        base = top_ids[..., None] * self.sub_experts
+        shared = base + torch.arange(self.sub_shared, device=x.device)
+        ids = torch.cat([shared, base + self.sub_shared + picked], dim=-1)
+        w = top_w[..., None]
+        return ids.reshape(t, -1), torch.cat([w.expand(shared.shape), w * g], dim=-1).reshape(t, -1)
 
     def forward(self, x):
         shape = x.shape
@@ -72,21 +173,28 @@ class MoEMLP(nn.Module):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if self.shared_width:
             h = self.act(x @ self.shared_gate) * (x @ self.shared_up)
-            out += (h @ self.shared_down).float()
-        for e in range(self.num_experts):
+            shared = h @ self.shared_down
+            if self.shared_gated:
+                shared = shared * torch.sigmoid(x @ self.shared_gate_kernel)
+            out += shared.float()
+        wg, wu, wd = self.table("expert_gate"), self.table("expert_up"), self.table("expert_down")
+        for e in range(wg.shape[0]):
             tokens, slot = torch.nonzero(ids == e, as_tuple=True)
             if tokens.numel():
                 xe = x[tokens]
-                h = self.act(xe @ self.expert_gate[e]) * (xe @ self.expert_up[e])
-                out.index_add_(0, tokens, (h @ self.expert_down[e]).float() * gates[tokens, slot, None])
+                h = self.act(xe @ wg[e]) * (xe @ wu[e])
+                out.index_add_(0, tokens, (h @ wd[e]).float() * gates[tokens, slot, None])
         return out.to(x.dtype).reshape(shape)
 
 
 def _install_moe(model, config):
     act = getattr(config, "hidden_activation", None) or config.hidden_act
+    layers = model.model.layers
     for i, spec in enumerate(config.moe_layers or []):
         if spec:
-            model.model.layers[i].mlp = MoEMLP(config.hidden_size, **spec, act=act)
+            owner = spec.get("prototype_owner", -1)
+            owner = layers[owner].mlp if owner >= 0 and owner != i else None
+            layers[i].mlp = MoEMLP(config.hidden_size, **spec, act=act, owner=owner)
 
 
 class _WithMoE:
@@ -115,3 +223,10 @@ CmoeGemma3Config, CmoeGemma3ForCausalLM = _family("Gemma3", "cmoe_gemma3_text", 
                                                   Gemma3ForCausalLM)
 CmoeQwen2Config, CmoeQwen2ForCausalLM = _family("Qwen2", "cmoe_qwen2", Qwen2Config, Qwen2ForCausalLM)
 CmoeQwen3Config, CmoeQwen3ForCausalLM = _family("Qwen3", "cmoe_qwen3", Qwen3Config, Qwen3ForCausalLM)
+CmoeQwen2MoeConfig, CmoeQwen2MoeForCausalLM = _family("Qwen2Moe", "cmoe_qwen2_moe", Qwen2MoeConfig,
+                                                      Qwen2MoeForCausalLM)
+CmoeQwen3MoeConfig, CmoeQwen3MoeForCausalLM = _family("Qwen3Moe", "cmoe_qwen3_moe", Qwen3MoeConfig,
+                                                      Qwen3MoeForCausalLM)
+CmoeOlmoeConfig, CmoeOlmoeForCausalLM = _family("Olmoe", "cmoe_olmoe", OlmoeConfig, OlmoeForCausalLM)
+CmoeMixtralConfig, CmoeMixtralForCausalLM = _family("Mixtral", "cmoe_mixtral", MixtralConfig,
+                                                    MixtralForCausalLM)

@@ -33,11 +33,12 @@ def family(model_type: str) -> Family:
     return FAMILIES[model_type]
 
 
-def by_gguf_arch(arch: str) -> Family:
-    """The unit llama.cpp's `general.architecture` `arch` names."""
-    for f in FAMILIES.values():
-        if f.gguf_arch == arch:
-            return f
+def by_gguf_arch(arch: str, experts: bool = False) -> Family:
+    """The unit llama.cpp's `general.architecture` `arch` names; `experts`: the file has MoE
+    layers (llama.cpp writes Mixtral as a "llama" with expert tensors)."""
+    found = [f for f in FAMILIES.values() if f.gguf_arch == arch]
+    if found:
+        return next((f for f in found if f.gguf_moe == experts), found[0])
     known = [f.gguf_arch for f in FAMILIES.values() if f.gguf_arch]
     raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}: cmoe_jax reads GGUF "
                                 f"files of {', '.join(known)} ({GUIDE} says how to add a family)")

@@ -36,12 +36,36 @@ GGUF_LAYER = MappingProxyType({
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj"})
+# llama.cpp's MoE tensors: the router and the experts stacked per layer ([n_expert, out, in]),
+# named as transformers' stacked (unfused) expert tensors
+GGUF_EXPERTS = MappingProxyType({
+    **GGUF_LAYER, "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"})
+# Qwen2-MoE's shared expert and its sigmoid gate (`ffn_gate_inp_shexp`, [1, d] or [d])
+GGUF_SHARED_EXPERT = MappingProxyType({
+    **GGUF_EXPERTS, "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate"})
 
 Get = Callable[..., Any]  # get(key, default=None) over a config object or config.json dict
 
 
 def _nothing(*_args) -> dict:
     return {}
+
+
+def gguf_experts(arch: str, field, norm_topk_prob: bool, experts: str = "num_experts",
+                 width: str | None = "moe_intermediate_size") -> dict:
+    """The MoE fields of a llama.cpp `arch` GGUF under the family's config names: expert
+    count, experts per token, expert width (`{arch}.expert_feed_forward_length`, where the
+    family has a field for it) and whether the top-k gates are renormalised, which llama.cpp
+    fixes per architecture unless the file says (`{arch}.expert_weights_norm`)."""
+    out = {experts: field(f"{arch}.expert_count"),
+           "num_experts_per_tok": field(f"{arch}.expert_used_count"),
+           "norm_topk_prob": bool(field(f"{arch}.expert_weights_norm", norm_topk_prob))}
+    if width is not None:
+        out[width] = field(f"{arch}.expert_feed_forward_length")
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +77,14 @@ class Family:
     parse: Callable[[Get], dict] = _nothing  # ModelConfig fields beyond the shared ones
     export: Callable[[Any], dict] = _nothing  # config.json fields beyond the shared ones
     export_drops: tuple[str, ...] = ()  # shared config.json fields the family does not have
-    remote: str | None = None  # remote-code class prefix of its carved (CMoE) form
+    remote: str | None = None  # remote-code class prefix of its carved / compressed MoE forms
     norms: Mapping[str, str] = dataclasses.field(default_factory=lambda: PRE_NORMS)
     moe_prefix: str = "mlp"  # transformers' module holding the MoE block
     experts: Mapping[str, str] = dataclasses.field(default_factory=lambda: EXPERTS)
     # whether a config's MoE layers are still this family's own (export in its own class)
     own_moe: Callable[[Any, list], bool] = lambda cfg, specs: not specs
     gguf_arch: str | None = None  # llama.cpp's architecture name, when it writes the family
+    gguf_moe: bool = False  # told apart from a family of the same arch by its expert tensors
     gguf_layer: Mapping[str, str] = dataclasses.field(default_factory=lambda: GGUF_LAYER)
     gguf_permute_qk: bool = False  # llama.cpp permutes q/k rows (llama) for its RoPE
     gguf_norm_shift: float = 0.0  # llama.cpp stores norm weights plus this (Gemma: 1)

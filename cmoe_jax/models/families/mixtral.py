@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from cmoe_jax.models.families.base import Family
+from cmoe_jax.models.families.base import GGUF_EXPERTS, Family, gguf_experts
 from cmoe_jax.models.ffn_spec import FFNSpec
 
 
@@ -27,6 +27,15 @@ def _export(cfg) -> dict:
     return out
 
 
+def _gguf_config(field) -> dict:
+    """llama.cpp writes Mixtral as a "llama" with expert tensors (Q/K permuted, gates
+    renormalised, no sliding window)."""
+    return {**gguf_experts("llama", field, True, experts="num_local_experts", width=None),
+            "sliding_window": None}
+
+
 MIXTRAL = Family("mixtral", "MixtralForCausalLM", _parse, _export, moe_prefix="block_sparse_moe",
                  experts=MappingProxyType({"expert_gate": "w1", "expert_up": "w3",
-                                           "expert_down": "w2"}), own_moe=_own)
+                                           "expert_down": "w2"}), own_moe=_own,
+                 remote="CmoeMixtral", gguf_arch="llama", gguf_moe=True, gguf_layer=GGUF_EXPERTS,
+                 gguf_permute_qk=True, gguf_config=_gguf_config)

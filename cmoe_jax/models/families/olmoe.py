@@ -3,7 +3,7 @@ OLMoE-1B-7B), with q/k RMSNorm over the whole projection (all heads at once)."""
 from __future__ import annotations
 
 from cmoe_jax.errors import UnsupportedModelError
-from cmoe_jax.models.families.base import Family
+from cmoe_jax.models.families.base import GGUF_EXPERTS, Family, gguf_experts
 from cmoe_jax.models.ffn_spec import FFNSpec
 
 
@@ -33,4 +33,11 @@ def _export(cfg) -> dict:
                 norm_topk_prob=specs[0].norm_topk_prob)
 
 
-OLMOE = Family("olmoe", "OlmoeForCausalLM", _parse, _export, own_moe=_own)
+def _gguf_config(field) -> dict:
+    """llama.cpp's olmoe: the expert width is `feed_forward_length` (intermediate_size), the
+    top-k gates never renormalised."""
+    return gguf_experts("olmoe", field, False, width=None)
+
+
+OLMOE = Family("olmoe", "OlmoeForCausalLM", _parse, _export, remote="CmoeOlmoe", own_moe=_own,
+               gguf_arch="olmoe", gguf_layer=GGUF_EXPERTS, gguf_config=_gguf_config, gguf_moe=True)

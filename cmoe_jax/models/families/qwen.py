@@ -1,7 +1,7 @@
 """Qwen2/2.5 (q/k/v biases), Qwen3 (q/k RMSNorm) and Qwen3-MoE."""
 from __future__ import annotations
 
-from cmoe_jax.models.families.base import Family
+from cmoe_jax.models.families.base import GGUF_EXPERTS, Family, gguf_experts
 from cmoe_jax.models.ffn_spec import FFNSpec
 
 
@@ -44,4 +44,6 @@ def _export_qwen3_moe(cfg) -> dict:
 QWEN2 = Family("qwen2", "Qwen2ForCausalLM", _qwen2, remote="CmoeQwen2", gguf_arch="qwen2")
 QWEN3 = Family("qwen3", "Qwen3ForCausalLM", _qwen3, remote="CmoeQwen3", gguf_arch="qwen3")
 QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe, _export_qwen3_moe,
-                   own_moe=_qwen3_moe_own)
+                   remote="CmoeQwen3Moe", own_moe=_qwen3_moe_own, gguf_arch="qwen3moe",
+                   gguf_layer=GGUF_EXPERTS, gguf_moe=True,  # llama.cpp renormalises the top-k gates
+                   gguf_config=lambda field: gguf_experts("qwen3moe", field, True))

@@ -4,7 +4,7 @@ shared-expert shape of DeepSeek-MoE)."""
 from __future__ import annotations
 
 from cmoe_jax.errors import UnsupportedModelError
-from cmoe_jax.models.families.base import Family
+from cmoe_jax.models.families.base import GGUF_SHARED_EXPERT, Family, gguf_experts
 from cmoe_jax.models.ffn_spec import FFNSpec
 
 
@@ -38,4 +38,12 @@ def _export(cfg) -> dict:
     return out
 
 
-QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", _parse, _export, own_moe=_own)
+def _gguf_config(field) -> dict:
+    """llama.cpp's qwen2moe: routed and shared expert widths, gates not renormalised."""
+    return {**gguf_experts("qwen2moe", field, False),
+            "shared_expert_intermediate_size": field("qwen2moe.expert_shared_feed_forward_length")}
+
+
+QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", _parse, _export, remote="CmoeQwen2Moe",
+                   own_moe=_own, gguf_arch="qwen2moe", gguf_layer=GGUF_SHARED_EXPERT,
+                   gguf_config=_gguf_config, gguf_moe=True)
