@@ -99,9 +99,10 @@ class ExportSettings:
 
 class ExportJob(Job):
     """An export as a job (`cmoe_jax.jobs.run_job`): its units of work are the shards, its
-    manifest the export record; `final/` keeps the shards a resume reuses."""
+    manifest the export record (written whole by `save`); `final/` keeps the shards a resume
+    reuses."""
 
-    kind, resumable, fresh_final = "export", (SHARD_RECORD,), False
+    kind, resumable, fresh_final, manifest_name = "export", (SHARD_RECORD,), False, None
 
     def __init__(self, settings: ExportSettings):
         self.settings = settings
@@ -127,9 +128,6 @@ class ExportJob(Job):
     def save(self, run: JobRun, outcome: Outcome) -> None:
         outcome.manifest["seconds"] = time.perf_counter() - run.t_start
         write_json_atomic(run.final / EXPORT_MANIFEST, outcome.manifest)
-
-    def finish(self, run: JobRun, outcome: Outcome, t_save: float) -> dict:
-        return {}  # the record is written whole by `save`
 
     def result(self, outcome: Outcome, out: Path) -> dict:
         return dict(outcome.manifest, out=str(out))

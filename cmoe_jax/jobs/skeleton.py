@@ -107,6 +107,7 @@ class Job:
     resumable: tuple[str, ...] = ("layers/*.json",)  # staged globs a failed run keeps for --resume
     report = False  # write `write_report` output into the model's report/ directory
     manifest_name = MANIFEST  # the file in `run.final` that `finish`'s fields are written into
+    # (None: `save` writes the job's record whole, and `finish` is not called)
     fresh_final = True  # remove an unfinished `final/` of a killed run before working
     output_hint = ""  # added to the "output directory exists" error
 
@@ -186,7 +187,7 @@ def _staged(job: Job, run: JobRun) -> dict:
     job.save(run, outcome)
     if job.report and run.main:
         job.write_report(outcome, run.final / "report")
-    fields = job.finish(run, outcome, t_save)
+    fields = job.finish(run, outcome, t_save) if job.manifest_name else None
     if run.main and fields:
         manifest = run.final / job.manifest_name
         write_json_atomic(manifest, dict(json.loads(manifest.read_text()), **fields))

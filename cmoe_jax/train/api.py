@@ -64,7 +64,7 @@ class TrainJob(Job):
     checkpointed in the staging directory; `--resume` may also continue a finished run in
     place (`_prepare_dirs`), whose output is then replaced on publish."""
 
-    kind, fresh_final = "train", False
+    kind, fresh_final, manifest_name = "train", False, None  # `save` writes the manifest whole
     resumable = ("checkpoints/[0-9]*", "final/checkpoints/[0-9]*", RECOVER_DIR)
 
     def __init__(self, settings: TrainSettings, devices=None):
@@ -106,9 +106,6 @@ class TrainJob(Job):
         """The merged model, adapters, checkpoints, log and plot into `run.final`."""
         self.summary = self.fine.write_final(run.output.staging.dir, outcome.extra, self.run_settings,
                                              outcome.manifest)
-
-    def finish(self, run: JobRun, outcome: Outcome, t_save: float) -> dict:
-        return {}  # the manifest is written whole by `save`
 
     def publish(self, run: JobRun) -> None:
         run.output.publish(run.final, overwrite=self.replace_out or self.options.overwrite)

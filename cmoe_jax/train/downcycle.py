@@ -106,6 +106,7 @@ class DowncycleJob(Job):
     checkpointed in `final/checkpoints` (kept there for --resume and published with the log)."""
 
     kind, resumable, fresh_final = "downcycle", ("final/checkpoints/[0-9]*",), False
+    manifest_name = None  # no manifest: `save` writes train_log.json, the run's record
 
     def __init__(self, args):
         self.args = args
@@ -130,9 +131,6 @@ class DowncycleJob(Job):
         write_log(run.final / "train_log.json", outcome.manifest, outcome.extra)
         plot_loss(run.final / "loss.png", [dict(s, loss=s["nll"]) for s in outcome.extra],
                   title=f"downcycling, {self.args.init} init")
-
-    def finish(self, run: JobRun, outcome: Outcome, t_save: float) -> dict:
-        return {}  # no manifest: train_log.json is the record
 
     def result(self, outcome: Outcome, out: Path) -> dict:
         return dict(outcome.manifest, out=str(out))
