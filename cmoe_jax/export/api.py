@@ -30,8 +30,7 @@ from cmoe_jax.errors import CmoeError
 from cmoe_jax.export.hf_config import REMOTE_CODE, ExportError, hf_config, keeps_original_architecture
 from cmoe_jax.export.hf_weights import hf_tensors
 from cmoe_jax.export.verify import compare_with_transformers, require_match, verification_windows
-from cmoe_jax.jobs import (SourceModel, OutputDir, check_output_free, fault_point, file_digest,
-                           fingerprint)
+from cmoe_jax.jobs import Job, JobRun, Outcome, RunOptions, SourceModel, fault_point, file_digest, run_job
 from cmoe_jax.models.stack import layered_state
 
 EXPORT_MANIFEST = "cmoe_export.json"
@@ -53,6 +52,7 @@ def _shard_plan(cfg, state, max_shard_bytes: int) -> list[list[tuple]]:
 
 
 SHARD_TMP = "shard.tmp"  # in the staging directory, outside final/: publish never takes it
+SHARD_RECORD = "shards.json"  # in the staging directory: {shard file name: sha256}
 
 
 def _write_shard(cfg, values: dict, paths, file: Path, tmp: Path) -> dict:
@@ -97,36 +97,48 @@ class ExportSettings:
             raise CmoeError("--max-shard-mb must be positive, --calib-samples >= 0 and --seqlen >= 2")
 
 
+class ExportJob(Job):
+    """An export as a job (`cmoe_jax.jobs.run_job`): its units of work are the shards, its
+    manifest the export record (written whole by `save`); `final/` keeps the shards a resume
+    reuses."""
+
+    kind, resumable, fresh_final, manifest_name = "export", (SHARD_RECORD,), False, None
+
+    def __init__(self, settings: ExportSettings):
+        self.settings = settings
+
+    def check(self) -> None:
+        self.settings.check()
+
+    def validate(self, source: SourceModel, options: RunOptions) -> None:
+        self.settings.check_sizes()
+        self.config_json = hf_config(source.config)  # a model the format cannot hold fails here
+
+    def prepare(self, source: SourceModel) -> tuple[dict, object]:
+        s, windows = self.settings, None
+        if s.calib_samples:
+            windows = verification_windows(source, s.calib, s.calib_split, s.data_path, s.calib_samples,
+                                           s.seqlen, s.seed)
+        self.windows = windows
+        return {"model": source.name, "format": s.fmt, "max_shard_mb": s.max_shard_mb}, windows
+
+    def work(self, run: JobRun) -> Outcome:
+        return Outcome(None, _export(run, self.settings, self.config_json, self.windows))
+
+    def save(self, run: JobRun, outcome: Outcome) -> None:
+        outcome.manifest["seconds"] = time.perf_counter() - run.t_start
+        write_json_atomic(run.final / EXPORT_MANIFEST, outcome.manifest)
+
+    def result(self, outcome: Outcome, out: Path) -> dict:
+        return dict(outcome.manifest, out=str(out))
+
+
 def export(model: str, settings: ExportSettings = ExportSettings(), *, out, overwrite: bool = False,
            resume: bool = False, progress: bool = True, stop_after_shards: int | None = None) -> dict:
     """Export `model` to `out` under `settings`; returns the export record (also
     `out/cmoe_export.json`). `stop_after_shards` exists for testing interruption."""
-    t0 = time.perf_counter()
-    out = Path(out)
-    settings.check()
-    check_output_free(out, overwrite)
-    settings.check_sizes()
-    source = SourceModel(model)
-    config_json = hf_config(source.config)  # a model the format cannot hold fails here, before any work
-    with OutputDir(out, "export", overwrite=overwrite, resume=resume,
-                   resumable=(SHARD_RECORD,)) as output:
-        windows = None
-        if settings.calib_samples:
-            windows = verification_windows(source, settings.calib, settings.calib_split, settings.data_path,
-                                           settings.calib_samples, settings.seqlen, settings.seed)
-        fingerprinted = {"model": str(model), "format": settings.fmt, "max_shard_mb": settings.max_shard_mb}
-        output.open(fingerprint("export", fingerprinted, source.path, windows))
-        record = _export(output, source, settings, config_json, windows, progress, stop_after_shards)
-        if record is None:
-            return {"out": None, "interrupted_after": stop_after_shards}
-        record["seconds"] = time.perf_counter() - t0
-        final = output.staging.dir / "final"
-        write_json_atomic(final / EXPORT_MANIFEST, record)
-        output.publish(final)
-    return dict(record, out=str(out))
-
-
-SHARD_RECORD = "shards.json"  # in the staging directory: {shard file name: sha256}
+    options = RunOptions(resume, overwrite, progress, stop_after=stop_after_shards)
+    return run_job(ExportJob(settings), model, out, options)
 
 
 def _staged_shards(staging: Path, final: Path) -> dict:
@@ -145,20 +157,19 @@ def _staged_shards(staging: Path, final: Path) -> dict:
     return done
 
 
-def _export(output: OutputDir, source: SourceModel, settings: ExportSettings, config_json: dict,
-            windows, progress: bool, stop_after_shards) -> dict | None:
-    """Shards, config, tokenizer and the check into the staging directory; the record."""
-    staging = output.staging.dir
-    final = staging / "final"
+def _export(run: JobRun, settings: ExportSettings, config_json: dict, windows) -> dict:
+    """Shards (each one a unit of work: `run.unit_saved`), config, tokenizer and the check
+    into the staging directory; the record."""
+    staging, final = run.output.staging.dir, run.final
     final.mkdir(exist_ok=True)
     done = _staged_shards(staging, final)
-    lm = source.load(progress=progress)
+    lm = run.source.load(progress=run.options.progress)
     cfg = lm.config
     state = layered_state(lm.model)  # tensors per layer, as Hugging Face names them
     values = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(state)}
     plan = _shard_plan(cfg, state, int(settings.max_shard_mb * 2**20))
     weight_map: dict[str, str] = {}
-    for k, paths in enumerate(tqdm(plan, desc="writing shards", disable=not progress)):
+    for k, paths in enumerate(tqdm(plan, desc="writing shards", disable=not run.options.progress)):
         file = final / f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors"
         if file.name in done:
             with safe_open(str(file), "np") as f:
@@ -168,8 +179,7 @@ def _export(output: OutputDir, source: SourceModel, settings: ExportSettings, co
         done[file.name] = file_digest(file)
         write_json_atomic(staging / SHARD_RECORD, done)
         fault_point("shard")
-        if stop_after_shards is not None and len(done) >= stop_after_shards:
-            return None
+        run.unit_saved(len(done))
     if len(plan) == 1:
         (final / next(iter(done))).replace(final / "model.safetensors")
     else:
@@ -181,7 +191,7 @@ def _export(output: OutputDir, source: SourceModel, settings: ExportSettings, co
         shutil.copy(Path(__file__).parent / "hf_remote" / REMOTE_CODE, final / REMOTE_CODE)
     if lm.tokenizer is not None:
         lm.tokenizer.hf.save_pretrained(str(final))
-    record = {"source_model": source.name, "format": settings.fmt,
+    record = {"source_model": run.source.name, "format": settings.fmt,
               "architecture": config_json["architectures"][0],
               "remote_code": not keeps_original_architecture(cfg), "shards": len(plan),
               "tensors": len(weight_map)}

@@ -57,4 +57,5 @@ def run_method(model: str, settings, *, out, resume: bool = False, overwrite: bo
                progress: bool = True, stop_after_layers: int | None = None) -> dict:
     """Run the registered method that takes `settings` on `model` into `out`; returns the
     manifest with `out` (or, stopped by `stop_after_layers`, `{"out": None, ...}`)."""
-    return run_job(MethodJob(settings), model, out, RunOptions(resume, overwrite, progress, stop_after_layers))
+    options = RunOptions(resume, overwrite, progress, stop_after=stop_after_layers)
+    return run_job(MethodJob(settings), model, out, options)

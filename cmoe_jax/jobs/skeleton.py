@@ -1,13 +1,15 @@
 """The one path every output-writing job takes, written once:
 
-    validate -> stage -> run (per-layer log, stop, resume) -> save -> manifest -> publish
+    validate -> stage -> run (units of work saved, stop, resume) -> save -> manifest -> publish
 
 A job fills in a `Job` (its kind, what a resume keeps, its checks, its data and fingerprint
 settings, its work and its manifest) and `run_job` drives it: nothing is touched before the
 checks pass, the staging directory is verified against the fingerprint on `--resume`, the
-finished model is written into `OUT.partial/final`, the manifest gets its timings, and the
+finished output is written into `OUT.partial/final`, the manifest gets its timings, and the
 directory is renamed to `--out` (`OutputDir`). An error leaves through `OutputDir`, which
-discards the staging directory unless it holds resumable work.
+discards the staging directory unless it holds resumable work. A unit of work is what a job
+saves as it goes and a resume keeps: a layer (convert, compress), a shard (export), a
+step's checkpoint (train, downcycle).
 """
 from __future__ import annotations
 
@@ -27,17 +29,23 @@ from cmoe_jax.jobs.source import SourceModel
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
-    """How a job runs, whatever it does: `stop_after_layers` exists for testing interruption
-    (the job stops, as if killed, once that many layers are saved in its staging directory)."""
+    """How a job runs, whatever it does: `stop_after` exists for testing interruption (the
+    job stops, as if killed, once that many units of work (layers, shards, steps) are saved
+    in its staging directory)."""
 
     resume: bool = False
     overwrite: bool = False
     progress: bool = True
-    stop_after_layers: int | None = None
+    stop_after: int | None = None
 
 
 class Interrupted(Exception):
-    """Raised by `JobRun.layer_saved` once `stop_after_layers` layers are saved."""
+    """Raised by `JobRun.unit_saved` (or a job's work) once `stop_after` units are saved;
+    `after`: what the interrupted result reports."""
+
+    def __init__(self, after: int):
+        super().__init__(after)
+        self.after = after
 
 
 @dataclasses.dataclass
@@ -61,12 +69,12 @@ class JobRun:
         self.layers = LayerLog(output.staging.dir / "layers")
         self.final = output.staging.dir / "final"
 
-    def layer_saved(self, count: int) -> None:
-        """Called once a layer's result is saved; `count`: layers saved so far (resumed ones
-        included). Raises `Interrupted` when `stop_after_layers` says so."""
-        stop = self.options.stop_after_layers
+    def unit_saved(self, count: int) -> None:
+        """Called once a unit of work (a layer, a shard) is saved; `count`: units saved so far
+        (resumed ones included). Raises `Interrupted` when `stop_after` says so."""
+        stop = self.options.stop_after
         if stop is not None and count >= stop:
-            raise Interrupted()
+            raise Interrupted(stop)
 
     def json_layers(self, parse=dict):
         """(records saved before, on_layer) for a job whose layers log JSON records in order:
@@ -76,7 +84,7 @@ class JobRun:
         def on_layer(i, record):
             if self.main:
                 self.layers.save_json(i, record if isinstance(record, dict) else record.to_json())
-            self.layer_saved(i + 1)
+            self.unit_saved(i + 1)
 
         return done, on_layer
 
@@ -87,7 +95,7 @@ class JobRun:
 
         def on_layer(i, record):
             self.layers.save_arrays(i, record.to_npz())
-            self.layer_saved(self.layers.count())
+            self.unit_saved(self.layers.count())
 
         return done, on_layer
 
@@ -99,6 +107,7 @@ class Job:
     resumable: tuple[str, ...] = ("layers/*.json",)  # staged globs a failed run keeps for --resume
     report = False  # write `write_report` output into the model's report/ directory
     manifest_name = MANIFEST  # the file in `run.final` that `finish`'s fields are written into
+    # (None: `save` writes the job's record whole, and `finish` is not called)
     fresh_final = True  # remove an unfinished `final/` of a killed run before working
     output_hint = ""  # added to the "output directory exists" error
 
@@ -126,7 +135,7 @@ class Job:
         raise NotImplementedError
 
     def interrupted(self, after: int) -> dict:
-        """The result of a run stopped by `stop_after_layers`."""
+        """The result of a run stopped by `stop_after` (`after`: `Interrupted.after`)."""
         return {"out": None, "interrupted_after": after}
 
     def save(self, run: JobRun, outcome: Outcome) -> None:
@@ -172,13 +181,13 @@ def _staged(job: Job, run: JobRun) -> dict:
     distributed.barrier(f"{job.kind}:staging")
     try:
         outcome = job.work(run)
-    except Interrupted:
-        return job.interrupted(run.options.stop_after_layers)
+    except Interrupted as stop:
+        return job.interrupted(stop.after)
     t_save = time.perf_counter()
     job.save(run, outcome)
     if job.report and run.main:
         job.write_report(outcome, run.final / "report")
-    fields = job.finish(run, outcome, t_save)
+    fields = job.finish(run, outcome, t_save) if job.manifest_name else None
     if run.main and fields:
         manifest = run.final / job.manifest_name
         write_json_atomic(manifest, dict(json.loads(manifest.read_text()), **fields))

@@ -1,4 +1,5 @@
-"""The fine-tuning job: check everything, load, train with checkpoints, merge, save.
+"""The fine-tuning job: check everything, load, train with checkpoints, merge, save (the
+steps of the job skeleton, `cmoe_jax.jobs.run_job`).
 
 Work happens in `OUT.partial/`; the finished run is renamed to `OUT`, which is then both a
 converted model directory (`python -m cmoe_jax.eval --model OUT` loads the merged model)
@@ -21,9 +22,8 @@ import json
 import shutil
 from pathlib import Path
 
-from cmoe_jax import distributed
 from cmoe_jax.checkpoint import MANIFEST
-from cmoe_jax.jobs import OutputDir, Staging, fingerprint
+from cmoe_jax.jobs import Interrupted, Job, JobRun, Outcome, OutputDir, RunOptions, Staging, run_job
 from cmoe_jax.train.checkpoint import RUN_CONFIG, check_run_config
 from cmoe_jax.train.lora import TrainError
 from cmoe_jax.train.loop import STOPPED
@@ -59,6 +59,61 @@ def _prepare_dirs(staging: Staging, fp: dict, settings: dict, resume: bool, over
     return out.exists()
 
 
+class TrainJob(Job):
+    """A fine-tuning run as a job (`cmoe_jax.jobs.run_job`): its units of work are the steps,
+    checkpointed in the staging directory; `--resume` may also continue a finished run in
+    place (`_prepare_dirs`), whose output is then replaced on publish."""
+
+    kind, fresh_final, manifest_name = "train", False, None  # `save` writes the manifest whole
+    resumable = ("checkpoints/[0-9]*", "final/checkpoints/[0-9]*", RECOVER_DIR)
+
+    def __init__(self, settings: TrainSettings, devices=None):
+        self.settings, self.devices = settings, devices
+
+    def output_may_exist(self, options: RunOptions) -> bool:
+        return options.overwrite or options.resume
+
+    def check(self) -> None:
+        self.fine = FineTuning(self.settings)  # every check on the settings, before anything is read
+
+    def validate(self, source, options: RunOptions) -> None:
+        self.options = options
+        self.fine.open(source)  # everything about the model, before any weight is loaded
+
+    def prepare(self, source) -> tuple[dict, object]:
+        self.fine.read_data()
+        self.fine.build_mesh(self.devices)
+        self.run_settings = self.fine.run_settings()
+        return self.run_settings, self.fine.tokens
+
+    def open(self, output: OutputDir, fingerprint: dict) -> None:
+        # process 0 alone touches the directories (the others wait for it)
+        self.replace_out = output.on_main(lambda staging: _prepare_dirs(
+            staging, fingerprint, self.run_settings, self.options.resume, self.options.overwrite))
+
+    def work(self, run: JobRun) -> Outcome:
+        progress = run.options.progress and run.main
+        self.fine.set_up(run.output.staging.dir, run.options.resume, progress)
+        how = self.fine.train(progress, run.options.stop_after)
+        if how == STOPPED:
+            raise Interrupted(self.fine.log[-1]["step"])
+        return Outcome(None, _source_manifest(run.source.path, run.source.name), extra=how)
+
+    def interrupted(self, after: int) -> dict:
+        return {"out": None, "interrupted_after": after, "log": self.fine.log}
+
+    def save(self, run: JobRun, outcome: Outcome) -> None:
+        """The merged model, adapters, checkpoints, log and plot into `run.final`."""
+        self.summary = self.fine.write_final(run.output.staging.dir, outcome.extra, self.run_settings,
+                                             outcome.manifest)
+
+    def publish(self, run: JobRun) -> None:
+        run.output.publish(run.final, overwrite=self.replace_out or self.options.overwrite)
+
+    def result(self, outcome: Outcome, out: Path) -> dict:
+        return dict(self.summary, out=str(out))
+
+
 def finetune(model: str, settings: TrainSettings = TrainSettings(), *, out, resume: bool = False,
              overwrite: bool = False, devices=None, progress: bool = True,
              stop_after_steps: int | None = None) -> dict:
@@ -71,26 +126,8 @@ def finetune(model: str, settings: TrainSettings = TrainSettings(), *, out, resu
     `stop_after_steps` exists for testing interruption: the job stops as if killed right after
     that step (its checkpoints stay in `OUT.partial`).
     """
-    run = FineTuning(model, settings)  # everything that can be wrong, before any weight is loaded
-    out = Path(out)
-    with OutputDir(out, "train", overwrite=overwrite, resume=resume, out_may_exist=overwrite or resume,
-                   resumable=("checkpoints/[0-9]*", "final/checkpoints/[0-9]*", RECOVER_DIR)) as output:
-        run.read_data()
-        run.build_mesh(devices)
-        run_settings = run.run_settings()
-        fp = fingerprint("train", run_settings, run.source.path, run.tokens)
-        # process 0 alone touches the directories (the others wait for it)
-        replace_out = output.on_main(lambda st: _prepare_dirs(st, fp, run_settings, resume, overwrite))
-        progress = progress and output.main
-        run.set_up(output.staging.dir, resume, progress)
-        how = run.train(progress, stop_after_steps)
-        if how == STOPPED:
-            return {"out": None, "interrupted_after": run.log[-1]["step"], "log": run.log}
-        summary = run.write_final(output.staging.dir, how, run_settings,
-                                  _source_manifest(run.source.path, model))
-        output.publish(output.staging.dir / "final", overwrite=replace_out or overwrite)
-        distributed.barrier("train:published")
-        return dict(summary, out=str(out))
+    options = RunOptions(resume, overwrite, progress, stop_after=stop_after_steps)
+    return run_job(TrainJob(settings, devices), model, out, options)
 
 
 def _source_manifest(path: Path, model: str) -> dict:

@@ -7,7 +7,8 @@ are the training package's, shared with fine-tuning.
 
 Work happens in `DIR.partial/final/` (Orbax checkpoints every --save-every steps; --resume
 continues from the latest when the source and settings are unchanged); at the end it is
-renamed to DIR, which holds train_log.json, loss.png and the checkpoints.
+renamed to DIR, which holds train_log.json, loss.png and the checkpoints. The job skeleton
+(`cmoe_jax.jobs.run_job`) runs it, as every other output-writing job.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from cmoe_jax.cli_args import (Parser, add_data_path, add_model, add_output_dir,
                                check_writable_dir, nonneg_float, nonneg_int, command_main, positive_float,
                                positive_int)
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.jobs import SourceModel, OutputDir, check_output_free, fault_point, fingerprint
+from cmoe_jax.jobs import Job, JobRun, Outcome, RunOptions, SourceModel, fault_point, run_job
 
 INITS = ("expertweaver", "random-split", "random")
 
@@ -100,41 +101,61 @@ def first_layers(model, n: int):
     return Decoder.from_pure(cfg, pure, model.dtype)
 
 
+class DowncycleJob(Job):
+    """A downcycling run as a job (`cmoe_jax.jobs.run_job`): its units of work are the steps,
+    checkpointed in `final/checkpoints` (kept there for --resume and published with the log)."""
+
+    kind, resumable, fresh_final = "downcycle", ("final/checkpoints/[0-9]*",), False
+    manifest_name = None  # no manifest: `save` writes train_log.json, the run's record
+
+    def __init__(self, args):
+        self.args = args
+        self.settings = {k: v for k, v in vars(args).items()
+                         if k not in ("resume", "overwrite", "save_every", "out", "given")}
+
+    def prepare(self, source: SourceModel) -> tuple[dict, object]:
+        import numpy as np
+
+        return self.settings, np.fromfile(self.args.data_path, dtype=np.uint8)  # the text by content
+
+    def work(self, run: JobRun) -> Outcome:
+        run.final.mkdir(exist_ok=True)
+        log = _train(self.args, run.source, run.final / "checkpoints")
+        summary = dict(self.settings, steps=len(log), first_nll=log[0]["nll"], final_nll=log[-1]["nll"])
+        return Outcome(None, summary, extra=log)
+
+    def save(self, run: JobRun, outcome: Outcome) -> None:
+        """The log and the loss plot beside the checkpoints."""
+        from cmoe_jax.train.report import plot_loss, write_log
+
+        write_log(run.final / "train_log.json", outcome.manifest, outcome.extra)
+        plot_loss(run.final / "loss.png", [dict(s, loss=s["nll"]) for s in outcome.extra],
+                  title=f"downcycling, {self.args.init} init")
+
+    def result(self, outcome: Outcome, out: Path) -> dict:
+        return dict(outcome.manifest, out=str(out))
+
+
 def run(args) -> dict:
     from cmoe_jax import distributed
 
     distributed.require_single_process("python -m cmoe_jax.downcycle")
-    import numpy as np
-
     if not 0 <= args.shared_experts < args.active <= args.experts:
         raise CmoeError(f"need 0 <= --shared-experts ({args.shared_experts}) < --active ({args.active}) "
                         f"<= --experts ({args.experts})")
     check_writable_dir(args.out, source=args.model)
-    out = Path(args.out)
-    settings = {k: v for k, v in vars(args).items()
-                if k not in ("resume", "overwrite", "save_every", "out", "given")}
-    check_output_free(out, args.overwrite)
-    source = SourceModel(args.model)
-    with OutputDir(out, "downcycle", overwrite=args.overwrite, resume=args.resume,
-                   resumable=("final/checkpoints/[0-9]*",)) as output:
-        output.open(fingerprint("downcycle", settings, source.path,
-                                np.fromfile(args.data_path, dtype=np.uint8)))  # the text by content
-        work = output.staging.dir / "final"
-        work.mkdir(exist_ok=True)
-        summary = _train(args, source, work, settings)
-        output.publish(work)
-    return dict(summary, out=str(out))
+    return run_job(DowncycleJob(args), args.model, args.out,
+                   RunOptions(resume=args.resume, overwrite=args.overwrite))
 
 
-def _train(args, source: SourceModel, work: Path, settings: dict) -> dict:
-    """Weave, train with checkpoints in `work/checkpoints`, write the log and the plot there."""
+def _train(args, source: SourceModel, directory: Path) -> list:
+    """Weave, then train with checkpoints in `directory`; returns the log."""
     from cmoe_jax.data import load_text_tokens
     from cmoe_jax.methods.expertweaver import downcycle_loss, downcycle_optimizer
     from cmoe_jax.train.checkpoint import RunCheckpoints
     from cmoe_jax.train.data import BatchOrder, training_windows
     from cmoe_jax.train.full import FullTrainer
     from cmoe_jax.train.loop import TrainLoop
-    from cmoe_jax.train.report import plot_loss, write_log
 
     model, tokenizer = initial_model(args, source)
     tokens = load_text_tokens("wikitext2", tokenizer, data_path=args.data_path)
@@ -143,7 +164,7 @@ def _train(args, source: SourceModel, work: Path, settings: dict) -> dict:
     order = BatchOrder(samples, args.batch_size, 1, args.seed)
     trainer = FullTrainer(model, downcycle_optimizer(args.lr, args.steps, args.warmup),
                           lambda m, t: downcycle_loss(m, t, args.aux_coef), metrics=("nll", "aux"))
-    checkpoints = RunCheckpoints(work / "checkpoints")
+    checkpoints = RunCheckpoints(directory)
     log = trainer.restore(checkpoints) if args.resume else []
 
     def save(step: int) -> None:
@@ -155,11 +176,7 @@ def _train(args, source: SourceModel, work: Path, settings: dict) -> dict:
                      desc=f"downcycling ({args.init})")
     loop.run(log, len(log), args.steps, checkpoints.latest_step())
     checkpoints.close()
-    summary = dict(settings, steps=len(log), first_nll=log[0]["nll"], final_nll=log[-1]["nll"])
-    write_log(work / "train_log.json", summary, log)
-    plot_loss(work / "loss.png", [dict(s, loss=s["nll"]) for s in log],
-              title=f"downcycling, {args.init} init")
-    return summary
+    return log
 
 
 def report(args, result: dict) -> None:

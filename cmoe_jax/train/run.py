@@ -1,5 +1,6 @@
-"""The steps of one fine-tuning run, in the order `finetune` takes them: check, read the data
-and build the mesh, set up the train state, train, then merge and write the output.
+"""The steps of one fine-tuning run, in the order the training job (`api.py`) takes them:
+check, open the source, read the data and build the mesh, set up the train state, train,
+then merge and write the output.
 
 `FineTuning` carries what one step hands the next (source, data, mesh, state), so each step
 is a short method; nothing here touches the output directory's lock or staging (`api.py`).
@@ -39,16 +40,19 @@ def check_settings(s: TrainSettings) -> None:
 
 
 class FineTuning:
-    """One fine-tuning run of `model` under `settings`, step by step."""
+    """One fine-tuning run under `settings` (checked here), step by step."""
 
-    def __init__(self, model: str, settings: TrainSettings):
+    def __init__(self, settings: TrainSettings):
         self.t_start = time.perf_counter()
-        self.name, self.settings = model, settings
+        self.settings = settings
         self.modes = RecoveryModes.of(settings)  # --distill / --recover checked before anything is read
         self.lora = settings.lora()
         self.lora.validate()
         check_settings(settings)
-        self.source = SourceModel(model)
+
+    def open(self, source: SourceModel) -> None:
+        """The source model, checked before any weight is loaded."""
+        self.name, self.source = source.name, source
         self.adapted = self._check_model()
 
     def _check_model(self) -> list:
