@@ -215,18 +215,16 @@ def _family(name: str, model_type: str, config_base, model_base):
     return config, model
 
 
-# the names `auto_map` in an exported config.json points at
-CmoeLlamaConfig, CmoeLlamaForCausalLM = _family("Llama", "cmoe_llama", LlamaConfig, LlamaForCausalLM)
-CmoeMistralConfig, CmoeMistralForCausalLM = _family("Mistral", "cmoe_mistral", MistralConfig,
-                                                    MistralForCausalLM)
-CmoeGemma3Config, CmoeGemma3ForCausalLM = _family("Gemma3", "cmoe_gemma3_text", Gemma3TextConfig,
-                                                  Gemma3ForCausalLM)
-CmoeQwen2Config, CmoeQwen2ForCausalLM = _family("Qwen2", "cmoe_qwen2", Qwen2Config, Qwen2ForCausalLM)
-CmoeQwen3Config, CmoeQwen3ForCausalLM = _family("Qwen3", "cmoe_qwen3", Qwen3Config, Qwen3ForCausalLM)
-CmoeQwen2MoeConfig, CmoeQwen2MoeForCausalLM = _family("Qwen2Moe", "cmoe_qwen2_moe", Qwen2MoeConfig,
-                                                      Qwen2MoeForCausalLM)
-CmoeQwen3MoeConfig, CmoeQwen3MoeForCausalLM = _family("Qwen3Moe", "cmoe_qwen3_moe", Qwen3MoeConfig,
-                                                      Qwen3MoeForCausalLM)
-CmoeOlmoeConfig, CmoeOlmoeForCausalLM = _family("Olmoe", "cmoe_olmoe", OlmoeConfig, OlmoeForCausalLM)
-CmoeMixtralConfig, CmoeMixtralForCausalLM = _family("Mixtral", "cmoe_mixtral", MixtralConfig,
-                                                    MixtralForCausalLM)
+# the names `auto_map` in an exported config.json points at: Cmoe<name>Config, Cmoe<name>ForCausalLM
+_FAMILIES = (("Llama", "cmoe_llama", LlamaConfig, LlamaForCausalLM),
+             ("Mistral", "cmoe_mistral", MistralConfig, MistralForCausalLM),
+             ("Gemma3", "cmoe_gemma3_text", Gemma3TextConfig, Gemma3ForCausalLM),
+             ("Qwen2", "cmoe_qwen2", Qwen2Config, Qwen2ForCausalLM),
+             ("Qwen3", "cmoe_qwen3", Qwen3Config, Qwen3ForCausalLM),
+             ("Qwen2Moe", "cmoe_qwen2_moe", Qwen2MoeConfig, Qwen2MoeForCausalLM),
+             ("Qwen3Moe", "cmoe_qwen3_moe", Qwen3MoeConfig, Qwen3MoeForCausalLM),
+             ("Olmoe", "cmoe_olmoe", OlmoeConfig, OlmoeForCausalLM),
+             ("Mixtral", "cmoe_mixtral", MixtralConfig, MixtralForCausalLM))
+for _name, _model_type, _config_base, _model_base in _FAMILIES:
+    globals()[f"Cmoe{_name}Config"], globals()[f"Cmoe{_name}ForCausalLM"] = _family(
+        _name, _model_type, _config_base, _model_base)
