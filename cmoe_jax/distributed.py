@@ -202,6 +202,22 @@ def all_ok(error: BaseException | None) -> None:
             raise DistributedError(f"another process failed: {e[0]}: {e[1]}")
 
 
+def on_main(fn):
+    """`fn()` run by process 0 alone, for file checks and writes that would race if every
+    process made them (two trial-creates of one new file: one fails); its result is shared
+    with every process and its CmoeError raised on all."""
+    if process_count() == 1:
+        return fn()
+    error, result = None, None
+    if is_main():
+        try:
+            result = fn()
+        except CmoeError as e:
+            error = e
+    all_ok(error)
+    return broadcast_from_main(result)
+
+
 def refuse(**flags) -> None:
     """Fail before any work when a multi-process run asks for something that is not split
     across processes (flag name -> whether it was given)."""

@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -36,27 +38,41 @@ def _env(devices: int = 1, **extra) -> dict:
 
 
 def launch(module: str, args: list, processes: int = 1, devices: int = 1) -> list[str]:
-    """Run `python -m module args` as `processes` processes of one job; their stdout."""
+    """Run `python -m module args` as `processes` processes of one job; their stdout. A process
+    that fails stops the launch at once, with every process's stderr in the message (a peer
+    left waiting would otherwise time out at the coordinator and hide the first error)."""
     port = _free_port()
-    procs = []
-    for i in range(processes):
-        extra = {} if processes == 1 else dict(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                                               JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i))
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *map(str, args)], cwd=ROOT,
-                                      env=_env(devices, **extra), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outs = []
+    procs, logs = [], []
     try:
-        for p in procs:
-            out, err = p.communicate(timeout=TIMEOUT)
-            assert p.returncode == 0, f"process exited {p.returncode}:\n{err[-3000:]}"
-            outs.append(out)
+        for i in range(processes):
+            extra = {} if processes == 1 else dict(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                                   JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i))
+            logs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))
+            procs.append(subprocess.Popen([sys.executable, "-m", module, *map(str, args)], cwd=ROOT,
+                                          env=_env(devices, **extra), stdout=logs[-1][0],
+                                          stderr=logs[-1][1], text=True))
+        deadline = time.monotonic() + TIMEOUT
+        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+            assert time.monotonic() < deadline, f"{module} still running after {TIMEOUT} s"
+            time.sleep(0.2)
+        outs, errs = zip(*[(_read(out), _read(err)) for out, err in logs])
+        failed = [i for i, p in enumerate(procs) if p.poll()]
+        assert not failed, "\n".join(f"process {i} exited {procs[i].returncode}:\n{errs[i][-3000:]}"
+                                      for i in failed)
+        return list(outs)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return outs
+        for files in logs:
+            for f in files:
+                f.close()
+
+
+def _read(f) -> str:
+    f.seek(0)
+    return f.read()
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +306,42 @@ def test_job_scripts_parse_and_use_real_flags(script):
         help_text = _cli_flags(module)
         for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest):
             assert re.search(rf"{flag}\b", help_text), f"{script}: {module} has no {flag}"
+
+
+def test_only_process_0_tries_the_json_path(tmp_path, monkeypatch):
+    """`--json` is written by process 0 alone, so only it tries the path: two processes each
+    trial-creating one new file raced (one's exclusive create failed, it stopped, and its peer
+    waited for it at the coordinator until a time-out). Another process takes process 0's
+    verdict: its error (gathered) stops it too."""
+    import argparse
+
+    from cmoe_jax import distributed
+    from cmoe_jax.errors import CmoeError
+    from cmoe_jax.eval import cli
+
+    verdicts = []  # what each simulated process contributes to the gather
+
+    def gather(obj):
+        verdicts.append(obj)
+        return [main_verdict, obj]
+
+    monkeypatch.setattr(distributed, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed, "gather_objects", gather)
+    monkeypatch.setattr(distributed, "broadcast_from_main", lambda obj: None)
+    bad = argparse.Namespace(out=str(tmp_path / "missing" / "r.json"))
+    good = argparse.Namespace(out=str(tmp_path / "r.json"))
+
+    monkeypatch.setattr(distributed, "process_index", lambda: 1)
+    main_verdict = None
+    cli._validate_args(bad)  # not tried here: process 0 found it writable
+    assert verdicts == [None]
+    main_verdict = ("CmoeError", "--out: directory missing does not exist")
+    with pytest.raises(distributed.DistributedError, match="another process failed: CmoeError: --out"):
+        cli._validate_args(good)
+
+    monkeypatch.setattr(distributed, "process_index", lambda: 0)
+    main_verdict = None
+    with pytest.raises(CmoeError, match="does not exist: create it first"):
+        cli._validate_args(bad)
+    cli._validate_args(good)
+    assert not list(tmp_path.iterdir())  # the trial file removed, nothing else made

@@ -64,7 +64,8 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.eval"):
 
 
 def _validate_args(args) -> None:
-    check_writable_file(args.out, "--out")
+    # process 0 alone writes the JSON, so it alone tries the path
+    distributed.on_main(lambda: check_writable_file(args.out, "--out"))
 
 
 def run(args) -> dict:

@@ -63,15 +63,8 @@ class OutputDir:
     def on_main(self, prepare):
         """`prepare(staging)` run by process 0 alone (a job's own way of opening its staging
         directory); its result is shared with every process, its error raised on all."""
-        error, result = None, None
-        if self.main:
-            try:
-                result = prepare(self.staging)
-            except CmoeError as e:
-                error = e
         self._opened = True
-        distributed.all_ok(error)
-        return distributed.broadcast_from_main(result)
+        return distributed.on_main(lambda: prepare(self.staging))
 
     def has_resumable_work(self) -> bool:
         d = self.staging.dir
