@@ -17,7 +17,8 @@ def test_the_guide_runs():
     script = "\n".join(blocks) + "\nprint('guide ok')\n"
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", script],
+    warnings_as_errors = ["-W", "error::UserWarning", "-W", "error::DeprecationWarning"]
+    out = subprocess.run([sys.executable, *warnings_as_errors, "-c", script],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("guide ok")

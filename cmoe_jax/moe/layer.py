@@ -85,7 +85,7 @@ class MoEFFN(nnx.Module):
       kernel_init: initializer `init(key, shape, dtype)` of every weight matrix, called with
         the 2-D `[in, out]` shape (stacked experts get one call each); default normal(0.02).
       sow_router: sow each call's `RouterOutput` as `nnx.Intermediate` "router_outputs" (for
-        a layer deep inside a model; `nnx.pop(model, nnx.Intermediate)` collects them).
+        a layer deep inside a model; `nnx.capture(model, nnx.Intermediate)(x)` returns them).
 
     Parameters (JAX layout, `[in, out]`): `shared_gate/shared_up [d, S]`,
     `shared_down [S, d]`; `expert_gate/expert_up [E, d, m]`, `expert_down [E, m, d]`;
