@@ -43,18 +43,19 @@ class OutputDir:
         self._opened = False
 
     def __enter__(self) -> "OutputDir":
-        error = None
-        if self.main:
-            try:
-                self._lock.acquire()
-                self.staging.recover()  # what a killed job of this output recorded and left half done
-                if not self.out_may_exist:  # again under the lock: a job may have published it
-                    check_output_free(self.out, False)
-            except CmoeError as e:
-                self._lock.release()
-                error = e
-        distributed.all_ok(error)
+        distributed.on_main(self._take)
         return self
+
+    def _take(self) -> None:
+        """Lock the output, then finish what a killed job of it left half done."""
+        self._lock.acquire()
+        try:
+            self.staging.recover()  # what a killed job of this output recorded and left half done
+            if not self.out_may_exist:  # again under the lock: a job may have published it
+                check_output_free(self.out, False)
+        except CmoeError:
+            self._lock.release()
+            raise
 
     def open(self, fingerprint: dict) -> bool:
         """Create or verify the staging directory (see `Staging.open`); True when resuming."""
