@@ -82,7 +82,16 @@ class DecoderLayer(nnx.Module):
             y, load = self.mlp(x, key), None
         else:
             y, load = self.mlp(x, return_load=True, key=key)
-        return LayerOutput(h + (self.ffn_out_norm(y) if self.sandwich else y), x, load, kv)
+        return LayerOutput(self.ffn_residual(h, y), x, load, kv)
+
+    def ffn_residual(self, h: jax.Array, y: jax.Array) -> jax.Array:
+        """The residual stream after the FFN: h + y, or h + RMSNorm(y) with sandwich norms."""
+        return h + (self.ffn_out_norm(y) if self.sandwich else y)
+
+    def ffn_out(self) -> nnx.Module | None:
+        """The norm applied to the FFN's output before its residual add (None: no norm), so
+        that a pass holding only this and an FFN adds the FFN's output as the layer does."""
+        return self.ffn_out_norm if self.sandwich else None
 
 
 class Decoder(nnx.Module):

@@ -71,14 +71,20 @@ def attention_step(graphdef, state, h, rope):
     return h_mid, x, jnp.isfinite(x).all()
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def ffn_residual_step(graphdef, state, h_mid, x):
-    """h_mid + FFN(x) for a (converted) FFN module, plus its per-expert load if it has one."""
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def ffn_residual_step(graphdef, state, h_mid, x, norm_graphdef=None, norm_state=None):
+    """h_mid + FFN(x) for a (converted) FFN module, plus its per-expert load if it has one.
+
+    With a norm (`DecoderLayer.ffn_out`: Gemma's post-feed-forward RMSNorm) the FFN's output
+    is normed before the add, as the layer's own forward does; without it every later
+    layer of a sandwich-norm model would be profiled on a stream the model never produces."""
     ffn = nnx.merge(graphdef, state)
     if isinstance(ffn, MoEFFN):
         y, load = ffn(x, return_load=True)
     else:
         y, load = ffn(x), jnp.zeros((0,), jnp.int32)
+    if norm_graphdef is not None:
+        y = nnx.merge(norm_graphdef, norm_state)(y)
     return h_mid + y, load
 
 
@@ -118,16 +124,21 @@ def _ffn_input(layer, index: int, h, rope, mesh: Mesh):
     return h_mid, x, time.perf_counter() - t0
 
 
-def run_ffn(ffn, h_mid, x, mesh: Mesh):
-    """(h_mid + ffn(x), per-expert load); the FFN's variables placed by the sharding rules
-    (an "expert" axis in `mesh` makes an MoE FFN run expert-parallel)."""
+def run_ffn(ffn, h_mid, x, mesh: Mesh, out_norm: nnx.Module | None = None):
+    """(h_mid + ffn(x), per-expert load), ffn's output normed by `out_norm` first if given
+    (`DecoderLayer.ffn_out`); the FFN's variables placed by the sharding rules (an "expert"
+    axis in `mesh` makes an MoE FFN run expert-parallel)."""
     fg, fs = nnx.split(ffn)
     if "expert" in mesh.axis_names:  # the routed experts split over the expert axis
         fs = place_state(fs, shardings_of(ffn, mesh))
     else:  # calibration meshes split only the batch: every device holds the whole FFN
         fs = replicate(fs, mesh)
+    norm = (None, None)
+    if out_norm is not None:
+        ng, ns = nnx.split(out_norm)
+        norm = (ng, replicate(ns, mesh))
     with jax.set_mesh(mesh):
-        return ffn_residual_step(fg, fs, h_mid, x)
+        return ffn_residual_step(fg, fs, h_mid, x, *norm)
 
 
 def layer_pass(layers: Collection[nnx.Module], h, rope, mesh: Mesh,
@@ -148,10 +159,11 @@ def layer_pass(layers: Collection[nnx.Module], h, rope, mesh: Mesh,
         for index in range(total):
             layer = next(source)
             h_mid, x, seconds = _ffn_input(layer, index, h, rope, mesh)
+            out_norm = layer.ffn_out()  # kept: `on_layer` may free the layer
             inputs = LayerInput(index, layer, x, seconds)
             del layer, x
             inputs.ffn = on_layer(inputs)
-            h, load = run_ffn(inputs.ffn, h_mid, inputs.ffn_input, mesh)
+            h, load = run_ffn(inputs.ffn, h_mid, inputs.ffn_input, mesh, out_norm)
             inputs.ffn_input = h_mid = None
             if after_layer is not None:
                 load = np.asarray(load)

@@ -1,0 +1,155 @@
+"""The CMoE authors' conversion, in torch, on a `transformers` decoder of any family: the
+reference side of the project's CMoE comparisons (docs/results/cmoe.md, gemma3.md).
+
+Written from the description of JarvisPei/CMoE (`construct_moe`, `construct_experts_k_means`,
+`analyze_neuron_activations`; not copied). Layer by layer, on the calibration windows as the
+already-converted layers before it transform them:
+
+1. the FFN input x (what the layer hands `self.mlp`), h = act(x_n W_g,n) * (x_n W_u,n) on
+   L2-normalised tokens and weight rows; ATopK markers (top K_a of |h| per token) and rates;
+2. shared experts: `torch.topk` of the rates (their tie order), x*m neurons;
+3. routed experts: one balanced K-means step, L1 distances (`torch.cdist(p=1)`) to the
+   initial centroids (the highest-rate remaining neurons), solved as the n x n linear
+   assignment of repeated columns with `lap.lapjv`, then the centroid update;
+4. router: per expert the member closest in L1 to its updated centroid; scores
+   |act(x W_g^R) * (x W_u^R)| on unit-normed rows, softmax, top-k, gates 1 (u = b = 0).
+
+The layer itself is the `transformers` one, so its norms around the FFN (Gemma's pre- and
+post-feed-forward norms), its attention type and its rotary embeddings are the family's own:
+only `layer.mlp` is replaced, by an `AuthorsMoE` using the dense MLP's own activation. Each
+layer's FFN input is caught by a hook that stops the forward there (the authors' `Catcher`),
+so converting L layers costs L(L+1)/2 layer passes: fine for the models compared here.
+
+`convert(model, calib, ...)` returns per layer the FFN input it carved on and its carving;
+`carve=` replaces the authors' carving (step 2-4's partition) by another, so a test can run
+the project's partition through this pipeline.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass
+class Carving:
+    shared: np.ndarray           # int64 [S] neuron ids of the shared expert
+    experts: np.ndarray          # int64 [N_r, m] neuron ids per routed expert
+    representatives: np.ndarray  # int64 [N_r] the router's neuron per expert
+
+
+def profile(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, act, k_act: int):
+    """(markers [T, d_h] float 0/1, rates [d_h]) of FFN inputs x [..., d]; torch [out, in] weights."""
+    xn = F.normalize(x.reshape(-1, x.shape[-1]).float(), p=2, dim=-1)
+    h = act(xn @ F.normalize(gate_w.float(), p=2, dim=1).T) * (xn @ F.normalize(up_w.float(), p=2, dim=1).T)
+    top = torch.topk(h.abs(), k_act, dim=-1).indices
+    markers = torch.zeros_like(h).scatter_(1, top, 1.0)
+    return markers, markers.mean(0)
+
+
+def authors_carving(markers: torch.Tensor, rates: torch.Tensor, shared: int, total: int) -> Carving:
+    """Shared-by-rate, one L1 K-means step solved by lapjv, centroid-closest representatives."""
+    import lap
+
+    d_h = rates.shape[0]
+    m, k = d_h // total, total - shared
+    shared_ids = torch.topk(rates, m * shared).indices.tolist() if shared else []
+    rest = sorted(set(range(d_h)) - set(shared_ids))
+    first = torch.topk(rates[rest], k).indices.tolist()
+    points = markers[:, rest]                                   # [T, n]
+    centroids = markers[:, [rest[i] for i in first]].clone()    # [T, k]
+    dist = torch.cdist(points.T.contiguous(), centroids.T.contiguous(), p=1).double().numpy()
+    col = lap.lapjv(np.repeat(dist, m, axis=1))[1]
+    labels = np.asarray(col) // m
+    groups, reps = [], []
+    for j in range(k):
+        members = np.flatnonzero(labels == j)
+        centroids[:, j] = points[:, members].mean(1)
+        d = torch.cdist(centroids[:, j:j + 1].T.contiguous(), points[:, members].T.contiguous(), p=1)
+        reps.append(rest[members[int(torch.argmin(d))]])
+        groups.append([rest[i] for i in members])
+    return Carving(np.sort(np.asarray(shared_ids, np.int64)), np.sort(np.asarray(groups, np.int64), 1),
+                   np.asarray(reps, np.int64))
+
+
+class _MLP(nn.Module):
+    def __init__(self, gate_w, up_w, down_w, act):
+        super().__init__()
+        self.gate, self.up, self.down, self.act = gate_w, up_w, down_w, act
+
+    def forward(self, x):
+        return (self.act(x @ self.gate.T) * (x @ self.up.T)) @ self.down.T
+
+
+class AuthorsMoE(nn.Module):
+    """Shared MLP + routed experts looped in Python + the representative-neuron router."""
+
+    def __init__(self, mlp: nn.Module, carving: Carving, top_k: int):
+        super().__init__()
+        act, (g, u, d) = mlp.act_fn, (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        self.top_k, self.act = top_k, act
+        s = torch.as_tensor(carving.shared)
+        self.shared = _MLP(g[s], u[s], d[:, s], act) if len(s) else None
+        self.experts = [_MLP(g[torch.as_tensor(e)], u[torch.as_tensor(e)], d[:, torch.as_tensor(e)], act)
+                        for e in carving.experts]
+        r = torch.as_tensor(carving.representatives)
+        self.router_gate, self.router_up = F.normalize(g[r], p=2, dim=1), F.normalize(u[r], p=2, dim=1)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        scores = (self.act(x @ self.router_gate.T) * (x @ self.router_up.T)).abs()
+        ids = torch.topk(scores.softmax(-1, dtype=torch.float32), self.top_k, dim=-1).indices
+        y = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, _ = torch.where(ids == e)
+            if len(rows):
+                y = y.index_add(0, rows, expert(x[rows]))
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y.reshape(shape)
+
+
+class _Caught(Exception):
+    pass
+
+
+def _ffn_input(model, layer, tokens: torch.Tensor) -> torch.Tensor:
+    """The input `layer.mlp` receives when `model` runs `tokens` (the forward stops there)."""
+    seen = []
+
+    def catch(_module, args):
+        seen.append(args[0].detach())
+        raise _Caught
+
+    hook = layer.mlp.register_forward_pre_hook(catch)
+    try:
+        model.model(tokens)
+    except _Caught:
+        pass
+    finally:
+        hook.remove()
+    return seen[0]
+
+
+@torch.no_grad()
+def convert(model, calib: np.ndarray, shared: int, active: int, total: int, k_act: int = 10,
+            carve=None) -> list[dict]:
+    """Convert the `transformers` causal LM `model` in place, layer by layer, on the
+    calibration windows `calib` [N, T]. Returns per layer {"ffn_input": [N, T, d] numpy,
+    "carving": Carving}. `carve(index, markers, rates) -> Carving` replaces the authors'
+    carving (default: `authors_carving`)."""
+    tokens = torch.as_tensor(np.asarray(calib), dtype=torch.long)
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        x = _ffn_input(model, layer, tokens)
+        mlp = layer.mlp
+        markers, rates = profile(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.act_fn, k_act)
+        carving = (carve(i, markers, rates) if carve is not None
+                   else authors_carving(markers, rates, shared, total))
+        layer.mlp = AuthorsMoE(mlp, carving, active)
+        out.append({"ffn_input": x.numpy(), "carving": carving})
+    return out
