@@ -17,8 +17,9 @@ already-converted layers before it transform them:
 The layer itself is the `transformers` one, so its norms around the FFN (Gemma's pre- and
 post-feed-forward norms), its attention type and its rotary embeddings are the family's own:
 only `layer.mlp` is replaced, by an `AuthorsMoE` using the dense MLP's own activation. Each
-layer's FFN input is caught by a hook that stops the forward there (the authors' `Catcher`),
-so converting L layers costs L(L+1)/2 layer passes: fine for the models compared here.
+layer runs alone through the model's own forward (the stream given as `inputs_embeds`, every
+other layer passing it through), its FFN input caught by a hook that stops the forward
+there (the authors' `Catcher`).
 
 `convert(model, calib, ...)` returns per layer the FFN input it carved on and its carving;
 `carve=` replaces the authors' carving (step 2-4's partition) by another, so a test can run
@@ -117,21 +118,39 @@ class _Caught(Exception):
     pass
 
 
-def _ffn_input(model, layer, tokens: torch.Tensor) -> torch.Tensor:
-    """The input `layer.mlp` receives when `model` runs `tokens` (the forward stops there)."""
+class _PassThrough(nn.Module):
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def _run_layer(model, index: int, h: torch.Tensor, stop_at_ffn: bool = False) -> torch.Tensor:
+    """Decoder layer `index` alone on the residual stream h [N, T, d], through the model's
+    own forward (the mask and rotary tables of that layer's attention type; every other
+    layer passes the stream through): the layer's output, or with `stop_at_ffn` the input
+    its `mlp` receives."""
     seen = []
 
-    def catch(_module, args):
+    def catch_ffn(_module, args):
         seen.append(args[0].detach())
         raise _Caught
 
-    hook = layer.mlp.register_forward_pre_hook(catch)
+    def catch_out(_module, _args, out):
+        seen.append((out[0] if isinstance(out, tuple) else out).detach())
+        raise _Caught
+
+    layers = model.model.layers
+    layer = layers[index]
+    hook = (layer.mlp.register_forward_pre_hook(catch_ffn) if stop_at_ffn
+            else layer.register_forward_hook(catch_out))
+    model.model.layers = nn.ModuleList([layer if j == index else _PassThrough()
+                                        for j in range(len(layers))])
     try:
-        model.model(tokens)
+        model.model(inputs_embeds=h)
     except _Caught:
         pass
     finally:
         hook.remove()
+        model.model.layers = layers
     return seen[0]
 
 
@@ -142,14 +161,15 @@ def convert(model, calib: np.ndarray, shared: int, active: int, total: int, k_ac
     calibration windows `calib` [N, T]. Returns per layer {"ffn_input": [N, T, d] numpy,
     "carving": Carving}. `carve(index, markers, rates) -> Carving` replaces the authors'
     carving (default: `authors_carving`)."""
-    tokens = torch.as_tensor(np.asarray(calib), dtype=torch.long)
+    h = model.model.embed_tokens(torch.as_tensor(np.asarray(calib), dtype=torch.long))
     out = []
     for i, layer in enumerate(model.model.layers):
-        x = _ffn_input(model, layer, tokens)
+        x = _run_layer(model, i, h, stop_at_ffn=True)
         mlp = layer.mlp
         markers, rates = profile(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.act_fn, k_act)
         carving = (carve(i, markers, rates) if carve is not None
                    else authors_carving(markers, rates, shared, total))
         layer.mlp = AuthorsMoE(mlp, carving, active)
+        h = _run_layer(model, i, h)
         out.append({"ffn_input": x.numpy(), "carving": carving})
     return out

@@ -18,7 +18,8 @@ from flax import nnx
 from cmoe_jax.methods.cmoe.carve import LayerCarving, carve_layer, slice_ffn
 from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.profiling.markers import profile_layer
-from cmoe_jax.methods.cmoe.router import router_fit_sums, scale_router_up
+from cmoe_jax.methods.cmoe.router import (gate_fit_sums, router_fit_sums, scale_router_up,
+                                          solve_gate_scales)
 from cmoe_jax import distributed
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
@@ -55,6 +56,9 @@ class ConvertConfig:
     # the paper's rule) or of highest output energy ("energy", the default: the neurons whose
     # output matters most; best measured on every plan of the README's table).
     router_reps: str = "energy"
+    # Gate scales u of the gates 1 + s'u: 0 (the paper: selected experts summed unweighted), or
+    # fitted by least squares to make up for the unselected experts on the calibration tokens.
+    gate_fit: bool = False
 
     # The CMoE paper's analytical router: one representative neuron per expert, the member
     # closest to the centroid, raw |h| scores (`--paper-router`).
@@ -65,7 +69,7 @@ class ConvertConfig:
                 "kmeans_iters": self.kmeans_iters, "seed": self.seed,
                 "router_neurons": self.router_neurons, "router_scale": self.router_scale,
                 "router_fit_tokens": self.router_fit_tokens, "shared_by": self.shared_by,
-                "router_reps": self.router_reps}
+                "router_reps": self.router_reps, "gate_fit": self.gate_fit}
 
 
 @dataclasses.dataclass
@@ -77,6 +81,7 @@ class LayerRecord:
     load: np.ndarray
     seconds: dict
     router_scales: np.ndarray | None = None  # fitted per-expert score scales (None: not fitted)
+    gate_scales: np.ndarray | None = None  # fitted gate scales u (None: u = 0)
 
     def to_json(self) -> dict:
         c = self.carving
@@ -213,6 +218,28 @@ def fit_router_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
     return scales
 
 
+@functools.partial(jax.jit, static_argnames=("top_k", "activation"))
+def _window_gate_sums(x, *weights, top_k: int, activation: str):
+    fit = functools.partial(gate_fit_sums, top_k=top_k, activation=activation)
+    return jax.vmap(fit, in_axes=(0,) + (None,) * len(weights))(x, *weights)
+
+
+def fit_gate_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
+    """Set `ffn.u` to the least-squares gate scales (`gate_fit_sums`) on the same strided
+    calibration tokens as the router scales; returns them."""
+    n, t = x.shape[:2]
+    n_all = int(distributed.sum_across_processes(np.int64(n)))
+    stride = max(1, -(-n_all * t // cc.router_fit_tokens))
+    weights = [replicate(p[...], mesh) for p in (ffn.router_gate, ffn.router_up, ffn.router_bias,
+                                                ffn.expert_gate, ffn.expert_up, ffn.expert_down)]
+    ata, atr = (distributed.gather_rows(np.asarray(s)).astype(np.float64).sum(0)
+                for s in _window_gate_sums(x[:, ::stride], *weights, top_k=ffn.top_k,
+                                           activation=ffn.activation))
+    u = solve_gate_scales(ata, atr)
+    ffn.u[...] = jnp.asarray(u, ffn.u[...].dtype)
+    return u
+
+
 class LayerConverter(LayerStep):
     """The CMoE step of the layer pass: carve dense layer i on its FFN input (or reuse the
     partition of a resumed layer), build its MoE FFN and fit the router's score scales;
@@ -235,6 +262,8 @@ class LayerConverter(LayerStep):
                          layer.mlp.gate[...].dtype)
         if self.cc.router_scale:
             record.router_scales = fit_router_scales(ffn, x, self.cc, self.mesh)
+        if self.cc.gate_fit:
+            record.gate_scales = fit_gate_scales(ffn, x, self.cc, self.mesh)
         self.records.append(record)
         return ffn
 

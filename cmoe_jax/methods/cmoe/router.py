@@ -90,3 +90,41 @@ def scale_router_up(router_up, num, den, num_experts: int) -> tuple:
     c = np.where(c > 0, c, 1.0)
     cols = np.repeat(c, router_up.shape[1] // num_experts).astype(np.float32)
     return (np.asarray(router_up, np.float32) * cols[None, :]).astype(router_up.dtype), c
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "activation"))
+def gate_fit_sums(x, router_gate, router_up, bias, expert_gate, expert_up, expert_down, *,
+                  top_k: int, activation: str = "silu"):
+    """(A^T A [E, E], A^T r [E]) of the least-squares gate scales u over tokens x [..., d].
+
+    The routed part of the layer is sum over the selected experts j of (1 + s'_j u_j) E_j(x);
+    at u = 0 it misses r = sum of the unselected experts' outputs (the shared expert and the
+    selected ones are exact, the carving being a split of the dense FFN). Column j of A is
+    s'_j E_j(x) on the tokens that select j (0 elsewhere), so u = argmin ||r - A u||^2 is the
+    gate scaling that best makes up, on the calibration tokens, for the experts left out.
+    """
+    x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    num_experts = expert_gate.shape[0]
+    scores = cmoe_scores(x, router_gate, router_up, num_experts, activation)
+    probs = jax.nn.softmax(scores, axis=-1)
+    _, ids = jax.lax.top_k(probs + bias.astype(jnp.float32), top_k)
+    chosen = jnp.zeros(probs.shape, bool).at[jnp.arange(x.shape[0])[:, None], ids].set(True)
+    h = (glu_activation(activation)(jnp.einsum("td,edm->tem", x, expert_gate.astype(jnp.float32)))
+         * jnp.einsum("td,edm->tem", x, expert_up.astype(jnp.float32)))
+    out = jnp.einsum("tem,emd->ted", h, expert_down.astype(jnp.float32))     # [T, E, d]
+    missing = jnp.where(chosen[..., None], 0.0, out).sum(1)                   # [T, d]
+    a = jnp.where(chosen[..., None], probs[..., None] * out, 0.0)              # [T, E, d]
+    return jnp.einsum("ted,tfd->ef", a, a), jnp.einsum("ted,td->e", a, missing)
+
+
+def solve_gate_scales(ata, atr, ridge: float = 1e-6) -> np.ndarray:
+    """u [E] float64 from the summed normal equations, with a ridge of `ridge` times the mean
+    diagonal (an expert never selected on the calibration tokens keeps u = 0)."""
+    ata, atr = np.asarray(ata, np.float64), np.asarray(atr, np.float64)
+    used = np.diag(ata) > 0
+    u = np.zeros(len(atr))
+    if used.any():
+        sub = ata[np.ix_(used, used)]
+        lam = ridge * float(np.mean(np.diag(sub)))
+        u[used] = np.linalg.solve(sub + lam * np.eye(int(used.sum())), atr[used])
+    return u

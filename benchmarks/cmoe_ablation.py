@@ -1,0 +1,147 @@
+"""CMoE's departures from the paper, one at a time, on one model: perplexity x dense per
+variant and shape (the ablation table of docs/results/cmoe.md).
+
+    python benchmarks/cmoe_ablation.py --model gemma3-270m --configs S3A3E8 S1A1E8 \
+        --variants defaults paper authors --max-windows 10 --json out.json
+
+Variants (each converts from scratch with seed 0 and is evaluated on the first
+`--max-windows` WikiText-2 test windows of 2048 tokens, BOS-opened where the family's
+tokenizer adds one):
+- `defaults`: `cmoe-jax convert` with no option;
+- `authors`: the authors' carving (`benchmarks/cmoe_authors_reference.authors_carving`:
+  torch.topk shared set, one L1 K-means step by lapjv, centroid-closest representative) with
+  the paper's router, run through the project's calibration pass and MoE layer;
+- `paper`: the project's own carving with the paper's settings (`--paper-router
+  --kmeans-iters 1`);
+- one variant per departure, each the defaults with that one choice set back or changed
+  (`VARIANTS` below); `+bos` / `authors-sampler` change the calibration windows instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"  # beside the checkout
+
+PAPER = {"router_neurons": 1, "router_reps": "centroid", "router_scale": False, "kmeans_iters": 1}
+VARIANTS = {
+    "defaults": {},
+    "paper": PAPER,
+    "authors": PAPER,
+    "kmeans-1-step": {"kmeans_iters": 1},
+    "centroid-reps": {"router_reps": "centroid"},
+    "1-router-neuron": {"router_neurons": 1},
+    "no-router-scale": {"router_scale": False},
+    "shared-by-energy": {"shared_by": "energy"},
+    "no-normalize": {"normalize": False},
+    "gate-fit": {"gate_fit": True},
+    "no-gate-fit": {"gate_fit": False},
+    "calib-bos": {},
+    "authors-sampler": {},
+}
+
+
+def windows(lm, args):
+    """(calibration windows per sampler, test windows) for the model's tokenizer."""
+    from cmoe_jax.data import calibration_windows, load_text_tokens, text_windows
+    from cmoe_jax.loading import window_bos
+
+    valid = load_text_tokens("wikitext2", lm.tokenizer, "validation", args.data_dir / "valid.txt")
+    test = load_text_tokens("wikitext2", lm.tokenizer, "test", args.data_dir / "test.txt")
+    bos = window_bos(lm.config.model_type, lm.tokenizer)
+    return valid, bos, text_windows(test, 2048, args.max_windows, bos=bos)
+
+
+def calibration(valid, bos, variant: str, seqlen: int = 2048, n: int = 8, seed: int = 0):
+    """The calibration windows of `variant`: the project's sampler, or the authors'
+    (`random.seed(seed)`; `random.randint(0, len - seqlen - 1)` per window); `calib-bos`
+    opens each window with BOS."""
+    from cmoe_jax.data import calibration_windows
+
+    if variant == "authors-sampler":
+        random.seed(seed)
+        starts = [random.randint(0, len(valid) - seqlen - 1) for _ in range(n)]
+        calib = np.stack([valid[s:s + seqlen] for s in starts]).astype(np.int32)
+    else:
+        calib = calibration_windows(valid, n, seqlen, seed)
+    with_bos = {"calib-bos": bos}.get(variant)
+    if with_bos is not None:
+        calib = np.concatenate([np.full((n, 1), with_bos, np.int32), calib[:, :-1]], axis=1)
+    return calib
+
+
+def run(lm, valid, bos, test, config: str, variant: str) -> dict:
+    import copy
+
+    from cmoe_jax.convert import ConvertConfig, convert_model
+    from cmoe_jax.eval import perplexity
+    from cmoe_jax.methods.cmoe import MoEPlan
+    from cmoe_jax.methods.cmoe import convert as cmoe_convert
+
+    cc = ConvertConfig(plan=MoEPlan.parse(config), **VARIANTS[variant])
+    carve = cmoe_convert.carve_profiled
+    if variant == "authors":
+        cmoe_convert.carve_profiled = _authors_carve
+    try:
+        t0 = time.perf_counter()
+        moe, _ = convert_model(copy.deepcopy(lm.model), calibration(valid, bos, variant), cc,
+                               progress=False)
+        seconds = time.perf_counter() - t0
+    finally:
+        cmoe_convert.carve_profiled = carve
+    return {"config": config, "variant": variant, "ppl": perplexity(moe, test, progress=False)["ppl"],
+            "convert_s": round(seconds, 1)}
+
+
+def _authors_carve(markers, mu, energy, cc):
+    import torch
+
+    from benchmarks.cmoe_authors_reference import authors_carving
+    from cmoe_jax.methods.cmoe.carve import LayerCarving
+
+    plan = cc.plan
+    c = authors_carving(torch.from_numpy(np.asarray(markers, np.float32)),
+                        torch.from_numpy(np.asarray(mu, np.float32)), plan.shared, plan.total)
+    return LayerCarving(c.shared, c.experts, c.representatives[:, None], 1)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--configs", nargs="+", default=["S3A3E8", "S1A1E8"])
+    p.add_argument("--variants", nargs="+", default=["defaults", "paper", "authors"],
+                   choices=sorted(VARIANTS))
+    p.add_argument("--max-windows", type=int, default=10)
+    p.add_argument("--data-dir", type=Path, default=WIKITEXT,
+                   help="folder with WikiText-2's valid.txt and test.txt")
+    p.add_argument("--json", type=Path, help="append each result as one JSON line")
+    args = p.parse_args(argv)
+
+    from cmoe_jax.eval import perplexity
+    from cmoe_jax.loading import load_model
+
+    lm = load_model(args.model, progress=False)
+    valid, bos, test = windows(lm, args)
+    dense = perplexity(lm.model, test, progress=False)["ppl"]
+    print(f"{args.model}: dense ppl {dense:.4f} on {len(test)} windows", flush=True)
+    print("| config | variant | ppl | x dense | conversion (s) |\n| --- | --- | --- | --- | --- |", flush=True)
+    for config in args.configs:
+        for variant in args.variants:
+            r = run(lm, valid, bos, test, config, variant)
+            r.update(model=args.model, dense_ppl=dense, windows=len(test), x_dense=r["ppl"] / dense)
+            print(f"| {config} | {variant} | {r['ppl']:.3f} | {r['x_dense']:.3f}x | {r['convert_s']} |",
+                  flush=True)
+            if args.json:
+                with args.json.open("a") as f:
+                    f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
