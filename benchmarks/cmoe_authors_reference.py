@@ -21,13 +21,25 @@ layer runs alone through the model's own forward (the stream given as `inputs_em
 other layer passing it through), its FFN input caught by a hook that stops the forward
 there (the authors' `Catcher`).
 
+    python benchmarks/cmoe_authors_reference.py --model gemma3-270m --config S3A3E8 \
+        --sampler authors --max-windows 10
+
+converts the `transformers` model reading the same file as `cmoe-jax` (float32, SDPA) on 8
+calibration windows of 2048 tokens of WikiText-2 validation (`--sampler`: the authors'
+`random.seed(0)` draws or the project's, no BOS: the authors' `get_wikitext2`) and prints the
+perplexity on the first test windows as `cmoe-jax eval` builds them.
+
 `convert(model, calib, ...)` returns per layer the FFN input it carved on and its carving;
 `carve=` replaces the authors' carving (step 2-4's partition) by another, so a test can run
 the project's partition through this pipeline.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -173,3 +185,39 @@ def convert(model, calib: np.ndarray, shared: int, active: int, total: int, k_ac
         h = _run_layer(model, i, h)
         out.append({"ffn_input": x.numpy(), "carving": carving})
     return out
+
+
+def main(argv=None) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.cmoe_ablation import WIKITEXT, calibration
+    from benchmarks.torch_reference import load_torch_causal_lm
+    from cmoe_jax.data import load_text_tokens, text_windows
+    from cmoe_jax.jobs.source import SourceModel
+    from cmoe_jax.loading import window_bos
+    from cmoe_jax.methods.cmoe import MoEPlan
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--config", default="S3A3E8")
+    p.add_argument("--sampler", choices=["authors", "project"], default="authors")
+    p.add_argument("--max-windows", type=int, default=10)
+    p.add_argument("--data-dir", type=Path, default=WIKITEXT)
+    args = p.parse_args(argv)
+    source = SourceModel(args.model)
+    tok = source.tokenizer
+    valid = load_text_tokens("wikitext2", tok, "validation", args.data_dir / "valid.txt")
+    test = load_text_tokens("wikitext2", tok, "test", args.data_dir / "test.txt")
+    calib = calibration(valid, None, "authors-sampler" if args.sampler == "authors" else "defaults")
+    windows = text_windows(test, 2048, args.max_windows, bos=window_bos(source.config.model_type, tok))
+    model = load_torch_causal_lm(Path(source.path)).eval()
+    plan = MoEPlan.parse(args.config)
+    convert(model, calib, plan.shared, plan.active, plan.total)
+    with torch.no_grad():
+        nll = [float(model(ids, labels=ids).loss)
+               for ids in (torch.tensor(w[None].astype("int64")) for w in windows)]
+    print(f"{args.model} {args.config} authors' conversion ({args.sampler} sampler): "
+          f"ppl {math.exp(sum(nll) / len(nll)):.4f} on {len(nll)} windows", flush=True)
+
+
+if __name__ == "__main__":
+    main()

