@@ -82,3 +82,33 @@ def test_bad_arguments_are_refused_with_one_line(change, message):
     with pytest.raises(ValueError, match=message) as err:
         carve_ffn(w_gate, w_up, w_down, x, plan, **args)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("plan", ["S1A2E8", "S2A1E6"])
+def test_gate_fit_is_the_least_squares_gate_scaling(plan):
+    """u of the gates 1 + s'u, fitted at conversion, equals numpy's least-squares solution
+    built from the carved experts run one by one, and lowers the layer's squared error on the
+    calibration tokens against the dense FFN."""
+    w, x = dense_ffn(3)
+    moe = carve_ffn(*w, x, plan, gate_fit=True, router_fit_tokens=10_000)
+    u = np.asarray(moe.u[...], np.float64)
+    t = x.reshape(-1, D).astype(np.float64)
+    act = moe_numpy.silu
+    rg, ru = (np.asarray(getattr(moe, n)[...], np.float64) for n in ("router_gate", "router_up"))
+    scores = np.abs(act(t @ rg) * (t @ ru)).reshape(len(t), moe.num_experts, -1).sum(-1)
+    probs = np.exp(scores - scores.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    chosen = np.zeros_like(probs, bool)
+    np.put_along_axis(chosen, np.argsort(-probs, 1, kind="stable")[:, :moe.top_k], True, 1)
+    eg, eu, ed = (np.asarray(getattr(moe, "expert_" + n)[...], np.float64) for n in ("gate", "up", "down"))
+    outs = np.stack([(act(t @ eg[e]) * (t @ eu[e])) @ ed[e] for e in range(moe.num_experts)], 1)
+    a = np.where(chosen[..., None], probs[..., None] * outs, 0.0)          # [T, E, d]
+    missing = np.where(chosen[..., None], 0.0, outs).sum(1)
+    design = a.transpose(0, 2, 1).reshape(-1, moe.num_experts)
+    expected = np.linalg.lstsq(design, missing.reshape(-1), rcond=None)[0]
+    np.testing.assert_allclose(u, expected, rtol=2e-3, atol=2e-3 * np.abs(expected).max())
+    dense = numpy_dense(w, x)
+    fitted = np.square(np.asarray(moe(jnp.asarray(x)), np.float64) - dense).sum()
+    moe.u[...] = jnp.zeros_like(moe.u[...])
+    plain = np.square(np.asarray(moe(jnp.asarray(x)), np.float64) - dense).sum()
+    assert fitted < plain

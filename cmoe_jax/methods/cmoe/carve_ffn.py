@@ -4,7 +4,7 @@ The same steps as the model conversion (`convert_model`), on one FFN and one pro
 profile the FFN on calibration inputs (`profile_layer`), carve its neurons
 (`carve_profiled`: shared neurons, balanced K-means, router neurons), slice the weights
 (`slice_ffn`) into the conversion's MoE layer (`moe_spec`, `filled_ffn`) and fit the
-router's per-expert score scales (`fit_router_scales`).
+router's per-expert score scales and gate scales (`fit_router`).
 
 Example::
 
@@ -22,7 +22,7 @@ import numpy as np
 from cmoe_jax.errors import InputError
 from cmoe_jax.methods.cmoe.carve import LayerCarving, slice_ffn
 from cmoe_jax.methods.cmoe.convert import (ConversionError, ConvertConfig, carve_profiled,
-                                           check_router, conversion_mesh, fit_router_scales,
+                                           check_router, conversion_mesh, fit_router,
                                            moe_spec)
 from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.models import ModelConfig
@@ -70,7 +70,7 @@ def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
       backend: grouped-matmul backend of the layer (`cmoe_jax.moe.gmm`).
       return_carving: also return the `LayerCarving` (which neurons went where).
       **options: the conversion's `ConvertConfig` fields: k_act, normalize, kmeans_iters,
-        router_neurons, router_scale, router_fit_tokens, shared_by, router_reps.
+        router_neurons, router_scale, router_fit_tokens, shared_by, router_reps, gate_fit.
 
     With every routed expert active (`layer.top_k = layer.num_experts`) the layer equals the
     dense FFN: the carving is a permutation of its neurons and the fresh gates are 1.
@@ -99,6 +99,5 @@ def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
     weights = [np.asarray(w, np.float32) for w in (w_gate, w_up, w_down)]
     layer = filled_ffn(cfg, moe_spec(cfg, cc), slice_ffn(*weights, carving), dtype)
     layer.backend = backend
-    if cc.router_scale:
-        fit_router_scales(layer, x[None], cc, conversion_mesh(cc, 1))
+    fit_router(layer, x[None], cc, conversion_mesh(cc, 1))
     return (layer, carving) if return_carving else layer

@@ -92,7 +92,9 @@ class LayerRecord:
                 "mu": np.asarray(self.mu, np.float32).tolist(),
                 "load": np.asarray(self.load).tolist(), "seconds": self.seconds,
                 "router_scales": (None if self.router_scales is None
-                                  else np.asarray(self.router_scales, np.float64).tolist())}
+                                  else np.asarray(self.router_scales, np.float64).tolist()),
+                "gate_scales": (None if self.gate_scales is None
+                                else np.asarray(self.gate_scales, np.float64).tolist())}
 
     @classmethod
     def from_json(cls, d: dict) -> "LayerRecord":
@@ -240,6 +242,15 @@ def fit_gate_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
     return u
 
 
+def fit_router(ffn, x, cc: ConvertConfig, mesh) -> tuple:
+    """The router's fits on the layer's calibration inputs x [N, T, d], as `cc` asks: the
+    score scales (`fit_router_scales`), then on the router so scaled the gate scales
+    (`fit_gate_scales`). Returns (score scales, gate scales), None for a fit not made."""
+    scales = fit_router_scales(ffn, x, cc, mesh) if cc.router_scale else None
+    gates = fit_gate_scales(ffn, x, cc, mesh) if cc.gate_fit else None
+    return scales, gates
+
+
 class LayerConverter(LayerStep):
     """The CMoE step of the layer pass: carve dense layer i on its FFN input (or reuse the
     partition of a resumed layer), build its MoE FFN and fit the router's score scales;
@@ -260,10 +271,7 @@ class LayerConverter(LayerStep):
         self._t_forward = time.perf_counter()
         ffn = filled_ffn(self.cfg, moe_spec(self.cfg, self.cc), slices_for(layer, record.carving),
                          layer.mlp.gate[...].dtype)
-        if self.cc.router_scale:
-            record.router_scales = fit_router_scales(ffn, x, self.cc, self.mesh)
-        if self.cc.gate_fit:
-            record.gate_scales = fit_gate_scales(ffn, x, self.cc, self.mesh)
+        record.router_scales, record.gate_scales = fit_router(ffn, x, self.cc, self.mesh)
         self.records.append(record)
         return ffn
 
