@@ -24,13 +24,15 @@ class LayerCarving:
 
 
 def carve_layer(markers, mu, plan: MoEPlan, *, k_act: int = 10, kmeans_iters: int | None = None,
-                router_neurons: int = 1, shared_score=None, representative_score=None) -> LayerCarving:
+                router_neurons: int = 1, shared_score=None, representative_score=None,
+                tie_score=None) -> LayerCarving:
     """Partition the d_h neurons of one layer from its binary markers [T, d_h] and rates mu [d_h].
 
     Shared: the x*m neurons with the highest `shared_score` (default mu, the paper's rule; the
-    pipeline passes output energies for `--shared-by energy`; ties: lower id). Routed: balanced
+    pipeline passes output energies for `--shared-by energy`). Routed: balanced
     K-means of the remaining neurons' marker columns into N_r clusters of exactly m, initialised at the
-    N_r highest-mu remaining neurons (cluster j at the j-th), each step an exact balanced
+    N_r highest-mu remaining neurons (cluster j at the j-th; ties in either choice go to the
+    higher `tie_score`, then the lower id), each step an exact balanced
     assignment; `kmeans_iters` None runs to convergence, 1 is the authors' code. The
     representatives of each cluster are its `router_neurons` members closest to the centroid
     (1: the paper's single representative), or, given `representative_score` [d_h], its
@@ -46,7 +48,8 @@ def carve_layer(markers, mu, plan: MoEPlan, *, k_act: int = 10, kmeans_iters: in
         raise ValueError(f"mu has shape {mu.shape}, markers have d_h={d_h}")
     plan.validate(d_h, k_act)
     m = plan.expert_width(d_h)
-    shared, rest, init_ids = split_shared(mu, plan.shared_width(d_h), plan.routed, shared_score)
+    shared, rest, init_ids = split_shared(mu, plan.shared_width(d_h), plan.routed, shared_score,
+                                          tie_score)
     t_shared = time.perf_counter()
     points = markers_to_points(markers, rest)              # [n_routed, T] sparse
     km = balanced_kmeans(points, np.searchsorted(rest, init_ids), kmeans_iters)

@@ -187,7 +187,8 @@ def carve_profiled(markers, mu, energy, cc: ConvertConfig) -> LayerCarving:
     return carve_layer(markers, mu, cc.plan, k_act=cc.k_act, kmeans_iters=cc.kmeans_iters,
                        router_neurons=cc.router_neurons,
                        shared_score=energy if cc.shared_by == "energy" else None,
-                       representative_score=energy if cc.router_reps == "energy" else None)
+                       representative_score=energy if cc.router_reps == "energy" else None,
+                       tie_score=energy)
 
 
 def slices_for(layer, carving: LayerCarving) -> dict:
