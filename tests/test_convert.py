@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cmoe_jax.methods.cmoe import MoEPlan
+from cmoe_jax.methods.cmoe import MoEPlan, split_shared
 from cmoe_jax.convert import Calibration, ConvertConfig, ConvertSettings, convert, convert_model
 from cmoe_jax.convert.cli import main as convert_main
 from cmoe_jax.loading import load_model
@@ -48,9 +48,22 @@ def test_shared_experts_are_top_mu_neurons(dense):
     assert cc.shared_by == "rate"
     _, records = convert_model(dense, _calib(), cc, progress=False)
     for r in records:
-        shared = set(np.asarray(r.carving.shared_idx).tolist())
-        order = np.argsort(-r.mu, kind="stable")
-        assert shared == set(order[: len(shared)].tolist())
+        shared = np.asarray(r.carving.shared_idx)
+        assert r.mu[shared].min() >= np.delete(r.mu, shared).max()
+
+
+def test_rate_ties_go_to_the_higher_output_energy():
+    """Rate-0 (or equal-rate) neurons at the edge of the shared set, and of the initial
+    centroids, are chosen by output energy, whatever their ids."""
+    mu = np.array([0.5, 0.0, 0.0, 0.2, 0.0, 0.2, 0.0, 0.0])
+    energy = np.array([9.0, 1.0, 5.0, 2.0, 3.0, 7.0, 4.0, 0.5])
+    shared, rest, init = split_shared(mu, 3, 2, tie_score=energy)
+    np.testing.assert_array_equal(shared, [0, 3, 5])
+    np.testing.assert_array_equal(init, [2, 6])            # rate 0: energies 5 and 4
+    perm = np.random.default_rng(0).permutation(8)         # relabelled neurons, same choice
+    s2, _, i2 = split_shared(mu[perm], 3, 2, tie_score=energy[perm])
+    np.testing.assert_array_equal(np.sort(perm[s2]), shared)
+    np.testing.assert_array_equal(perm[i2], init)
 
 
 def test_shared_experts_and_router_neurons_by_output_energy(dense):
@@ -79,7 +92,7 @@ def test_shared_experts_and_router_neurons_by_output_energy(dense):
 def test_router_picks_experts_with_largest_representative_activation(dense):
     """The paper's router: one representative per expert, raw |h| scores."""
     plan = MoEPlan.parse("S1A2E8")
-    cc = ConvertConfig(plan=plan, k_act=4, router_neurons=1, router_scale=False)
+    cc = ConvertConfig(plan=plan, k_act=4, router_neurons=1, router_scale=False, gate_fit=False)
     moe, records = convert_model(dense, _calib(), cc, progress=False)
     layer, dense_mlp, carving = moe.layers[0].mlp, dense.layers[0].mlp, records[0].carving
     x = jax.random.normal(jax.random.key(0), (64, 32))
@@ -112,7 +125,7 @@ def test_router_sums_several_neurons_with_least_squares_scales(dense):
     """r = 4 closest neurons per expert, |h| summed, times c_j fitted by least squares of the
     scores against the experts' output norms on the calibration inputs."""
     plan, calib = MoEPlan.parse("S1A2E8"), _calib()
-    cc = ConvertConfig(plan=plan, k_act=4, router_neurons=4, router_reps="centroid")
+    cc = ConvertConfig(plan=plan, k_act=4, router_neurons=4, router_reps="centroid", gate_fit=False)
     moe, records = convert_model(dense, calib, cc, progress=False)
     layer, dmlp, carving = moe.layers[0].mlp, dense.layers[0].mlp, records[0].carving
     wg, wu, wd = (np.asarray(w[...], np.float64) for w in (dmlp.gate, dmlp.up, dmlp.down))

@@ -72,8 +72,9 @@ def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
       **options: the conversion's `ConvertConfig` fields: k_act, normalize, kmeans_iters,
         router_neurons, router_scale, router_fit_tokens, shared_by, router_reps, gate_fit.
 
-    With every routed expert active (`layer.top_k = layer.num_experts`) the layer equals the
-    dense FFN: the carving is a permutation of its neurons and the fresh gates are 1.
+    With every routed expert active (`layer.top_k = layer.num_experts`) and `gate_fit=False`
+    the layer equals the dense FFN: the carving is a permutation of its neurons and the gates
+    are 1 (fitted gate scales are fitted for the plan's top-k, not for every expert active).
     """
     d, d_h = _check(w_gate, w_up, w_down, calibration_inputs)
     plan = plan if isinstance(plan, MoEPlan) else MoEPlan.parse(plan, "plan")

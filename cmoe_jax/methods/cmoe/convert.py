@@ -56,13 +56,14 @@ class ConvertConfig:
     # the paper's rule) or of highest output energy ("energy", the default: the neurons whose
     # output matters most; best measured on every plan of the README's table).
     router_reps: str = "energy"
-    # Gate scales u of the gates 1 + s'u: 0 (the paper: selected experts summed unweighted), or
-    # fitted by least squares to make up for the unselected experts on the calibration tokens.
-    gate_fit: bool = False
+    # Gate scales u of the gates 1 + s'u: fitted by least squares to make up for the
+    # unselected experts on the calibration tokens, or 0 (False: the paper's unweighted sum).
+    gate_fit: bool = True
 
     # The CMoE paper's analytical router: one representative neuron per expert, the member
-    # closest to the centroid, raw |h| scores (`--paper-router`).
-    PAPER_ROUTER = {"router_neurons": 1, "router_reps": "centroid", "router_scale": False}
+    # closest to the centroid, raw |h| scores, gates 1 (`--paper-router`).
+    PAPER_ROUTER = {"router_neurons": 1, "router_reps": "centroid", "router_scale": False,
+                    "gate_fit": False}
 
     def to_dict(self) -> dict:
         return {"config": self.plan.name, "k_act": self.k_act, "normalize": self.normalize,

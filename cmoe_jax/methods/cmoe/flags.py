@@ -21,10 +21,13 @@ def add_flags(g) -> None:
                         f"{ConvertConfig.router_neurons}; 1 = the paper's router)")
     g.add_argument("--no-router-scale", action="store_true",
                    help="do not fit per-expert router score scales (the paper's raw |h| scores)")
+    g.add_argument("--no-gate-fit", action="store_true",
+                   help="leave the gate scales u at 0 (selected experts summed unweighted, the "
+                        "paper) instead of fitting them by least squares to the dense FFN's output")
     g.add_argument("--paper-router", action="store_true",
                    help="the CMoE paper's router: one representative neuron per expert, closest to "
-                        "the centroid, raw |h| scores (= --router-neurons 1 --router-reps centroid "
-                        "--no-router-scale)")
+                        "the centroid, raw |h| scores, gates 1 (= --router-neurons 1 --router-reps "
+                        "centroid --no-router-scale --no-gate-fit)")
     g.add_argument("--router-fit-tokens", type=positive_int, default=2048,
                    help="calibration tokens used to fit the router score scales")
     g.add_argument("--router-reps", choices=["centroid", "energy"], default=None,
@@ -53,17 +56,18 @@ def plan_from_args(args) -> MoEPlan:
 
 
 def router_options(args) -> dict:
-    """Router settings from the flags; `--paper-router` fixes all three and excludes the others."""
+    """Router settings from the flags; `--paper-router` fixes all four and excludes the others."""
     if args.paper_router:
         given = [f for f, v in (("--router-neurons", args.router_neurons), ("--router-reps", args.router_reps),
-                                ("--no-router-scale", args.no_router_scale or None)) if v is not None]
+                                ("--no-router-scale", args.no_router_scale or None),
+                                ("--no-gate-fit", args.no_gate_fit or None)) if v is not None]
         if given:
             raise CmoeError(f"--paper-router sets the router itself: drop {', '.join(given)}")
         return dict(ConvertConfig.PAPER_ROUTER)
     neurons, reps = args.router_neurons, args.router_reps
     return {"router_neurons": ConvertConfig.router_neurons if neurons is None else neurons,
             "router_reps": ConvertConfig.router_reps if reps is None else reps,
-            "router_scale": not args.no_router_scale}
+            "router_scale": not args.no_router_scale, "gate_fit": not args.no_gate_fit}
 
 
 def settings_from_args(args) -> ConvertSettings:

@@ -17,7 +17,8 @@ import numpy as np
 from cmoe_jax.methods.cmoe import LayerCarving, carve_profiled, slice_ffn
 from cmoe_jax.profiling.markers import profile_layer
 from cmoe_jax.methods.cmoe import MoEPlan
-from cmoe_jax.methods.cmoe import router_fit_sums, scale_router_up
+from cmoe_jax.methods.cmoe import (gate_fit_sums, router_fit_sums, scale_router_up,
+                                   solve_gate_scales)
 
 # top-level router variables of a source MoEFFN -> their names in a HierMoEFFN
 TOP_ROUTER_NAMES = {"router_kernel": "router_kernel", "router_gate": "top_gate",
@@ -98,8 +99,8 @@ def carve_moe_layer(x: np.ndarray, top_ids: np.ndarray, weights: dict, cc, *,
     `x [T, d]` the layer's FFN inputs, `top_ids [T, k]` their top-level experts, `weights`
     the source layer's `expert_gate/expert_up [N, d, d_e]`, `expert_down [N, d_e, d]` (numpy
     float32). `done`: carvings of a previous run (resume): only slicing and fitting re-run.
-    Returns `expert_gate/up/down [N*N', ...]`, `sub_gate/sub_up [N, d, N'_r*r]`,
-    `u`, `router_bias` zeros `[N, N'_r]`."""
+    Returns `expert_gate/up/down [N*N', ...]`, `sub_gate/sub_up [N, d, N'_r*r]`, the gate
+    scales `u` (fitted with `cc.gate_fit`, else zeros) and `router_bias` zeros `[N, N'_r]`."""
     plan = cc.plan
     num_experts, d, d_e = weights["expert_gate"].shape
     n_sub, m = plan.total, plan.expert_width(d_e)
@@ -111,7 +112,8 @@ def carve_moe_layer(x: np.ndarray, top_ids: np.ndarray, weights: dict, cc, *,
            "expert_up": np.empty((num_experts * n_sub, d, m), dt),
            "expert_down": np.empty((num_experts * n_sub, m, d), dt),
            "sub_gate": np.empty((num_experts, d, cols), dt),
-           "sub_up": np.empty((num_experts, d, cols), dt)}
+           "sub_up": np.empty((num_experts, d, cols), dt),
+           "u": np.zeros((num_experts, plan.routed), np.float32)}
     records = []
     for i in range(num_experts):
         w = [np.asarray(weights["expert_" + p][i], np.float32) for p in ("gate", "up", "down")]
@@ -123,13 +125,14 @@ def carve_moe_layer(x: np.ndarray, top_ids: np.ndarray, weights: dict, cc, *,
         if cc.router_scale:
             sub["router_up"], scales = fit_sub_router(rows, sub, plan, cc.router_fit_tokens,
                                                       activation)
+        out["u"][i] = (fit_sub_gates(rows, sub, plan, cc.router_fit_tokens, activation)
+                       if cc.gate_fit else 0.0)
         for p in ("gate", "up", "down"):
             out["expert_" + p][i * n_sub:(i + 1) * n_sub] = sub[p]
         out["sub_gate"][i], out["sub_up"][i] = sub["router_gate"], sub["router_up"]
         records.append(ExpertCarving(carving, count, fallback, scales))
         if progress is not None:
             progress(i)
-    out["u"] = np.zeros((num_experts, plan.routed), np.float32)
     out["router_bias"] = np.zeros((num_experts, plan.routed), np.float32)
     return out, records
 
@@ -155,3 +158,16 @@ def random_moe_layer(weights: dict, plan: MoEPlan, router_neurons: int, seed: in
             "sub_up": unit(rng.standard_normal((n, d, cols))),
             "u": np.zeros((n, plan.routed), np.float32),
             "router_bias": np.zeros((n, plan.routed), np.float32)}
+
+
+def fit_sub_gates(rows: np.ndarray, sub: dict, plan: MoEPlan, fit_tokens: int,
+                  activation: str = "silu") -> np.ndarray:
+    """The least-squares gate scales u [N'_r] of one expert's sub-router (`gate_fit_sums`),
+    on the same strided rows as its score scales (so after them)."""
+    stride = max(1, -(-len(rows) // fit_tokens))
+    routed = slice(plan.shared, None)
+    ata, atr = gate_fit_sums(jnp.asarray(padded(rows[::stride])), sub["router_gate"], sub["router_up"],
+                             jnp.zeros((plan.routed,), jnp.float32), sub["gate"][routed],
+                             sub["up"][routed], sub["down"][routed], top_k=plan.active,
+                             activation=activation)
+    return solve_gate_scales(ata, atr).astype(np.float32)
