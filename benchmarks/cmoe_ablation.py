@@ -40,6 +40,8 @@ VARIANTS = {
     "1-router-neuron": {"router_neurons": 1},
     "no-router-scale": {"router_scale": False},
     "shared-by-energy": {"shared_by": "energy"},
+    "shared-by-rate": {"shared_by": "rate"},
+    "shared-by-rate-energy": {"shared_by": "rate-energy"},
     "no-normalize": {"normalize": False},
     "gate-fit": {"gate_fit": True},
     "no-gate-fit": {"gate_fit": False},

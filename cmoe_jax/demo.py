@@ -3,10 +3,11 @@
     python -m cmoe_jax.demo [--max-windows 8] [--configs S3A3E8:energy,S2A2E16,S1A1E8]
 
 After a config's name, colon-separated options choose the carving rules of that row (see
-`python -m cmoe_jax.convert --help`): `rate` or `energy` (--shared-by), `reps=centroid|energy`
+`python -m cmoe_jax.convert --help`): `rate`, `rate-energy` or `energy` (--shared-by), `reps=centroid|energy`
 (--router-reps), `r=N` (--router-neurons), `fit=N` (--router-fit-tokens), `paper`
 (--paper-router). Without options a row uses the conversion defaults: shared experts by
-activation rate, 8 router neurons per expert chosen by output energy, fitted scales.
+activation rate times output energy, 8 router neurons per expert chosen by output energy,
+fitted score and gate scales.
 
 Data: --data-path (the WikiText-2 test file) and --calib-path (the validation file; found
 beside --data-path when left out); without them a `shared/data/wikitext-2/` folder beside
@@ -48,7 +49,7 @@ def parse_config(spec: str) -> tuple[str, list[str]]:
     flags = ["--config", name]
     for opt in opts:
         key, eq, value = opt.partition("=")
-        if not eq and key in ("rate", "energy"):
+        if not eq and key in ("rate", "rate-energy", "energy"):
             flags += ["--shared-by", key]
         elif not eq and key == "paper":
             flags.append("--paper-router")
@@ -57,7 +58,7 @@ def parse_config(spec: str) -> tuple[str, list[str]]:
                 raise ValueError(f"config {spec!r}: {key}={value!r} is not a valid int")
             flags += [_FLAGS[key], value]
         else:
-            raise ValueError(f"config {spec!r}: unknown option {opt!r}; use rate, energy, paper, "
+            raise ValueError(f"config {spec!r}: unknown option {opt!r}; use rate, rate-energy, energy, paper, "
                              f"{', '.join(k + '=...' for k in _FLAGS)}")
     return name, flags
 

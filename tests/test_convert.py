@@ -43,9 +43,8 @@ def test_all_experts_active_reproduces_dense(dense):
 
 
 def test_shared_experts_are_top_mu_neurons(dense):
-    """The paper's rule (`shared_by="rate"`, the default)."""
-    cc = ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4)
-    assert cc.shared_by == "rate"
+    """The paper's rule (`shared_by="rate"`)."""
+    cc = ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4, shared_by="rate")
     _, records = convert_model(dense, _calib(), cc, progress=False)
     for r in records:
         shared = np.asarray(r.carving.shared_idx)
@@ -159,12 +158,13 @@ def test_router_sums_several_neurons_with_least_squares_scales(dense):
 def test_defaults_are_eight_energy_router_neurons_and_paper_router_one_flag_away(
         tiny_checkpoint, tmp_path):
     cc = ConvertConfig(plan=MoEPlan.parse("S1A1E8"))
-    assert (cc.router_neurons, cc.router_reps, cc.router_scale, cc.shared_by) == (8, "energy", True, "rate")
+    assert (cc.router_neurons, cc.router_reps, cc.router_scale, cc.shared_by, cc.gate_fit) == (
+        8, "energy", True, "rate-energy", True)
     _, path, text = tiny_checkpoint
     assert convert_main(_cli(path, text, tmp_path / "paper", "--config", "S1A1E8", "--paper-router")) == 0
     router = json.loads((tmp_path / "paper" / "cmoe_manifest.json").read_text())["router"]
-    assert (router["neurons_per_expert"], router["representatives_by"], router["fitted_scales"]) == (
-        1, "centroid", False)
+    assert (router["neurons_per_expert"], router["representatives_by"], router["fitted_scales"],
+            router["fitted_gates"]) == (1, "centroid", False, False)
 
 
 def test_paper_router_flag_refuses_other_router_flags(tiny_checkpoint, tmp_path, capsys):

@@ -42,10 +42,11 @@ def add_plan(p: Parser) -> None:
     plan = p.add_argument_group("plan", "SxAyEz: x shared, y active routed, z total experts "
                                         "(--method expertweaver: only --experts, N_e)")
     plan.add_argument("--config", help="SxAyEz, e.g. S1A1E8")
-    plan.add_argument("--shared-by", choices=["rate", "profile", "energy"], default=None,
-                      help="shared-expert neurons: highest activation rate mu (cmoe default, its paper's "
-                           "rule), highest mean gate profile (expertweaver default, its paper's rule) or "
-                           "highest output energy E[h^2]*||W_down row||^2 (either method)")
+    plan.add_argument("--shared-by", choices=["rate", "rate-energy", "profile", "energy"], default=None,
+                      help="shared-expert neurons: highest activation rate mu (cmoe, its paper's rule), "
+                           "highest mu * output energy (cmoe), highest mean gate profile (expertweaver "
+                           "default, its paper's rule) or highest output energy "
+                           "E[h^2]*||W_down row||^2 (either method)")
     plan.add_argument("--shared", type=nonneg_int, help="x, shared experts (instead of --config)")
     plan.add_argument("--active", type=positive_int, help="y, active routed experts per token (instead of --config)")
     plan.add_argument("--experts", type=positive_int, help="z, total experts (instead of --config; "

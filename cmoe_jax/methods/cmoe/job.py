@@ -67,7 +67,8 @@ def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> 
         "k_act": cc.k_act, "normalize": cc.normalize, "kmeans_iters": cc.kmeans_iters,
         "shared_by": cc.shared_by,
         "router": {"neurons_per_expert": cc.router_neurons, "fitted_scales": cc.router_scale,
-                   "fit_tokens": cc.router_fit_tokens, "representatives_by": cc.router_reps},
+                   "fit_tokens": cc.router_fit_tokens, "representatives_by": cc.router_reps,
+                   "fitted_gates": cc.gate_fit},
         "layers": [{k: v for k, v in r.to_json().items() if k not in ("mu", "seconds")}
                    for r in records],
     }

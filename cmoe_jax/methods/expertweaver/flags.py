@@ -31,8 +31,8 @@ def add_flags(g) -> None:
 def check_args(args, error) -> None:
     if args.calib_mix == "diverse" and not args.arc_path:
         error(DIVERSE_NEEDS_ARC)
-    if args.shared_by == "rate":
-        error("--shared-by rate is CMoE's rule: --method expertweaver takes profile (its "
+    if args.shared_by in ("rate", "rate-energy"):
+        error(f"--shared-by {args.shared_by} is CMoE's rule: --method expertweaver takes profile (its "
               "paper's rule, the default) or energy")
 
 
