@@ -71,3 +71,18 @@ def test_authors_carving_is_a_balanced_partition_with_the_top_rates_shared():
     assert rates[c.shared].min() >= np.delete(rates.numpy(), c.shared).max()
     for e, r in zip(c.experts, c.representatives):
         assert r in e
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama"])
+def test_authors_mirror_with_every_expert_active_is_the_dense_model(family):
+    """The mirror's own carving with all routed experts active (S1A7E8) computes the dense
+    model: the adaptation changes where neurons go, never what the layer computes."""
+    hf = tiny_hf_model(family, num_hidden_layers=3, intermediate_size=64)
+    calib = np.random.default_rng(2).integers(0, 96, (4, 24))
+    tokens = torch.as_tensor(calib, dtype=torch.long)
+    with torch.no_grad():
+        dense = hf(tokens).logits.numpy()
+        authors.convert(hf, calib, shared=1, active=7, total=8, k_act=4)
+        moe = hf(tokens).logits.numpy()
+    assert all(isinstance(layer.mlp, authors.AuthorsMoE) for layer in hf.model.layers)
+    np.testing.assert_allclose(moe, dense, atol=1e-4 * np.abs(dense).max())
