@@ -1,6 +1,6 @@
 """The README demo: dense vs CMoE perplexity of the embedded SmolLM2-135M on WikiText-2.
 
-    python -m cmoe_jax.demo [--max-windows 8] [--configs S3A3E8:energy,S2A2E16,S1A1E8]
+    python -m cmoe_jax.demo [--max-windows 8] [--configs S3A3E8,S2A2E16,S1A1E8]
 
 After a config's name, colon-separated options choose the carving rules of that row (see
 `python -m cmoe_jax.convert --help`): `rate`, `rate-energy` or `energy` (--shared-by), `reps=centroid|energy`
@@ -29,7 +29,7 @@ from cmoe_jax.eval import perplexity
 from cmoe_jax.loading import load_config, load_model, window_bos
 from cmoe_jax.methods.cmoe import MoEPlan
 
-DEFAULT_CONFIGS = "S3A3E8:energy,S2A2E16,S1A1E8"
+DEFAULT_CONFIGS = "S3A3E8,S2A2E16,S1A1E8"
 
 
 def local_wikitext() -> Path | None:
