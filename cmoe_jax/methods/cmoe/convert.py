@@ -210,47 +210,43 @@ def slices_for(layer, carving: LayerCarving) -> dict:
                      np.asarray(mlp.down[...], np.float32), carving)
 
 
-@functools.partial(jax.jit, static_argnames=("activation",))
-def _window_fit_sums(x, *weights, activation: str):
-    fit = functools.partial(router_fit_sums, activation=activation)
-    return jax.vmap(fit, in_axes=(0, None, None, None, None, None))(x, *weights)
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("top_k", "activation"))
+def _per_window(sums, x, *weights, **static):
+    """`sums(tokens, *weights)` of each window of x [N, T', d] -> its outputs, each [N, ...]."""
+    fit = functools.partial(sums, **static)
+    return jax.vmap(fit, in_axes=(0,) + (None,) * len(weights))(x, *weights)
 
 
-def fit_router_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
-    """Fold least-squares per-expert score scales into `ffn.router_up` (in place); returns them.
-
-    Fitted on an evenly strided subset of about `router_fit_tokens` of the layer's calibration
-    inputs x [N, T, d] (kept sharded over the batch), so every device and process count sees
-    the same tokens; the sums are taken per window and added in window order (float64)."""
+def fit_sums(sums, ffn, x, cc: ConvertConfig, mesh, names: tuple, **static) -> tuple:
+    """The float64 totals of `sums` (`router_fit_sums`, `gate_fit_sums`) over an evenly strided
+    subset of about `router_fit_tokens` of the layer's calibration inputs x [N, T, d] (kept
+    sharded over the batch), so every device and process count sees the same tokens: taken
+    per window, added in window order. `names`: the FFN's arrays `sums` takes after x."""
     n, t = x.shape[:2]
     n_all = int(distributed.sum_across_processes(np.int64(n)))
     stride = max(1, -(-n_all * t // cc.router_fit_tokens))
-    weights = [replicate(p[...], mesh) for p in (ffn.router_gate, ffn.router_up, ffn.expert_gate,
-                                                ffn.expert_up, ffn.expert_down)]
-    num, den = (distributed.gather_rows(np.asarray(s)).astype(np.float64).sum(0)
-                for s in _window_fit_sums(x[:, ::stride], *weights, activation=ffn.activation))
+    weights = [replicate(getattr(ffn, name)[...], mesh) for name in names]
+    return tuple(distributed.gather_rows(np.asarray(s)).astype(np.float64).sum(0)
+                 for s in _per_window(sums, x[:, ::stride], *weights, activation=ffn.activation,
+                                      **static))
+
+
+_EXPERTS = ("expert_gate", "expert_up", "expert_down")
+
+
+def fit_router_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
+    """Fold least-squares per-expert score scales into `ffn.router_up` (in place); returns them."""
+    num, den = fit_sums(router_fit_sums, ffn, x, cc, mesh, ("router_gate", "router_up") + _EXPERTS)
     up, scales = scale_router_up(np.asarray(ffn.router_up[...]), num, den, ffn.num_experts)
     ffn.router_up[...] = jnp.asarray(up)
     return scales
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "activation"))
-def _window_gate_sums(x, *weights, top_k: int, activation: str):
-    fit = functools.partial(gate_fit_sums, top_k=top_k, activation=activation)
-    return jax.vmap(fit, in_axes=(0,) + (None,) * len(weights))(x, *weights)
-
-
 def fit_gate_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
-    """Set `ffn.u` to the least-squares gate scales (`gate_fit_sums`) on the same strided
-    calibration tokens as the router scales; returns them."""
-    n, t = x.shape[:2]
-    n_all = int(distributed.sum_across_processes(np.int64(n)))
-    stride = max(1, -(-n_all * t // cc.router_fit_tokens))
-    weights = [replicate(p[...], mesh) for p in (ffn.router_gate, ffn.router_up, ffn.router_bias,
-                                                ffn.expert_gate, ffn.expert_up, ffn.expert_down)]
-    ata, atr = (distributed.gather_rows(np.asarray(s)).astype(np.float64).sum(0)
-                for s in _window_gate_sums(x[:, ::stride], *weights, top_k=ffn.top_k,
-                                           activation=ffn.activation))
+    """Set `ffn.u` to the least-squares gate scales (`gate_fit_sums`) on the same tokens as
+    the router scales; returns them."""
+    ata, atr = fit_sums(gate_fit_sums, ffn, x, cc, mesh,
+                        ("router_gate", "router_up", "router_bias") + _EXPERTS, top_k=ffn.top_k)
     u = solve_gate_scales(ata, atr)
     ffn.u[...] = jnp.asarray(u, ffn.u[...].dtype)
     return u
