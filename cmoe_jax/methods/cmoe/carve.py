@@ -23,19 +23,26 @@ class LayerCarving:
     kmeans_costs: list = dataclasses.field(default_factory=list)  # K-means objective per step
 
 
+@dataclasses.dataclass(frozen=True)
+class NeuronScores:
+    """Per-neuron scores [d_h] that replace the paper's rules (None: the paper's rule)."""
+
+    shared: np.ndarray | None = None           # the shared set is its top (paper: mu)
+    representatives: np.ndarray | None = None  # router neurons: members of highest score (paper: closest to the centroid)
+    ties: np.ndarray | None = None             # equal mu: the higher score first (paper: the lower id)
+
+
 def carve_layer(markers, mu, plan: MoEPlan, *, k_act: int = 10, kmeans_iters: int | None = None,
-                router_neurons: int = 1, shared_score=None, representative_score=None,
-                tie_score=None) -> LayerCarving:
+                router_neurons: int = 1, scores: NeuronScores = NeuronScores()) -> LayerCarving:
     """Partition the d_h neurons of one layer from its binary markers [T, d_h] and rates mu [d_h].
 
-    Shared: the x*m neurons with the highest `shared_score` (default mu, the paper's rule; the
-    pipeline passes output energies for `--shared-by energy`). Routed: balanced
+    Shared: the x*m neurons with the highest `scores.shared` (default mu, the paper's rule). Routed: balanced
     K-means of the remaining neurons' marker columns into N_r clusters of exactly m, initialised at the
     N_r highest-mu remaining neurons (cluster j at the j-th; ties in either choice go to the
-    higher `tie_score`, then the lower id), each step an exact balanced
+    higher `scores.ties`, then the lower id), each step an exact balanced
     assignment; `kmeans_iters` None runs to convergence, 1 is the authors' code. The
     representatives of each cluster are its `router_neurons` members closest to the centroid
-    (1: the paper's single representative), or, given `representative_score` [d_h], its
+    (1: the paper's single representative), or, given `scores.representatives`, its
     members of highest score (ties: lower id). Deterministic: the method has no random choice.
     """
     t_start = time.perf_counter()
@@ -48,8 +55,8 @@ def carve_layer(markers, mu, plan: MoEPlan, *, k_act: int = 10, kmeans_iters: in
         raise ValueError(f"mu has shape {mu.shape}, markers have d_h={d_h}")
     plan.validate(d_h, k_act)
     m = plan.expert_width(d_h)
-    shared, rest, init_ids = split_shared(mu, plan.shared_width(d_h), plan.routed, shared_score,
-                                          tie_score)
+    shared, rest, init_ids = split_shared(mu, plan.shared_width(d_h), plan.routed, scores.shared,
+                                          scores.ties)
     t_shared = time.perf_counter()
     points = markers_to_points(markers, rest)              # [n_routed, T] sparse
     km = balanced_kmeans(points, np.searchsorted(rest, init_ids), kmeans_iters)
@@ -57,11 +64,11 @@ def carve_layer(markers, mu, plan: MoEPlan, *, k_act: int = 10, kmeans_iters: in
     # rest is ascending, so each cluster's members come out ascending
     experts = np.stack([rest[km.labels == j] for j in range(plan.routed)]).astype(np.int64)
     assert experts.shape == (plan.routed, m)
-    if representative_score is None:
+    if scores.representatives is None:
         reps = rest[representative_neurons(points, km.labels, km.centroid_counts, km.cluster_size,
                                            router_neurons)]
     else:
-        reps = top_scored_members(experts, np.asarray(representative_score), router_neurons)
+        reps = top_scored_members(experts, np.asarray(scores.representatives), router_neurons)
     t_end = time.perf_counter()
     timings = {"shared": t_shared - t_start, "kmeans": t_kmeans - t_shared,
                "assignment": km.assign_seconds, "representatives": t_end - t_kmeans,

@@ -6,26 +6,22 @@ before it produce (as in the papers), so only one layer's activations live at a 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cmoe_jax.methods.cmoe.carve import LayerCarving, carve_layer, slice_ffn
+from cmoe_jax.methods.cmoe.carve import LayerCarving, NeuronScores, carve_layer, slice_ffn
 from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.profiling.markers import profile_layer
-from cmoe_jax.methods.cmoe.router import (gate_fit_sums, router_fit_sums, scale_router_up,
-                                          solve_gate_scales)
+from cmoe_jax.methods.cmoe.router_fit import fit_router
 from cmoe_jax import distributed
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
 from cmoe_jax.profiling.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
-                                           replicate, start_pass)
+                                           start_pass)
 
 
 class ConversionError(CmoeError):
@@ -187,9 +183,9 @@ def carve_profiled(markers, mu, energy, cc: ConvertConfig) -> LayerCarving:
     """`carve_layer` with the options of `cc` on one FFN's profile (markers [T, d_h], rates
     mu and output energies [d_h]): the conversion's carve, also `carve_ffn`'s."""
     return carve_layer(markers, mu, cc.plan, k_act=cc.k_act, kmeans_iters=cc.kmeans_iters,
-                       router_neurons=cc.router_neurons, shared_score=shared_score(mu, energy, cc),
-                       representative_score=energy if cc.router_reps == "energy" else None,
-                       tie_score=energy)
+                       router_neurons=cc.router_neurons, scores=NeuronScores(
+                           shared=shared_score(mu, energy, cc), ties=energy,
+                           representatives=energy if cc.router_reps == "energy" else None))
 
 
 def shared_score(mu, energy, cc: ConvertConfig):
@@ -208,57 +204,6 @@ def slices_for(layer, carving: LayerCarving) -> dict:
     mlp = layer.mlp
     return slice_ffn(np.asarray(mlp.gate[...], np.float32), np.asarray(mlp.up[...], np.float32),
                      np.asarray(mlp.down[...], np.float32), carving)
-
-
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("top_k", "activation"))
-def _per_window(sums, x, *weights, **static):
-    """`sums(tokens, *weights)` of each window of x [N, T', d] -> its outputs, each [N, ...]."""
-    fit = functools.partial(sums, **static)
-    return jax.vmap(fit, in_axes=(0,) + (None,) * len(weights))(x, *weights)
-
-
-def fit_sums(sums, ffn, x, cc: ConvertConfig, mesh, names: tuple, **static) -> tuple:
-    """The float64 totals of `sums` (`router_fit_sums`, `gate_fit_sums`) over an evenly strided
-    subset of about `router_fit_tokens` of the layer's calibration inputs x [N, T, d] (kept
-    sharded over the batch), so every device and process count sees the same tokens: taken
-    per window, added in window order. `names`: the FFN's arrays `sums` takes after x."""
-    n, t = x.shape[:2]
-    n_all = int(distributed.sum_across_processes(np.int64(n)))
-    stride = max(1, -(-n_all * t // cc.router_fit_tokens))
-    weights = [replicate(getattr(ffn, name)[...], mesh) for name in names]
-    return tuple(distributed.gather_rows(np.asarray(s)).astype(np.float64).sum(0)
-                 for s in _per_window(sums, x[:, ::stride], *weights, activation=ffn.activation,
-                                      **static))
-
-
-_EXPERTS = ("expert_gate", "expert_up", "expert_down")
-
-
-def fit_router_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
-    """Fold least-squares per-expert score scales into `ffn.router_up` (in place); returns them."""
-    num, den = fit_sums(router_fit_sums, ffn, x, cc, mesh, ("router_gate", "router_up") + _EXPERTS)
-    up, scales = scale_router_up(np.asarray(ffn.router_up[...]), num, den, ffn.num_experts)
-    ffn.router_up[...] = jnp.asarray(up)
-    return scales
-
-
-def fit_gate_scales(ffn, x, cc: ConvertConfig, mesh) -> np.ndarray:
-    """Set `ffn.u` to the least-squares gate scales (`gate_fit_sums`) on the same tokens as
-    the router scales; returns them."""
-    ata, atr = fit_sums(gate_fit_sums, ffn, x, cc, mesh,
-                        ("router_gate", "router_up", "router_bias") + _EXPERTS, top_k=ffn.top_k)
-    u = solve_gate_scales(ata, atr)
-    ffn.u[...] = jnp.asarray(u, ffn.u[...].dtype)
-    return u
-
-
-def fit_router(ffn, x, cc: ConvertConfig, mesh) -> tuple:
-    """The router's fits on the layer's calibration inputs x [N, T, d], as `cc` asks: the
-    score scales (`fit_router_scales`), then on the router so scaled the gate scales
-    (`fit_gate_scales`). Returns (score scales, gate scales), None for a fit not made."""
-    scales = fit_router_scales(ffn, x, cc, mesh) if cc.router_scale else None
-    gates = fit_gate_scales(ffn, x, cc, mesh) if cc.gate_fit else None
-    return scales, gates
 
 
 class LayerConverter(LayerStep):

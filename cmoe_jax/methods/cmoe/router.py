@@ -93,7 +93,7 @@ def scale_router_up(router_up, num, den, num_experts: int) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "activation"))
-def gate_fit_sums(x, router_gate, router_up, bias, expert_gate, expert_up, expert_down, *,
+def gate_fit_sums(x, router_gate, router_up, expert_gate, expert_up, expert_down, *,
                   top_k: int, activation: str = "silu"):
     """(A^T A [E, E], A^T r [E]) of the least-squares gate scales u over tokens x [..., d].
 
@@ -102,12 +102,13 @@ def gate_fit_sums(x, router_gate, router_up, bias, expert_gate, expert_up, exper
     selected ones are exact, the carving being a split of the dense FFN). Column j of A is
     s'_j E_j(x) on the tokens that select j (0 elsewhere), so u = argmin ||r - A u||^2 is the
     gate scaling that best makes up, on the calibration tokens, for the experts left out.
+    Selection as the layer makes it at conversion, where the balancing bias is 0.
     """
     x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     num_experts = expert_gate.shape[0]
     scores = cmoe_scores(x, router_gate, router_up, num_experts, activation)
     probs = jax.nn.softmax(scores, axis=-1)
-    _, ids = jax.lax.top_k(probs + bias.astype(jnp.float32), top_k)
+    _, ids = jax.lax.top_k(probs, top_k)
     chosen = jnp.zeros(probs.shape, bool).at[jnp.arange(x.shape[0])[:, None], ids].set(True)
     h = (glu_activation(activation)(jnp.einsum("td,edm->tem", x, expert_gate.astype(jnp.float32)))
          * jnp.einsum("td,edm->tem", x, expert_up.astype(jnp.float32)))

@@ -167,7 +167,6 @@ def fit_sub_gates(rows: np.ndarray, sub: dict, plan: MoEPlan, fit_tokens: int,
     stride = max(1, -(-len(rows) // fit_tokens))
     routed = slice(plan.shared, None)
     ata, atr = gate_fit_sums(jnp.asarray(padded(rows[::stride])), sub["router_gate"], sub["router_up"],
-                             jnp.zeros((plan.routed,), jnp.float32), sub["gate"][routed],
-                             sub["up"][routed], sub["down"][routed], top_k=plan.active,
-                             activation=activation)
+                             sub["gate"][routed], sub["up"][routed], sub["down"][routed],
+                             top_k=plan.active, activation=activation)
     return solve_gate_scales(ata, atr).astype(np.float32)

@@ -1,0 +1,65 @@
+"""The analytical router's fits on a converted layer's calibration inputs: per-expert score
+scales and gate scales, each a least-squares solve from sums taken per window."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cmoe_jax import distributed
+from cmoe_jax.methods.cmoe.router import (gate_fit_sums, router_fit_sums, scale_router_up,
+                                          solve_gate_scales)
+from cmoe_jax.profiling.layer_pass import replicate
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("top_k", "activation"))
+def _per_window(sums, x, *weights, **static):
+    """`sums(tokens, *weights)` of each window of x [N, T', d] -> its outputs, each [N, ...]."""
+    fit = functools.partial(sums, **static)
+    return jax.vmap(fit, in_axes=(0,) + (None,) * len(weights))(x, *weights)
+
+
+def fit_sums(sums, ffn, x, cc, mesh, names: tuple, **static) -> tuple:
+    """The float64 totals of `sums` (`router_fit_sums`, `gate_fit_sums`) over an evenly strided
+    subset of about `router_fit_tokens` of the layer's calibration inputs x [N, T, d] (kept
+    sharded over the batch), so every device and process count sees the same tokens: taken
+    per window, added in window order. `names`: the FFN's arrays `sums` takes after x."""
+    n, t = x.shape[:2]
+    n_all = int(distributed.sum_across_processes(np.int64(n)))
+    stride = max(1, -(-n_all * t // cc.router_fit_tokens))
+    weights = [replicate(getattr(ffn, name)[...], mesh) for name in names]
+    return tuple(distributed.gather_rows(np.asarray(s)).astype(np.float64).sum(0)
+                 for s in _per_window(sums, x[:, ::stride], *weights, activation=ffn.activation,
+                                      **static))
+
+
+_EXPERTS = ("expert_gate", "expert_up", "expert_down")
+
+
+def fit_router_scales(ffn, x, cc, mesh) -> np.ndarray:
+    """Fold least-squares per-expert score scales into `ffn.router_up` (in place); returns them."""
+    num, den = fit_sums(router_fit_sums, ffn, x, cc, mesh, ("router_gate", "router_up") + _EXPERTS)
+    up, scales = scale_router_up(np.asarray(ffn.router_up[...]), num, den, ffn.num_experts)
+    ffn.router_up[...] = jnp.asarray(up)
+    return scales
+
+
+def fit_gate_scales(ffn, x, cc, mesh) -> np.ndarray:
+    """Set `ffn.u` to the least-squares gate scales (`gate_fit_sums`) on the same tokens as
+    the router scales; returns them."""
+    ata, atr = fit_sums(gate_fit_sums, ffn, x, cc, mesh,
+                        ("router_gate", "router_up") + _EXPERTS, top_k=ffn.top_k)
+    u = solve_gate_scales(ata, atr)
+    ffn.u[...] = jnp.asarray(u, ffn.u[...].dtype)
+    return u
+
+
+def fit_router(ffn, x, cc, mesh) -> tuple:
+    """The router's fits on the layer's calibration inputs x [N, T, d], as `cc` asks: the
+    score scales (`fit_router_scales`), then on the router so scaled the gate scales
+    (`fit_gate_scales`). Returns (score scales, gate scales), None for a fit not made."""
+    scales = fit_router_scales(ffn, x, cc, mesh) if cc.router_scale else None
+    gates = fit_gate_scales(ffn, x, cc, mesh) if cc.gate_fit else None
+    return scales, gates
