@@ -43,7 +43,6 @@ VARIANTS = {
     "shared-by-rate": {"shared_by": "rate"},
     "shared-by-rate-energy": {"shared_by": "rate-energy"},
     "no-normalize": {"normalize": False},
-    "gate-fit": {"gate_fit": True},
     "no-gate-fit": {"gate_fit": False},
     "calib-bos": {},
     "authors-sampler": {},
@@ -51,8 +50,8 @@ VARIANTS = {
 
 
 def windows(lm, args):
-    """(calibration windows per sampler, test windows) for the model's tokenizer."""
-    from cmoe_jax.data import calibration_windows, load_text_tokens, text_windows
+    """(validation tokens, the family's BOS id or None, test windows) for the model's tokenizer."""
+    from cmoe_jax.data import load_text_tokens, text_windows
     from cmoe_jax.loading import window_bos
 
     valid = load_text_tokens("wikitext2", lm.tokenizer, "validation", args.data_dir / "valid.txt")
