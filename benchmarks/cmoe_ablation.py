@@ -41,7 +41,6 @@ VARIANTS = {
     "no-router-scale": {"router_scale": False},
     "shared-by-energy": {"shared_by": "energy"},
     "shared-by-rate": {"shared_by": "rate"},
-    "shared-by-rate-energy": {"shared_by": "rate-energy"},
     "no-normalize": {"normalize": False},
     "no-gate-fit": {"gate_fit": False},
     "calib-bos": {},
