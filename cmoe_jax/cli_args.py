@@ -96,7 +96,15 @@ def command_main(parse, run, report, argv, prog: str) -> int:
     return 0
 
 
-def _number(kind, low: float, inclusive: bool, what: str):
+# The largest value of each kind of number, from what the value ends up in.
+INT64_MAX = 2**63 - 1  # counts (windows, samples, tokens, experts, ranks) index numpy's int64 arrays
+STEP_MAX = 2**31 - 1  # JAX, 64-bit types off, counts optimiser and loop steps in int32
+SEED_MAX = 2**32 - 1  # JAX's keys (64-bit types off) keep a seed's low 32 bits: 2**32 would repeat seed 0
+MIB_MAX = INT64_MAX // 2**20  # a size in MiB whose bytes fit an int64
+
+
+def _number(kind, low: float, inclusive: bool, what: str, high: float | None = None, why: str = ""):
+    """An argparse type: a `kind` number from `low` up to `high` (`why`: what bounds it)."""
     def check(text: str):
         try:
             value = kind(text)
@@ -106,13 +114,21 @@ def _number(kind, low: float, inclusive: bool, what: str):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < low or (value == low and not inclusive):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high} ({why}), got {text}")
         return value
     check.__name__ = kind.__name__
     return check
 
 
-positive_int = _number(int, 1, True, "at least 1")
-nonneg_int = _number(int, 0, True, "at least 0")
+_COUNT = (INT64_MAX, "a 64-bit integer")
+positive_int = _number(int, 1, True, "at least 1", *_COUNT)
+nonneg_int = _number(int, 0, True, "at least 0", *_COUNT)
+_STEPS = (STEP_MAX, "JAX counts steps in 32-bit integers")
+step_count = _number(int, 1, True, "at least 1", *_STEPS)
+nonneg_steps = _number(int, 0, True, "at least 0", *_STEPS)
+seed_int = _number(int, 0, True, "at least 0", SEED_MAX, "JAX's random keys take 32 bits of a seed")
+mib_size = _number(float, 0.0, False, "above 0", MIB_MAX, "its bytes must fit a 64-bit integer")
 positive_float = _number(float, 0.0, False, "above 0")
 nonneg_float = _number(float, 0.0, True, "at least 0")
 
@@ -125,14 +141,7 @@ def share(text: str) -> float:
     return value
 
 
-def seqlen_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be at least 2 (a window predicts tokens[1:]), got {text}")
-    return value
+seqlen_int = _number(int, 2, True, "at least 2 (a window predicts tokens[1:])", *_COUNT)
 
 
 def add_model(p: Parser, default: str | None = "smollm2", what: str = "model") -> None:
@@ -182,7 +191,7 @@ def add_seqlen(p: Parser, default: int, what: str = "tokens per window") -> None
 
 
 def add_seed(p: Parser) -> None:
-    p.add_argument("--seed", type=nonneg_int, default=0, help="random seed (data sampling, initialisation)")
+    p.add_argument("--seed", type=seed_int, default=0, help="random seed (data sampling, initialisation)")
 
 
 def add_output_dir(p: Parser, what: str, resume: str | None = "continue an interrupted run in OUT.partial",

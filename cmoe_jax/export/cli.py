@@ -15,7 +15,7 @@ from pathlib import Path
 from cmoe_jax import distributed
 from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir,
                                add_progress, add_seed, add_seqlen, check_writable_dir, command_main,
-                               positive_float)
+                               mib_size)
 from cmoe_jax.export.api import ExportSettings, export
 
 EXAMPLE = "{prog} --model out/s3a3e8 --data-path wikitext-2/wiki.valid.raw --out hf/s3a3e8"
@@ -30,7 +30,7 @@ def build_parser(prog: str = "python -m cmoe_jax.export") -> Parser:
     add_calib_samples(data, 2, zero_ok=True)
     add_seqlen(p, 512)
     add_seed(p)
-    p.add_argument("--max-shard-mb", type=positive_float, default=2048, help="largest safetensors shard (MiB)")
+    p.add_argument("--max-shard-mb", type=mib_size, default=2048, help="largest safetensors shard (MiB)")
     add_output_dir(p, "the Hugging Face directory", "keep the shards an interrupted export wrote")
     add_progress(p)
     return p

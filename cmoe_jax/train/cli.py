@@ -11,8 +11,8 @@ import json
 
 from cmoe_jax import distributed
 from cmoe_jax.cli_args import (Parser, add_data, add_model, add_output_dir, add_progress, add_seed,
-                               add_seqlen, check_writable_dir, command_main, nonneg_float, nonneg_int,
-                               positive_float, positive_int)
+                               add_seqlen, check_writable_dir, command_main, nonneg_float, nonneg_steps,
+                               positive_float, positive_int, step_count)
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.train.api import finetune
 from cmoe_jax.train.settings import TrainSettings
@@ -43,12 +43,12 @@ def build_parser(prog: str = "python -m cmoe_jax.train") -> Parser:
     lora.add_argument("--lr", type=positive_float, default=5.95e-5, help="LoRA learning rate")
     lora.add_argument("--router-lr", type=nonneg_float, default=1e-3, help="learning rate of the router scales u")
     lora.add_argument("--bias-speed", type=nonneg_float, default=1e-3, help="load-balancing bias step gamma")
-    lora.add_argument("--epochs", type=positive_int, default=1, help="passes over the --samples windows")
+    lora.add_argument("--epochs", type=step_count, default=1, help="passes over the --samples windows")
     add_seed(p)
     add_recovery(p)
     job = p.add_argument_group("run")
-    job.add_argument("--save-every", type=positive_int, default=100, help="checkpoint every N steps")
-    job.add_argument("--max-steps", type=nonneg_int, default=None,
+    job.add_argument("--save-every", type=step_count, default=100, help="checkpoint every N steps")
+    job.add_argument("--max-steps", type=nonneg_steps, default=None,
                      help="stop after N steps (0: none, only the --recover layerwise pass)")
     job.add_argument("--max-minutes", type=positive_float, default=None,
                      help="stop before a step would end past this wall-clock budget (whole job)")
@@ -84,7 +84,7 @@ def add_recovery(p: Parser) -> None:
                          "FFN's output, layer by layer (then the global training)")
     kd.add_argument("--recover-samples", type=positive_int, default=16,
                     help="calibration windows of --recover (the first training windows)")
-    kd.add_argument("--recover-steps", type=positive_int, default=200, help="Adam steps per layer")
+    kd.add_argument("--recover-steps", type=step_count, default=200, help="Adam steps per layer")
     kd.add_argument("--recover-lr", type=positive_float, default=1e-3, help="layer-wise learning rate")
 
 

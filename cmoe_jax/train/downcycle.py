@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 
 from cmoe_jax.cli_args import (Parser, add_data_path, add_model, add_output_dir, add_seed, add_seqlen,
-                               check_writable_dir, nonneg_float, nonneg_int, command_main, positive_float,
-                               positive_int)
+                               check_writable_dir, nonneg_float, nonneg_int, nonneg_steps, command_main,
+                               positive_float, positive_int, step_count)
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.jobs import Job, JobRun, Outcome, RunOptions, SourceModel, fault_point, run_job
 
@@ -47,12 +47,12 @@ def build_parser(prog: str = "python -m cmoe_jax.downcycle") -> Parser:
     data.add_argument("--calib-tasks", type=positive_int, default=32, help="WikiText-2 articles used as tasks")
     add_seqlen(p, 256)
     train = p.add_argument_group("training")
-    train.add_argument("--steps", type=positive_int, default=200, help="optimiser steps")
+    train.add_argument("--steps", type=step_count, default=200, help="optimiser steps")
     train.add_argument("--batch-size", type=positive_int, default=2, help="windows per step")
     train.add_argument("--lr", type=positive_float, default=4e-4, help="peak learning rate")
-    train.add_argument("--warmup", type=nonneg_int, default=20, help="linear warm-up steps")
+    train.add_argument("--warmup", type=nonneg_steps, default=20, help="linear warm-up steps")
     train.add_argument("--aux-coef", type=nonneg_float, default=0.01, help="lambda of the load-balancing loss")
-    train.add_argument("--save-every", type=positive_int, default=50, help="checkpoint every N steps")
+    train.add_argument("--save-every", type=step_count, default=50, help="checkpoint every N steps")
     add_seed(p)
     add_output_dir(p, "train_log.json, loss.png and the checkpoints",
                    "continue from the latest checkpoint in OUT.partial")
