@@ -2,23 +2,31 @@
 
 The lock is an `fcntl.flock` on `OUT.lock` beside the output, taken before any work and
 held to the end; the kernel drops it when the holder dies, so a killed job never leaves a
-stale lock. The holder writes its pid, host and command into the file, and a second job
-names them in its one-line error. The file is removed when the lock is released, unless it
-still lists paths to clean up (below); a job that takes it checks that the file it locked is
-still the one at the path.
+stale lock. The holder writes a record into the file (a marker, its run id, pid, host and
+command), and a second job names them in its one-line error. The file is removed when the
+lock is released, unless it still lists paths to clean up (below), and only while it is
+still the file this run locked, carrying this run's id.
+
+A job writes only a lock file that a job made: it creates `OUT.lock` exclusively
+(`O_EXCL`), or takes over one whose content is a lock record (or empty: a job killed
+between creating and recording it) and that has no other name (one hard link). Anything
+else at the path (a user's file, a hard link to one, a FIFO, a symbolic link) is refused
+and left exactly as it is. A job that cannot write its record (a full disk) removes the
+file it created.
 
 The record also lists every path the holder is about to create beside the output (each
 name unique to its run: pid plus a random suffix), written before the path exists, so the
 next job on the output cleans up exactly what a killed holder left, and never a sibling
-that merely looks like one. The lock file is opened with `O_NOFOLLOW` and must be a
-regular file: a symbolic link planted at `OUT.lock` is refused, never written through.
+that merely looks like one.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
+import secrets
 import stat
 import socket
 import sys
@@ -41,14 +49,26 @@ def lock_path(out: Path) -> Path:
     return out.with_name(out.name + ".lock")
 
 
-def _recorded_paths(fd: int) -> list[str]:
-    """The names a previous holder recorded in the lock file open at `fd`."""
+MARKER = "cmoe_jax.output_lock"
+
+
+def _read_record(fd: int) -> dict | None:
+    """The lock record in the file open at `fd`: {} when empty, None when not a record of ours."""
+    data = os.pread(fd, 1 << 20, 0)
+    if not data:
+        return {}
     try:
-        info = json.loads(os.pread(fd, 1 << 20, 0) or b"null")
-        paths = info.get("paths", []) if isinstance(info, dict) else []
+        record = json.loads(data)
     except ValueError:
-        return []
-    return [p for p in paths if isinstance(p, str) and p and "/" not in p and p not in (".", "..")]
+        return None
+    return record if isinstance(record, dict) and record.get("marker") == MARKER else None
+
+
+def _recorded_paths(record: dict) -> list[str]:
+    """The names a previous holder recorded (plain names beside the output only)."""
+    paths = record.get("paths", [])
+    return [p for p in paths if isinstance(p, str) and p and "/" not in p and p not in (".", "..")] \
+        if isinstance(paths, list) else []
 
 
 def _holder(path: Path) -> str:
@@ -57,7 +77,7 @@ def _holder(path: Path) -> str:
             info = json.loads(path.read_text() or "null")
         except (OSError, ValueError):
             info = None
-        if info:
+        if isinstance(info, dict) and info.get("marker") == MARKER:
             command = info.get("command", "?")
             command = command if len(command) <= 120 else command[:117] + "..."
             return f"pid {info.get('pid')} on {info.get('host')}: {command}"
@@ -75,6 +95,8 @@ class OutputLock:
         self.left: list[str] = []  # paths a killed previous holder recorded (see `record`)
         self._paths: list[str] = []
         self._made: list[Path] = []  # parent directories made here (removed again if left empty)
+        self.run_id = secrets.token_hex(8)
+        self._created = False
 
     def _make_parents(self) -> None:
         missing = [p for p in [self.out.parent, *self.out.parent.parents] if not p.exists()]
@@ -98,7 +120,7 @@ class OutputLock:
     def acquire(self) -> "OutputLock":
         self._make_parents()
         while True:
-            fd = self._open()
+            fd, created = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -107,38 +129,94 @@ class OutputLock:
                 raise OutputBusyError(
                     f"{self.out} is being written by another job ({_holder(self.path)}): wait for it "
                     "to finish or choose another --out") from None
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
+            if self._at_path(fd):
                 break
             os.close(fd)  # the previous holder removed the file after we opened it: retry
-        self.left = _recorded_paths(fd)  # a released lock's file is gone: these are a dead job's
-        self._fd = fd
-        self._write()
+        previous = {} if created else self._taken_over(fd)
+        self.left = _recorded_paths(previous)  # a released lock's file is gone: a dead job's paths
+        self._fd, self._created = fd, created
+        self._write_first(previous)
         return self
 
-    def _open(self) -> int:
+    def _at_path(self, fd: int) -> bool:
+        """Whether the file open at `fd` is still the one at the lock's path."""
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            self._remove_made()
-            if e.errno == errno.ELOOP:
-                raise OutputPlaceError(f"{self.path} is a symbolic link: a job never writes through "
-                                       "one; remove it (it is not ours) or choose another --out") from None
-            raise OutputPlaceError(f"cannot write beside {self.out} ({e.strerror}): choose a "
-                                   "writable --out") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return os.fstat(fd).st_ino == os.lstat(self.path).st_ino
+        except FileNotFoundError:
+            return False
+
+    def _refuse(self, fd: int | None, what: str):
+        if fd is not None:
             os.close(fd)
+        self._remove_made()
+        raise OutputPlaceError(f"{self.path} {what}: a job writes only a lock file a job made, and "
+                               "leaves this one as it is; remove it or choose another --out")
+
+    def _open(self) -> tuple[int, bool]:
+        """(fd, created): `OUT.lock` created exclusively, else the existing one opened as it is
+        (never through a symbolic link, never blocking on a FIFO) and checked to be a plain
+        file with no other name."""
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        while True:
+            try:
+                return os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                pass
+            except OSError as e:
+                self._place_error(e)
+            try:
+                fd = os.open(self.path, flags)
+                break
+            except FileNotFoundError:
+                continue  # removed between the two opens: create it
+            except OSError as e:
+                self._place_error(e)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            self._refuse(fd, "is not a regular file")
+        if info.st_nlink != 1:
+            self._refuse(fd, f"is a hard link ({info.st_nlink} names for one file)")
+        return fd, False
+
+    def _place_error(self, e: OSError):
+        self._remove_made()
+        if e.errno == errno.ELOOP:
+            raise OutputPlaceError(f"{self.path} is a symbolic link: a job never writes through "
+                                   "one; remove it (it is not ours) or choose another --out") from None
+        if e.errno == errno.EISDIR:
+            self._refuse(None, "is a directory")
+        raise OutputPlaceError(f"cannot write beside {self.out} ({e.strerror}): choose a "
+                               "writable --out") from None
+
+    def _taken_over(self, fd: int) -> dict:
+        """The record of a dead job's lock file (now locked here), or a refusal when the file
+        holds anything else."""
+        previous = _read_record(fd)
+        if previous is None:
+            self._refuse(fd, "holds a file that no cmoe_jax job wrote")
+        return previous
+
+    def _write_first(self, previous: dict) -> None:
+        """The first record; on failure (a full disk) a file made here is removed, a dead job's
+        record is put back, and the error goes on."""
+        try:
+            self._write()
+        except OSError:
+            if self._created:
+                os.unlink(self.path)
+            elif previous:
+                with contextlib.suppress(OSError):
+                    data = json.dumps(previous).encode()
+                    os.pwrite(self._fd, data, 0)
+                    os.ftruncate(self._fd, len(data))
+            os.close(self._fd)
+            self._fd = None
             self._remove_made()
-            raise OutputPlaceError(f"{self.path} is not a regular file: remove it (it is not ours) "
-                                   "or choose another --out")
-        return fd
+            raise
 
     def _write(self) -> None:
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
-                  "paths": self._paths}
+        record = {"marker": MARKER, "run": self.run_id, "pid": os.getpid(), "host": socket.gethostname(),
+                  "command": " ".join(sys.argv), "paths": self._paths}
         data = json.dumps(record).encode()
         os.pwrite(self._fd, data, 0)
         os.ftruncate(self._fd, len(data))
@@ -159,8 +237,9 @@ class OutputLock:
         if self._fd is None:
             return
         try:
-            if not self._paths:  # else keep the record: the next job removes what it lists
-                self.path.unlink(missing_ok=True)
+            if not self._paths and self._at_path(self._fd) and \
+                    (_read_record(self._fd) or {}).get("run") == self.run_id:
+                self.path.unlink()  # else keep the record: the next job removes what it lists
         finally:
             os.close(self._fd)
             self._fd = None

@@ -12,11 +12,12 @@ processes only process 0 touches files; errors reach every process (none waits f
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from cmoe_jax import distributed
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.jobs.lock import OutputLock
+from cmoe_jax.jobs.lock import OutputLock, OutputPlaceError, lock_path
 from cmoe_jax.jobs.staging import Staging
 
 
@@ -24,9 +25,33 @@ class OutputExistsError(CmoeError):
     """`--out` exists and `--overwrite` was not given."""
 
 
-def check_output_free(out: Path, overwrite: bool, hint: str = "") -> None:
-    if Path(out).exists() and not overwrite:
+def check_output_free(out: Path, overwrite: bool, hint: str = "", repair: bool = True) -> None:
+    """Refuse a `--out` that exists (without `overwrite`) or is a symbolic link to nothing, before
+    any work; a refused job still clears what a job killed after publishing left (`repair`)."""
+    out = Path(out)
+    if out.is_symlink() and not out.exists():
+        raise OutputPlaceError(f"--out {out} is a symbolic link to nothing ({os.readlink(out)}): "
+                               "remove the link or choose another --out")
+    if out.exists() and not overwrite:
+        if repair:
+            _repair(out)
         raise OutputExistsError(f"output directory {out} exists: pass --overwrite to replace it{hint}")
+
+
+def _repair(out: Path) -> None:
+    """Remove the recorded leftovers (`.OUT.trash-*`, a stale `OUT.lock`) of a dead job on `out`,
+    when its lock is free and a job's; anything else is left as it is."""
+    if not distributed.is_main() or not lock_path(out).is_file():
+        return
+    lock = OutputLock(out)
+    try:
+        lock.acquire()
+    except (CmoeError, OSError):
+        return  # held by a live job, or not a job's file: not ours to touch
+    try:
+        Staging(out, lock).recover()
+    finally:
+        lock.release()
 
 
 class OutputDir:
@@ -52,7 +77,7 @@ class OutputDir:
         try:
             self.staging.recover()  # what a killed job of this output recorded and left half done
             if not self.out_may_exist:  # again under the lock: a job may have published it
-                check_output_free(self.out, False)
+                check_output_free(self.out, False, repair=False)
         except CmoeError:
             self._lock.release()
             raise

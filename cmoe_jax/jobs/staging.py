@@ -43,13 +43,16 @@ def remove_tree(path: Path) -> None:
     """Delete a directory of ours file by file (a fault point per file: a kill inside the
     cleanup is part of what the fault campaign tries)."""
     for root, dirs, files in os.walk(path, topdown=False):
-        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+        links = [d for d in dirs if os.path.islink(os.path.join(root, d))]  # a link, never its target
+        for name in files + links:
             os.unlink(os.path.join(root, name))
             fault_point("cleanup")
         for name in dirs:
-            if not os.path.islink(os.path.join(root, name)):
+            if name not in links:
                 os.rmdir(os.path.join(root, name))
-    if os.path.isdir(path) and not os.path.islink(path):
+    if os.path.islink(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
         os.rmdir(path)
 
 
