@@ -134,3 +134,43 @@ def test_leftovers_of_a_kill_after_publishing_are_cleared_by_a_refused_rerun(inp
     assert _export(inputs, out) == 2  # refused: the output exists ...
     assert "exists" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # ... and the leftovers are gone
+
+
+# ---- a job never writes inside, over or around its inputs ------------------------------------------
+
+def _inside_cases(i, tmp):
+    """(job, flags, where the refusal points): every one a path the job would have damaged."""
+    from tests.test_bad_input import _eval, _train
+
+    conv = tmp / "conv"
+    import shutil
+
+    shutil.copytree(i["converted"], conv)
+    dense = tmp / "dense"
+    shutil.copytree(i["dense"], dense)
+    text = tmp / "data" / "t.txt"
+    text.parent.mkdir()
+    shutil.copy(i["text"], text)
+    return conv, [
+        (_export, (conv / "state", "--overwrite"), dict(model=conv)),
+        (_export, (conv, "--overwrite"), dict(model=conv)),
+        (_convert, (dense / "sub",), dict(model=dense)),
+        (_convert, (tmp / "data", "--overwrite"), dict(model=dense)),  # would replace the data's directory
+        (_train, (conv / "ft",), dict(model=conv)),
+        (_eval, (None, "--json", str(conv / "cmoe_manifest.json")), dict(model=conv)),
+        (_eval, (None, "--json", str(text), "--data-path", str(text)), dict(model=conv)),
+    ]
+
+
+def test_a_job_never_writes_inside_over_or_around_its_inputs(inputs, tmp_path, capsys):
+    conv, cases = _inside_cases(inputs, tmp_path)
+    snapshot = lambda: sorted((str(p.relative_to(tmp_path)), p.stat().st_size, p.stat().st_mtime_ns)  # noqa: E731
+                              for p in tmp_path.rglob("*"))
+    before = snapshot()
+    for job, (out, *extra), kw in cases:
+        if job.__name__ == "_convert":
+            extra = [*extra, "--data-path", str(tmp_path / "data" / "t.txt")]
+        assert job(inputs, out, *extra, **kw) == 2, (job.__name__, out, extra)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "never writes over, inside or around" in err[0], err
+        assert snapshot() == before, (job.__name__, out, extra)

@@ -46,7 +46,7 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.compress") -> argparse
 
 
 def run(args) -> dict:
-    check_writable_dir(args.out, source=args.model)
+    check_writable_dir(args.out)
     distributed.require_single_process("python -m cmoe_jax.compress")
     settings = registry.primary("compress", args.method).from_args(args)
     return compress(args.model, settings, out=args.out, resume=args.resume, overwrite=args.overwrite,

@@ -58,7 +58,7 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.convert") -> argparse.
 
 
 def run(args) -> dict:
-    check_writable_dir(args.out, source=args.model)
+    check_writable_dir(args.out)
     distributed.initialize()
     distributed.refuse(**{f"--method {args.method}": registry.primary("convert", args.method).single_process})
     return convert(args.model, settings_from_args(args), out=Path(args.out), resume=args.resume,

@@ -22,6 +22,7 @@ from cmoe_jax.errors import CmoeError
 from cmoe_jax.eval.perplexity import perplexity
 from cmoe_jax.eval.tasks import TASKS, evaluate_task, get_task, load_documents
 from cmoe_jax.jobs import SourceModel
+from cmoe_jax.jobs.apart import check_apart, declared_inputs
 from cmoe_jax.loading import window_bos
 
 PERPLEXITY_ONLY = ("dataset", "split", "source", "seqlen", "max_windows")
@@ -64,6 +65,7 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.eval"):
 
 
 def _validate_args(args) -> None:
+    check_apart({"--out": args.out}, {"the model": args.model, **declared_inputs(args)})
     # process 0 alone writes the JSON, so it alone tries the path
     distributed.on_main(lambda: check_writable_file(args.out, "--out"))
 

@@ -41,7 +41,7 @@ def parse_args(argv=None, prog: str = "python -m cmoe_jax.export") -> argparse.N
 
 
 def run(args) -> dict:
-    check_writable_dir(args.out, source=args.model)
+    check_writable_dir(args.out)
     distributed.require_single_process("python -m cmoe_jax.export")
 
     settings = ExportSettings(fmt=args.format, calib=args.dataset, calib_split=args.split,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from cmoe_jax import distributed
 from cmoe_jax.checkpoint import MANIFEST, save_converted, write_json_atomic
+from cmoe_jax.jobs.apart import check_apart, declared_inputs, output_paths
 from cmoe_jax.jobs.fingerprint import fingerprint
 from cmoe_jax.jobs.output import OutputDir, check_output_free
 from cmoe_jax.jobs.progress import LayerLog
@@ -166,6 +167,8 @@ def run_job(job: Job, model: str, out, options: RunOptions = RunOptions()) -> di
     may_exist = job.output_may_exist(options)
     check_output_free(out, may_exist, job.output_hint)
     source = SourceModel(model)
+    check_apart(output_paths(out), {"the source model": source.path,
+                                    **declared_inputs(getattr(job, "settings", None))})
     job.validate(source, options)
     with OutputDir(out, job.kind, overwrite=options.overwrite, resume=options.resume,
                    resumable=job.resumable, out_may_exist=may_exist) as output:
