@@ -29,21 +29,68 @@ def content_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def source_files(path: Path) -> dict[str, list]:
-    """{relative name: [size, sha256]} of a checkpoint file or of every file under a
-    checkpoint directory (hidden files and the tokenizer's cache skipped)."""
+def _files(path: Path):
+    """(relative name, path) of a checkpoint file, or of every file under a checkpoint
+    directory (hidden files and the tokenizer's cache skipped), in a fixed order."""
     path = Path(path)
     if path.is_file():
-        return {path.name: [path.stat().st_size, content_digest(path)]}
-    files = {}
+        yield path.name, path
+        return
     for root, dirs, names in os.walk(path):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(names):
-            if name.startswith("."):
-                continue
-            p = Path(root) / name
-            files[str(p.relative_to(path))] = [p.stat().st_size, content_digest(p)]
-    return files
+            if not name.startswith("."):
+                yield str((Path(root) / name).relative_to(path)), Path(root) / name
+
+
+def source_files(path: Path) -> dict[str, list]:
+    """{relative name: [size, sha256]} of a checkpoint file or directory (see `_files`)."""
+    return {name: [p.stat().st_size, content_digest(p)] for name, p in _files(path)}
+
+
+class InputChangedError(CmoeError):
+    """A file the job reads was replaced or written while the job ran."""
+
+
+def input_stamps(paths: dict) -> dict:
+    """{what: {name: (inode, size, mtime, ctime)}} of every local input path: any write or
+    replacement changes a file's ctime or inode (a user cannot set ctime back), so comparing
+    stamps taken at the start and before publishing sees a change without hashing again."""
+    stamps = {}
+    for what, path in paths.items():
+        if path and Path(path).exists():
+            stamps[what] = {"": [os.stat(path).st_ino],  # the path itself: replaced or not
+                            **{name: _stamp(p) for name, p in _files(path)}}
+    return stamps
+
+
+def _stamp(path: Path) -> list:
+    st = os.stat(path)
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+class InputWatch:
+    """`InputWatch(paths)` stamps a job's inputs ({what: path}) now; `check()` before publishing
+    gives one line if any of them was written or replaced since."""
+
+    def __init__(self, paths: dict):
+        self.paths, self.stamps = paths, input_stamps(paths)
+
+    def check(self) -> None:
+        check_unchanged(self.stamps, self.paths)
+
+
+def check_unchanged(before: dict, paths: dict) -> None:
+    """One line when an input's files changed since `before` (`input_stamps`)."""
+    now = input_stamps({what: paths[what] for what in before})
+    for what, stamps in before.items():
+        changed = sorted(k for k in set(stamps) | set(now.get(what, {}))
+                         if stamps.get(k) != now.get(what, {}).get(k))
+        if changed:
+            raise InputChangedError(
+                f"{what} {paths[what]} changed while the job ran ({len(changed)} file(s) written or "
+                f"replaced, e.g. {changed[0] or paths[what]}); nothing was published: rerun once it no "
+                "longer changes")
 
 
 def data_digest(*arrays) -> str | None:

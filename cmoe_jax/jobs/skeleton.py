@@ -13,6 +13,7 @@ step's checkpoint (train, downcycle).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -20,9 +21,9 @@ import time
 from pathlib import Path
 
 from cmoe_jax import distributed
-from cmoe_jax.checkpoint import MANIFEST, save_converted, write_json_atomic
+from cmoe_jax.checkpoint import MANIFEST, reading, save_converted, write_json_atomic
 from cmoe_jax.jobs.apart import check_apart, declared_inputs, output_paths
-from cmoe_jax.jobs.fingerprint import fingerprint
+from cmoe_jax.jobs.fingerprint import InputWatch, fingerprint
 from cmoe_jax.jobs.output import OutputDir, check_output_free
 from cmoe_jax.jobs.progress import LayerLog
 from cmoe_jax.jobs.source import SourceModel
@@ -64,8 +65,10 @@ class JobRun:
     """A job's view of its locked, staged output while it works: the source, the per-layer
     log under the staging directory, the directory the finished model goes to, the clock."""
 
-    def __init__(self, output: OutputDir, source: SourceModel, options: RunOptions, t_start: float):
+    def __init__(self, output: OutputDir, source: SourceModel, options: RunOptions, t_start: float,
+                 watch: InputWatch | None = None):
         self.output, self.source, self.options, self.t_start = output, source, options, t_start
+        self.watch = watch or InputWatch({})  # the inputs, checked unchanged before publishing
         self.main = distributed.is_main()  # the one process that writes files besides Orbax's state
         self.layers = LayerLog(output.staging.dir / "layers")
         self.final = output.staging.dir / "final"
@@ -167,14 +170,16 @@ def run_job(job: Job, model: str, out, options: RunOptions = RunOptions()) -> di
     may_exist = job.output_may_exist(options)
     check_output_free(out, may_exist, job.output_hint)
     source = SourceModel(model)
-    check_apart(output_paths(out), {"the source model": source.path,
-                                    **declared_inputs(getattr(job, "settings", None))})
+    inputs = {"the source model": source.path, **declared_inputs(getattr(job, "settings", None))}
+    check_apart(output_paths(out), inputs)
+    watch = InputWatch(inputs)  # before anything is read: a change from here on is seen
     job.validate(source, options)
     with OutputDir(out, job.kind, overwrite=options.overwrite, resume=options.resume,
-                   resumable=job.resumable, out_may_exist=may_exist) as output:
+                   resumable=job.resumable, out_may_exist=may_exist) as output, \
+            reading(source.path) if Path(source.path).is_dir() else contextlib.nullcontext():
         settings, data = job.prepare(source)
         job.open(output, fingerprint(job.kind, settings, source.path, data))
-        return _staged(job, JobRun(output, source, options, t_start))
+        return _staged(job, JobRun(output, source, options, t_start, watch))
 
 
 def _staged(job: Job, run: JobRun) -> dict:
@@ -194,6 +199,7 @@ def _staged(job: Job, run: JobRun) -> dict:
     if run.main and fields:
         manifest = run.final / job.manifest_name
         write_json_atomic(manifest, dict(json.loads(manifest.read_text()), **fields))
+    distributed.on_main(run.watch.check)  # what was read is still what the job started from
     job.publish(run)
     distributed.barrier(f"{job.kind}:published")
     return job.result(outcome, run.output.out)

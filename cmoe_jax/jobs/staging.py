@@ -25,10 +25,10 @@ import os
 import secrets
 from pathlib import Path
 
-from cmoe_jax.checkpoint import readers_excluded, remove_write_leftovers, staging_dir, write_json_atomic
+from cmoe_jax.checkpoint import MANIFEST, readers_excluded, remove_write_leftovers, staging_dir, write_json_atomic
 from cmoe_jax.errors import CheckpointError, CmoeError
 from cmoe_jax.jobs.faults import fault_point
-from cmoe_jax.jobs.fingerprint import check_same
+from cmoe_jax.jobs.fingerprint import ResumeMismatchError, check_same
 from cmoe_jax.jobs.lock import OutputLock
 
 OWNER = "cmoe_job.json"
@@ -196,3 +196,23 @@ def input_digests(fingerprint: dict) -> dict:
     return {"data_sha256": fingerprint.get("data"),
             "source_bytes": sum(v[0] for v in source.values()),
             "source_sha256": hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()}
+
+
+def check_continued_inputs(out: Path, fingerprint: dict) -> None:
+    """Continuing a finished run in `out` follows the rule of a resume: the source and the data
+    it was published from (its manifest's `inputs`) must be what the job reads now."""
+    try:
+        recorded = json.loads((Path(out) / MANIFEST).read_text()).get("inputs")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if not isinstance(recorded, dict):
+        raise ResumeMismatchError(f"--resume: {out} does not record the inputs it was made from, so "
+                                  "continuing it could mix two of them: rerun with --overwrite to start over")
+    now = input_digests(fingerprint)
+    if recorded.get("source_sha256") != now["source_sha256"]:
+        raise ResumeMismatchError(f"--resume: the source model changed since {out} was made (its files "
+                                  "differ in content); restore it, or rerun with --overwrite to start over")
+    if recorded.get("data_sha256") != now["data_sha256"]:
+        raise ResumeMismatchError(f"--resume: the training text differs from the one {out} was made with "
+                                  "(its tokens have another digest); restore that text, or rerun with "
+                                  "--overwrite to start over")

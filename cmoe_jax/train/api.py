@@ -24,6 +24,7 @@ from pathlib import Path
 
 from cmoe_jax.checkpoint import MANIFEST
 from cmoe_jax.jobs import Interrupted, Job, JobRun, Outcome, OutputDir, RunOptions, Staging, run_job
+from cmoe_jax.jobs.staging import check_continued_inputs
 from cmoe_jax.train.checkpoint import RUN_CONFIG, check_run_config
 from cmoe_jax.train.lora import TrainError
 from cmoe_jax.train.loop import STOPPED
@@ -43,6 +44,7 @@ def _prepare_dirs(staging: Staging, fp: dict, settings: dict, resume: bool, over
         return out.exists()
     if resume and (out / "checkpoints").exists():  # continue a finished (e.g. time-limited) run
         check_run_config(out, settings)
+        check_continued_inputs(out, fp)
         staging.open(fp, resume=False, files={RUN_CONFIG: settings})
         for part in ("checkpoints", RECOVER_DIR) if (out / RECOVER_DIR).is_dir() else ("checkpoints",):
             copy = staging.dir / f".{part}.copy"
