@@ -20,7 +20,6 @@ import fcntl
 import json
 import os
 import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,42 +29,16 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from cmoe_jax import distributed
+from cmoe_jax.atomic_files import remove_write_leftovers, write_bytes_atomic, write_json_atomic  # noqa: F401
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.faults import fault_point
 from cmoe_jax.models import Decoder, ModelConfig
 from cmoe_jax.models.stack import layer_state
 from cmoe_jax.sharding import make_mesh, place_state, placed_split, shardings_of
+from cmoe_jax.state_digests import DIGESTS, check_digests, manifest_digests, path_name, save_checked
 
 MANIFEST = "cmoe_manifest.json"
 FORMAT = "cmoe_jax.converted/v1"
-
-
-def write_bytes_atomic(path: Path, data: bytes, fault: str | None = None) -> None:
-    """Write `data` beside `path` (`.NAME.XXXX.tmp`), then rename it over `path`: readers never see
-    half a file; `fault`: the fault point between the write and the rename (`cmoe_jax.faults`)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from other readers
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        if fault:  # written, not yet in place: a kill here leaves only the temporary
-            fault_point(fault)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json_atomic(path: Path, obj) -> None:  # `obj` as indented JSON, written whole
-    write_bytes_atomic(path, (json.dumps(obj, indent=1) + "\n").encode(), fault="json:write")
-
-
-def remove_write_leftovers(directory: Path) -> None:
-    """Delete the `.NAME.XXXX.tmp` that killed `write_bytes_atomic` calls left under `directory`."""
-    for tmp in Path(directory).rglob(".*.tmp"):
-        if tmp.is_file() and not tmp.is_symlink():
-            tmp.unlink(missing_ok=True)
 
 
 def staging_dir(out: Path) -> Path:
@@ -91,8 +64,8 @@ def save_converted(model: Decoder, manifest: dict, directory: Path, tokenizer=No
     checkpointer = ocp.StandardCheckpointer()
 
     def save(part: str, state: nnx.State) -> None:
-        checkpointer.save((directory / "state" / part).absolute(), distributed.replicated_global(state))
-        checkpointer.wait_until_finished()
+        save_checked(checkpointer, (directory / "state" / part).absolute(),
+                     distributed.replicated_global(state))
 
     save("rest", without_layers(nnx.state(model)))
     for i in range(model.config.num_layers):
@@ -107,11 +80,13 @@ def write_manifest(directory: Path, config: ModelConfig, manifest: dict, tokeniz
     its state is complete."""
     if tokenizer is not None:
         tokenizer.hf.save_pretrained(str(Path(directory) / "tokenizer"))
-    manifest = dict(manifest, format=FORMAT, model_config=config.to_dict())
+    manifest = dict(manifest, **manifest_digests(Path(directory) / "state"), format=FORMAT,
+                    model_config=config.to_dict())
     write_json_atomic(Path(directory) / MANIFEST, manifest)
 
 
 PER_LAYER = "per_layer"  # manifest["state_layout"] of a directory written layer by layer
+DAMAGED = "write it again with the job that made it, or restore it from a copy"
 
 
 def layer_part(index: int) -> str:
@@ -124,9 +99,7 @@ def save_state_part(directory: Path, part: str, state: nnx.State) -> None:
     path = (Path(directory) / "state" / part).absolute()
     shutil.rmtree(path, ignore_errors=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path, state)
-    checkpointer.wait_until_finished()
+    save_checked(ocp.StandardCheckpointer(), path, state)
 
 
 def without_layers(state: nnx.State) -> nnx.State:
@@ -229,10 +202,9 @@ def _check_like(restored, target, where: Path):
     """The restored arrays have the shapes and dtypes the manifest's config implies."""
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(target)):
         if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
-            name = "/".join(str(getattr(k, "key", k)) for k in path)
-            raise CheckpointError(f"{where}: {name} is {got.dtype}{list(got.shape)} but the manifest's "
-                                  f"config implies {want.dtype}{list(want.shape)}: the directory is "
-                                  "damaged or mixed; write it again with the job that made it")
+            raise CheckpointError(f"{where}: {path_name(path)} is {got.dtype}{list(got.shape)} but the "
+                                  f"manifest's config implies {want.dtype}{list(want.shape)}: the directory "
+                                  "is damaged or mixed; write it again with the job that made it")
     return restored
 
 
@@ -261,25 +233,32 @@ def _restore_state(directory: Path, manifest: dict, mesh):
     graphdef, abstract_state = nnx.split(abstract)
     target = place_state(abstract_state, shardings_of(abstract, mesh))
     checkpointer = ocp.StandardCheckpointer()
+    recorded = manifest.get(DIGESTS, {}).get("parts", {})
+    reading_now = [directory / "state"]  # the piece an Orbax error is about
+
+    def read(part: str, like):
+        path = reading_now[0] = (directory / "state" / part).absolute()
+        restored = _check_like(checkpointer.restore(path, like), like, path)
+        if part in recorded:
+            check_digests(restored, recorded[part], path, DAMAGED)
+        return restored
+
     try:
         if manifest.get("state_layout") == PER_LAYER:
-            part = (directory / "state" / "rest").absolute()
-            rest = _check_like(checkpointer.restore(part, without_layers(target)), without_layers(target), part)
+            rest = read("rest", without_layers(target))
             state = target
             for key in rest:
                 state[key] = rest[key]
             for i in range(cfg.num_layers):
                 fault_point("read:layer")
-                part = (directory / "state" / layer_part(i)).absolute()
-                state["layers"][i] = _check_like(checkpointer.restore(part, target["layers"][i]),
-                                                 target["layers"][i], part)
+                state["layers"][i] = read(layer_part(i), target["layers"][i])
         else:
             state = _check_like(checkpointer.restore((directory / "state").absolute(), target), target,
                                 directory / "state")
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"cannot restore {directory / 'state'} ({_first_line(e)}): the checkpoint "
+        raise CheckpointError(f"cannot restore {reading_now[0]} ({_first_line(e)}): the checkpoint "
                               "is corrupted or incomplete, or was written by another configuration; "
                               "write it again with the job that made it") from None
     finally:

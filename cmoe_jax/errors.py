@@ -49,8 +49,8 @@ def place_error(e: OSError) -> str:
     """One line for an OSError of the environment (disk full, read-only, refused)."""
     where = f" at {e.filename}" if e.filename else ""
     return (f"{e.strerror or errno.errorcode.get(e.errno, 'I/O error')}{where}: "
-            f"{PLACE_ERRORS[e.errno]}, then rerun (with --resume where the job has it: its staged "
-            "work is kept)")
+            f"{PLACE_ERRORS[e.errno]}, then rerun (a job with --resume continues from whatever "
+            "work it had staged, if any)")
 
 
 def run_job(job, args):

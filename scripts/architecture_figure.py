@@ -35,7 +35,8 @@ ROLE = {
     "jobs": "lock, staging,\nresume, publish", "convert": "job + CLI", "compress": "job + CLI",
     "train": "jobs + CLI\n(LoRA, downcycle)", "eval": "job + CLI", "export": "job + CLI", "demo": "README table",
     "__init__": "public API", "downcycle": "entry point", "generate": "KV-cache decoding\n+ CLI",
-    "commands": "cmoe-jax",
+    "commands": "cmoe-jax", "atomic_files": "whole-file writes", "orbax_io": "Orbax errors\nas one line",
+    "state_digests": "saved arrays'\nchecksums",
 }
 
 

@@ -15,8 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cmoe_jax"
 # sits below both `loading`, which reads it, and `convert` / `train`, which write it.
 LAYERS = [
     {"errors", "lora", "faults"},
-    {"distributed", "sharding", "moe", "cli_args"},
-    {"models", "data"},
+    {"distributed", "sharding", "moe", "cli_args", "atomic_files", "orbax_io"},
+    {"models", "data", "state_digests"},
     {"checkpoint", "profiling", "carving"},
     {"loading"},
     {"methods", "generate"},  # generate: the KV-cache engine and its CLI, which eval's tasks use

@@ -16,9 +16,14 @@ import orbax.checkpoint as ocp
 
 from cmoe_jax import distributed
 from cmoe_jax.checkpoint import write_json_atomic
+from cmoe_jax.orbax_io import orbax_writes
+from cmoe_jax.state_digests import array_digests, check_digests
 from cmoe_jax.train.lora import TrainError
 
 RUN_CONFIG = "run_config.json"
+STATE_DIGESTS = "state_digests"  # the meta key of a step's arrays' checksums
+RESUME_DAMAGED = ("delete that step's directory to resume from the one before, or rerun without --resume "
+                  "into a new --out")
 ADAPTER_CONFIG = "adapter_config.json"
 
 
@@ -43,9 +48,13 @@ class RunCheckpoints:
         return self.manager.latest_step()
 
     def save(self, step: int, tree: dict, meta: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(_flat_opt(tree)), meta=ocp.args.JsonSave(meta)), force=True)
-        self.manager.wait_until_finished()
+        """The step's state, with its arrays' checksums in its meta (`STATE_DIGESTS`)."""
+        state = _flat_opt(tree)
+        meta = dict(meta, **{STATE_DIGESTS: array_digests(state)})
+        with orbax_writes(self.directory / str(step)):
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+            self.manager.wait_until_finished()
 
     def restore(self, step: int, like: dict) -> tuple[dict, dict]:
         """(tree, meta) of a saved step: `like` is a tree as `save` takes it (arrays or
@@ -54,9 +63,12 @@ class RunCheckpoints:
                               _flat_opt(like))
         got = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-        saved = got["state"]
+        saved, meta = got["state"], dict(got["meta"])
+        recorded = meta.pop(STATE_DIGESTS, None)  # None: saved before checksums were recorded
+        if recorded is not None:
+            check_digests(saved, recorded, self.directory / str(step) / "state", RESUME_DAMAGED)
         opt = jax.tree.unflatten(jax.tree.structure(like["opt"]), [saved["opt"][k] for k in sorted(saved["opt"])])
-        return dict(saved, opt=opt), got["meta"]
+        return dict(saved, opt=opt), meta
 
     def close(self) -> None:
         self.manager.close()
@@ -98,9 +110,10 @@ def save_adapters(directory: Path, adapters: dict, u: dict, bias: dict, config: 
         directory.mkdir(parents=True)
     distributed.barrier("save_adapters:mkdir")
     ckpt = ocp.StandardCheckpointer()  # every process calls Orbax; each piece is written once
-    ckpt.save((directory / "state").absolute(),
-              distributed.replicated_global({"lora": adapters, "u": u, "bias": bias}))
-    ckpt.wait_until_finished()
+    with orbax_writes(directory / "state"):
+        ckpt.save((directory / "state").absolute(),
+                  distributed.replicated_global({"lora": adapters, "u": u, "bias": bias}))
+        ckpt.wait_until_finished()
     if distributed.is_main():
         write_json_atomic(directory / ADAPTER_CONFIG, config)
     distributed.barrier("save_adapters:config")
