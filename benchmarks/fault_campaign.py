@@ -9,15 +9,24 @@ After every kill the output must be absent or complete and equal to the uninterr
 reference; the next run passes `--resume`, and a run that finishes must equal the reference
 (tensor by tensor, JSON without timings). Two jobs started together on one `--out` must
 give exactly one complete output and one single `error:` line.
+
+The adversarial round (`adversarial`) changes what a job reads and where it writes, under it:
+foreign things at OUT.lock, --out inside its inputs, its source replaced mid-job (paused by
+`CMOE_FAULT_PAUSE`), continuation with changed text, flipped bytes in a converted source, a
+full tmpfs. Each must be refused with exit 2 and one `error:` line: it counts the exit-0 runs
+("wrong-data exits") and every foreign path a run changed ("damaged foreign paths").
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import stat
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -255,6 +264,12 @@ class Tally:
     finished: int = 0
     identical: int = 0
     notes: list = field(default_factory=list)
+    # the adversarial round (`adversarial`)
+    adversarial_cases: int = 0
+    wrong_data_exits: int = 0
+    damaged_foreign: int = 0
+    adversarial_failed: int = 0  # refused otherwise than with exit 2 and one line, or left files
+    skipped: list = field(default_factory=list)
 
 
 def campaign(server: ForkServer, job: Job, ref: Path, work: Path, kills: int, seed: int,
@@ -363,3 +378,275 @@ def race(server: ForkServer, job: Job, ref: Path, work: Path, offsets: list[floa
             problems.append(f"offset {offset:.2f}s: left behind {leftovers}")
     _clean(out)
     return problems
+
+
+# ---- the adversarial round ------------------------------------------------------------------
+# Inputs and places that a user or another program changes under a job: every case must be
+# refused with exit 2 and one `error:` line, leaving what is not the job's own untouched.
+# A "wrong-data exit" is exit 0 where the job had to refuse (it published or continued from
+# inputs other than the ones it was started on); a "damaged foreign path" is any file that is
+# not the job's own (a lock-place file, a user's file, the source, the data) changed by a run.
+PAUSE_POINTS = ("layer", "shard", "step")  # passed during the work of convert/compress, export, train
+
+
+def snapshot(path: Path) -> list:
+    """(relative path, file type, inode, size, sha256) of `path` and everything under it;
+    [] when nothing is there."""
+    if not os.path.lexists(path):
+        return []
+    walk = path.is_dir() and not path.is_symlink()
+    return [_entry(p, path) for p in ([path, *sorted(path.rglob("*"))] if walk else [path])]
+
+
+def _entry(p: Path, root: Path) -> tuple:
+    st = os.lstat(p)
+    digest = hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else ""
+    return str(p.relative_to(root)), stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, digest
+
+
+def _private(job: Job, base: Path) -> Job:
+    """`job` reading private copies of its source and data (under `base`), so that a case may
+    change them and a refusal that fails cannot touch the campaign's shared inputs."""
+    argv = list(job.argv)
+    for flag in ("--model", "--data-path"):
+        if flag in argv:
+            i = argv.index(flag) + 1
+            original, copy = Path(argv[i]), base / flag.strip("-") / Path(argv[i]).name
+            copy.parent.mkdir(parents=True)
+            (shutil.copytree if original.is_dir() else shutil.copy2)(original, copy)
+            argv[i] = str(copy)
+    return Job(job.name, job.module, argv, dict(job.points), job.resume_flag)
+
+
+def _modified_copy(src: Path) -> Path:
+    """A copy of `src` beside it with one file changed (a newline added to a top-level JSON
+    file of a directory, a byte appended to a file)."""
+    fresh = src.with_name(src.name + ".new")
+    if src.is_dir():
+        shutil.copytree(src, fresh)
+        target = sorted(fresh.glob("*.json"))[0]
+        target.write_text(target.read_text() + "\n")
+    else:
+        shutil.copy2(src, fresh)
+        with open(fresh, "ab") as f:
+            f.write(b"\0")
+    return fresh
+
+
+class Adversary:
+    """The adversarial cases for one job (see `adversarial`), counted in a `Tally`."""
+
+    def __init__(self, server: ForkServer, job: Job, work: Path, tally: Tally, ref: Path | None):
+        self.server, self.original, self.tally, self.ref = server, job, tally, ref
+        self.base = work / f"adv-{job.name}"
+        shutil.rmtree(self.base, ignore_errors=True)
+        self.job = _private(job, self.base)
+        self.out = self.base / "out"
+
+    def arg(self, flag: str) -> Path | None:
+        argv = self.job.argv
+        return Path(argv[argv.index(flag) + 1]) if flag in argv else None
+
+    def run(self, argv: list, case: str, env: dict | None = None, job: Job | None = None) -> tuple[int, str]:
+        log = self.base / f"{case.replace(' ', '-').replace('/', '_')}.log"
+        code, = self.server.run([{"module": (job or self.job).module, "argv": argv, "env": env or {},
+                                  "log": str(log)}])
+        return code, log.read_text(errors="replace")
+
+    def note(self, field_name: str, case: str, what: str) -> None:
+        setattr(self.tally, field_name, getattr(self.tally, field_name) + 1)
+        self.tally.notes.append(f"{self.job.name} {case}: {what}")
+
+    def refused(self, case: str, code: int, text: str, needle: str = "", out: Path | None = None,
+                leftovers_ok: bool = False) -> None:
+        """One case that must end in exit 2 with one `error:` line holding `needle`, and no
+        output (nor, unless `leftovers_ok`, a staging directory) written."""
+        out = out or self.out
+        self.tally.adversarial_cases += 1
+        errors = [line for line in text.splitlines() if line.startswith("error:")]
+        made = [p.name for p in (out, out.with_name(out.name + ".partial"))[:1 if leftovers_ok else 2]
+                if os.path.lexists(p)]
+        if code == 0:
+            self.note("wrong_data_exits", case, f"exit 0 (output made: {made})")
+        elif code != 2 or len(errors) != 1 or needle not in errors[0] or "Traceback" in text:
+            self.note("adversarial_failed", case, f"exit {code}, printed {text.strip().splitlines()[-3:]}")
+        elif made:
+            self.note("adversarial_failed", case, f"refused but left {made}")
+
+    def intact(self, case: str, before: dict) -> None:
+        """Count each path of `before` ({path: snapshot}) that a run changed."""
+        for path, snap in before.items():
+            if snapshot(path) != snap:
+                self.note("damaged_foreign", case, f"{path} changed")
+
+    def skip(self, case: str, why: str) -> None:
+        self.tally.skipped.append(f"{self.job.name} {case}: {why}")
+
+    # -- the cases ----------------------------------------------------------------------------
+    def foreign_locks(self) -> None:
+        """A plain file, a hard link to a user's file and a FIFO at OUT.lock: refused, kept."""
+        lock, user = self.out.with_name(self.out.name + ".lock"), self.base / "user-notes.txt"
+        user.write_text("a user's own notes, not a lock\n")
+        makers = {"plain file": lambda: lock.write_text("some text, not a lock record\n"),
+                  "hard link": lambda: os.link(user, lock), "FIFO": lambda: os.mkfifo(lock)}
+        for what, make in makers.items():
+            make()
+            case, before = f"{what} at OUT.lock", {lock: snapshot(lock), user: snapshot(user)}
+            code, text = self.run(self.job.command(self.out, resume=False), case)
+            self.refused(case, code, text)
+            self.intact(case, before)
+            _clean(self.out)
+            lock.unlink(missing_ok=True)
+
+    def out_inside_inputs(self) -> None:
+        """--out inside the source and equal to the data file's directory (--overwrite)."""
+        src, data = self.arg("--model"), self.arg("--data-path")
+        places = {}
+        if src is not None and src.is_dir():
+            places["--out inside the source"] = src / "sub"
+        if data is not None:
+            places["--out = the data's directory"] = data.parent
+        for case, out in places.items():
+            before = {p: snapshot(p) for p in (src, data.parent if data else None) if p is not None}
+            code, text = self.run(self.job.command(out, resume=False, overwrite=True), case)
+            self.refused(case, code, text, out=out / "never")  # out itself may exist: the data's dir
+            self.intact(case, before)
+
+    def source_replaced(self) -> None:
+        """The source replaced by a changed copy while the job is paused at its first
+        `PAUSE_POINTS` pass: nothing published, one line saying so."""
+        case, src = "source replaced mid-job", self.arg("--model")
+        point = next((p for p in PAUSE_POINTS if p in self.job.points), None)
+        if point is None or src is None:
+            return self.skip(case, f"no pause point among {PAUSE_POINTS} or no --model")
+        old = src.with_name(src.name + ".old")
+
+        def swap():
+            fresh = _modified_copy(src)
+            src.rename(old)
+            fresh.rename(src)
+
+        code, text, paused = self.paused_run(point, swap, case)
+        if not paused:
+            self.skip(case, f"the job never paused at {point}:1 (exit {code})")
+        else:
+            # its staging directory may stay: a --resume checks the source against it
+            self.refused(case, code, text, needle="changed while the job ran", leftovers_ok=True)
+            (shutil.rmtree if src.is_dir() else os.unlink)(src)
+            old.rename(src)
+        _clean(self.out)
+
+    def paused_run(self, point: str, act, case: str) -> tuple[int, str, bool]:
+        """Run the job paused at `point`:1 (`CMOE_FAULT_PAUSE`), `act()` while paused, then let
+        it go on: (exit code, log, whether it paused)."""
+        pause = self.base / "pause"
+        shutil.rmtree(pause, ignore_errors=True)
+        pause.mkdir()
+        done, acted = threading.Event(), []
+
+        def watch():
+            while not (pause / "paused").exists():
+                if done.wait(0.02):
+                    return
+            try:
+                acted.append(act())
+            finally:
+                (pause / "go").touch()
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        code, text = self.run(self.job.command(self.out, resume=False), case,
+                              env={"CMOE_FAULT_PAUSE": f"{point}:1:{pause}"})
+        done.set()
+        watcher.join()
+        return code, text, bool(acted)
+
+    def changed_continuation(self) -> None:
+        """A finished train run continued with `--resume` after its text was rewritten."""
+        case, data = "continuation with changed text", self.arg("--data-path")
+        _clean(self.out)
+        code, text = self.run(self.job.command(self.out, resume=False), "continuation-first")
+        if code != 0:
+            return self.note("adversarial_failed", case, f"first run exited {code}: {text[-300:]}")
+        original = data.read_text()
+        data.write_text(" ".join(reversed(original.split())) + "\n")
+        before = {self.out: snapshot(self.out)}  # the user's finished run: kept as it is
+        code, text = self.run(self.job.command(self.out, resume=True), case)
+        self.refused(case, code, text, needle="training text differs", out=self.out / "never")
+        self.intact(case, before)
+        data.write_text(original)
+        _clean(self.out)
+
+    def flipped_bytes(self) -> None:
+        """Two bytes flipped in the middle of the largest file of the source's first layer."""
+        case, src = "flipped bytes in the source's layer_0000", self.arg("--model")
+        layer = src / "state" / "layer_0000" if src is not None else None
+        files = [p for p in layer.rglob("*") if p.is_file()] if layer is not None and layer.is_dir() else []
+        if not files:
+            return  # not a converted source: the case does not apply
+        big = max(files, key=lambda p: p.stat().st_size)
+        with open(big, "r+b") as f:
+            f.seek(big.stat().st_size // 2)
+            two = f.read(2)
+            f.seek(-len(two), os.SEEK_CUR)
+            f.write(bytes(b ^ 0xFF for b in two))
+        code, text = self.run(self.job.command(self.out, resume=False), case)
+        self.refused(case, code, text, needle="layer_0000")
+        _clean(self.out)
+
+    def full_tmpfs(self) -> None:
+        """--out on a tmpfs too small for the output (root only): one line, nothing left but
+        the staging directory, which a `--resume` on a larger tmpfs finishes into the reference."""
+        case, mnt = "full tmpfs", self.base / "tmpfs"
+        if os.geteuid() != 0:
+            return self.skip(case, "not root: cannot mount a tmpfs")
+        mnt.mkdir()
+        mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self._small()}", "tmpfs", str(mnt)],
+                               capture_output=True, text=True)
+        if mount.returncode != 0:
+            return self.skip(case, f"mount failed: {mount.stderr.strip()}")
+        try:
+            self._on_full(case, mnt / "out")
+        finally:
+            subprocess.run(["umount", str(mnt)], check=True)
+
+    def _small(self) -> int:
+        """A third of the reference output's bytes (whole pages), or 64 KiB without one."""
+        if self.ref is None:
+            return 64 << 10
+        total = sum(p.stat().st_size for p in self.ref.rglob("*") if p.is_file())
+        return max(8192, (total // 3) // 4096 * 4096)
+
+    def _on_full(self, case: str, out: Path) -> None:
+        # the shared inputs, not the private copies: the output must equal the reference
+        code, text = self.run(self.original.command(out, resume=False), case, job=self.original)
+        self.refused(case, code, text, out=out, leftovers_ok=True)
+        left = sorted(p.name for p in out.parent.iterdir() if p.name != out.name + ".partial")
+        if left:
+            self.note("adversarial_failed", case, f"left {left} on the tmpfs")
+        if self.ref is None or code == 0:
+            return
+        subprocess.run(["mount", "-o", "remount,size=256m", str(out.parent)], check=True)
+        code, text = self.run(self.original.command(out, resume=True), f"{case} resume", job=self.original)
+        if code != 0:
+            self.note("adversarial_failed", case, f"--resume on a larger tmpfs exited {code}: {text[-300:]}")
+        elif differences(self.ref, out):
+            self.note("wrong_data_exits", case, f"--resume differs: {differences(self.ref, out)[:3]}")
+
+
+def adversarial(server: ForkServer, job: Job, work: Path, tally: Tally | None = None,
+                ref: Path | None = None) -> Tally:
+    """The adversarial round for `job` (its fault points learnt by `reference`): foreign
+    things at OUT.lock, --out inside its inputs, its source replaced mid-job, continuation with
+    changed text (train), flipped bytes in a converted source, a full tmpfs (root). Counts
+    `adversarial_cases`, `wrong_data_exits`, `damaged_foreign`, `adversarial_failed` and the
+    skipped cases in `tally`; `ref` (the job's reference output) checks the tmpfs resume."""
+    tally = tally or Tally()
+    adv = Adversary(server, job, work, tally, ref)
+    cases = [adv.foreign_locks, adv.out_inside_inputs, adv.source_replaced, adv.full_tmpfs]
+    if job.module == "cmoe_jax.train.cli":
+        cases.append(adv.changed_continuation)
+    for case in [*cases, adv.flipped_bytes]:  # last: it damages the private source for good
+        case()
+    shutil.rmtree(adv.base, ignore_errors=True)
+    return tally

@@ -13,13 +13,19 @@ overwrite (the run then replaces a copy of the reference) and inside the cleanup
 publish, and prints its own line ("mid-write kills ...").
 A `--resume` run without a fault then finishes the job, and its output must equal the
 reference tensor by tensor ("resumes identical"). `--race K` adds K runs of two conversions
-started together on one `--out` at seeded offsets. Prints, last:
+started together on one `--out` at seeded offsets. `--adversarial` adds, for every job, the
+adversarial round of `fault_campaign.adversarial` (foreign things at OUT.lock, --out inside
+the inputs, the source replaced mid-job, continuation with changed text, flipped bytes, a full
+tmpfs) and prints its tallies as JSON lines ("wrong_data_exits" and "damaged_foreign" must be 0).
+Prints, last:
 
     kills N, broken outputs B, resumes identical R
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import random
 import shutil
@@ -32,8 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.fault_campaign import (SWAP, ForkServer, _clean, differences, jobs,  # noqa: E402
-                                       make_inputs, race, reference)
+from benchmarks.fault_campaign import (SWAP, ForkServer, Tally, _clean, adversarial,  # noqa: E402
+                                       differences, jobs, make_inputs, race, reference)
 from benchmarks.harness import cpu_model, load_average  # noqa: E402
 
 
@@ -68,6 +74,23 @@ def kill_and_resume(server, job, ref, work, point, n, log) -> tuple[bool, bool, 
     return True, not diffs, problem or (f"{job.name} {point}:{n}: resume differs {diffs[:3]}" if diffs else "")
 
 
+def adversarial_round(server, specs, refs, names, work) -> list[str]:
+    """`fault_campaign.adversarial` for every job in `names`: one JSON line of tallies per job,
+    then the totals; returns the problems (wrong-data exits, damaged foreign paths, failures)."""
+    total = Tally()
+    for name in names:
+        tally = adversarial(server, specs[name], work, ref=refs[name])
+        print(json.dumps({"job": name, **dataclasses.asdict(tally)}), flush=True)
+        for f in ("adversarial_cases", "wrong_data_exits", "damaged_foreign", "adversarial_failed"):
+            setattr(total, f, getattr(total, f) + getattr(tally, f))
+        total.notes += tally.notes
+        total.skipped += tally.skipped
+    counts = {f: getattr(total, f) for f in ("adversarial_cases", "wrong_data_exits", "damaged_foreign",
+                                             "adversarial_failed")}
+    print(json.dumps({"adversarial": counts, "skipped": len(total.skipped)}), flush=True)
+    return [f"adversarial: {n}" for n in total.notes]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kills", type=int, default=100)
@@ -77,6 +100,8 @@ def main(argv=None) -> int:
                    help="kill only inside writes, between renames and inside cleanup")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--race", type=int, default=10, help="two-job races on one --out (0: none)")
+    p.add_argument("--adversarial", action="store_true",
+                   help="also run the adversarial round for every selected job (prints JSON tallies)")
     p.add_argument("--work", help="working directory (default: a temporary one, removed)")
     args = p.parse_args(argv)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="cmoe_faults_"))
@@ -112,6 +137,8 @@ def main(argv=None) -> int:
                 race_problems = race(server, specs["convert"], refs["convert"], work, offsets)
                 problems += race_problems
                 print(f"races {args.race}, problems {len(race_problems)}", flush=True)
+            if args.adversarial:
+                problems += adversarial_round(server, specs, refs, names, work)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from benchmarks.fault_campaign import ForkServer, campaign, jobs, make_inputs, race, reference
+from benchmarks.fault_campaign import ForkServer, adversarial, campaign, jobs, make_inputs, race, reference
 
 KILLS = 10
 JOBS = ["convert", "convert-stream", "compress", "export", "train", "train-distill", "hierarchical",
@@ -64,3 +64,17 @@ def test_two_jobs_on_one_output_give_one_output_and_one_error(setup):
     rng = random.Random(7)
     offsets = [0.0] + [rng.uniform(0.0, 3.0) for _ in range(9)]
     assert race(server, specs["convert"], refs["convert"], work, offsets) == []
+
+
+def test_adversarial_round_refuses_and_damages_nothing(setup):
+    """The convert job against foreign things at OUT.lock (a plain file, a hard link to a
+    user's file, a FIFO), --out inside its source and at its data's directory, its source
+    replaced while it runs, and (as root) a full tmpfs: each refused with exit 2 and one line,
+    never an exit 0, never a changed foreign path (a job that took over a user's file at
+    OUT.lock would fail both)."""
+    server, specs, refs, work = setup
+    tally = adversarial(server, specs["convert"], work, ref=refs["convert"])
+    assert tally.adversarial_cases + len(tally.skipped) == 7, tally
+    assert tally.adversarial_cases >= 6, tally.skipped
+    assert tally.wrong_data_exits == 0 and tally.damaged_foreign == 0, tally.notes
+    assert tally.adversarial_failed == 0, tally.notes
