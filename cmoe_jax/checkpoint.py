@@ -125,14 +125,27 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
+READERS_LOCKED = (MANIFEST, "cmoe_export.json")  # the record whose flock is a directory's readers' lock
+
+
+def _readers_lock_file(directory: Path) -> Path:
+    """The file whose `flock` guards the directory's readers: a converted model's manifest or an
+    exported Hugging Face directory's record."""
+    for name in READERS_LOCKED:
+        if (Path(directory) / name).exists() or (Path(directory) / name).is_symlink():
+            return Path(directory) / name
+    return Path(directory) / MANIFEST
+
+
 def _open_manifest(directory: Path) -> int | None:
+    path = _readers_lock_file(directory)
     try:
-        return os.open(Path(directory) / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise CheckpointError(f"{Path(directory) / MANIFEST} is a symbolic link: a model "
+            raise CheckpointError(f"{path} is a symbolic link: a model "
                                   "directory's files must be its own; write it again") from None
         raise
 
@@ -149,7 +162,7 @@ def reading(directory: Path):
             return
         fcntl.flock(fd, fcntl.LOCK_SH)
         try:
-            same = os.fstat(fd).st_ino == os.stat(Path(directory) / MANIFEST).st_ino
+            same = os.fstat(fd).st_ino == os.stat(_readers_lock_file(directory)).st_ino
         except FileNotFoundError:
             same = False
         if same:

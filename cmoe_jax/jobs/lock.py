@@ -218,9 +218,12 @@ class OutputLock:
         record = {"marker": MARKER, "run": self.run_id, "pid": os.getpid(), "host": socket.gethostname(),
                   "command": " ".join(sys.argv), "paths": self._paths}
         data = json.dumps(record).encode()
-        os.pwrite(self._fd, data, 0)
-        os.ftruncate(self._fd, len(data))
-        os.fsync(self._fd)
+        try:
+            os.pwrite(self._fd, data, 0)
+            os.ftruncate(self._fd, len(data))
+            os.fsync(self._fd)
+        except OSError as e:  # name the file: a write on a descriptor carries no path
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def record(self, name: str) -> None:
         """Note `name` (a path beside the output, by name) before creating it."""
@@ -239,7 +242,8 @@ class OutputLock:
         try:
             if not self._paths and self._at_path(self._fd) and \
                     (_read_record(self._fd) or {}).get("run") == self.run_id:
-                self.path.unlink()  # else keep the record: the next job removes what it lists
+                with contextlib.suppress(OSError):  # a refusal here must not hide the job's own error:
+                    self.path.unlink()  # the record stays, and the next job takes it over
         finally:
             os.close(self._fd)
             self._fd = None
