@@ -69,5 +69,14 @@ def run_job(job, args):
         if e.errno not in PLACE_ERRORS:
             raise
         message = " ".join(place_error(e).split())
+    _end_progress_bars()
     print(f"error: {message}", file=sys.stderr)
     return None, EXIT_BAD_INPUT
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars an error left open, so the `error:` line starts a line of its own
+    (tqdm, when a job imported it, keeps its live bars in `tqdm._instances`)."""
+    tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()

@@ -180,3 +180,20 @@ def test_lmeval_takes_a_model_path_or_a_backend_name():
     hf = parse_args(["--backend", "hf", "--model_args", "pretrained=gpt2", "--tasks", "arc_easy"])
     assert (hf.model, hf.model_args) == ("hf", {"pretrained": "gpt2"})
     assert parse_args(["--model", "hf", "--tasks", "arc_easy"]).model == "hf"
+
+
+def test_an_error_inside_a_progress_bar_starts_its_own_line(capsys):
+    """A job that fails with a bar on screen (a full disk during training) still prints one
+    clean `error:` line: the bar is ended first."""
+    from tqdm.auto import tqdm
+
+    from cmoe_jax.errors import CmoeError, run_job
+
+    def job(_):
+        bar = tqdm(total=4, desc="training")
+        bar.update(1)
+        raise CmoeError("the disk is full")
+
+    assert run_job(job, None) == (None, 2)
+    err = capsys.readouterr().err
+    assert "error: the disk is full" in err.splitlines(), err
