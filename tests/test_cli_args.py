@@ -189,9 +189,11 @@ def test_an_error_inside_a_progress_bar_starts_its_own_line(capsys):
 
     from cmoe_jax.errors import CmoeError, run_job
 
+    bars = []  # the bar outlives the error, as a training loop's does
+
     def job(_):
-        bar = tqdm(total=4, desc="training")
-        bar.update(1)
+        bars.append(tqdm(total=4, desc="training"))
+        bars[-1].update(1)
         raise CmoeError("the disk is full")
 
     assert run_job(job, None) == (None, 2)
