@@ -101,16 +101,17 @@ INT64_MAX = 2**63 - 1  # counts (windows, samples, tokens, experts, ranks) index
 STEP_MAX = 2**31 - 1  # JAX, 64-bit types off, counts optimiser and loop steps in int32
 SEED_MAX = 2**32 - 1  # JAX's keys (64-bit types off) keep a seed's low 32 bits: 2**32 would repeat seed 0
 MIB_MAX = INT64_MAX // 2**20  # a size in MiB whose bytes fit an int64
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max: losses are float32
 
 
-def _number(kind, low: float, inclusive: bool, what: str, high: float | None = None, why: str = ""):
+def number_type(kind, low: float, inclusive: bool, what: str, high: float | None = None, why: str = ""):
     """An argparse type: a `kind` number from `low` up to `high` (`why`: what bounds it)."""
     def check(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}")
-        if not math.isfinite(value):
+        if kind is float and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < low or (value == low and not inclusive):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
@@ -122,15 +123,15 @@ def _number(kind, low: float, inclusive: bool, what: str, high: float | None = N
 
 
 _COUNT = (INT64_MAX, "a 64-bit integer")
-positive_int = _number(int, 1, True, "at least 1", *_COUNT)
-nonneg_int = _number(int, 0, True, "at least 0", *_COUNT)
+positive_int = number_type(int, 1, True, "at least 1", *_COUNT)
+nonneg_int = number_type(int, 0, True, "at least 0", *_COUNT)
 _STEPS = (STEP_MAX, "JAX counts steps in 32-bit integers")
-step_count = _number(int, 1, True, "at least 1", *_STEPS)
-nonneg_steps = _number(int, 0, True, "at least 0", *_STEPS)
-seed_int = _number(int, 0, True, "at least 0", SEED_MAX, "JAX's random keys take 32 bits of a seed")
-mib_size = _number(float, 0.0, False, "above 0", MIB_MAX, "its bytes must fit a 64-bit integer")
-positive_float = _number(float, 0.0, False, "above 0")
-nonneg_float = _number(float, 0.0, True, "at least 0")
+step_count = number_type(int, 1, True, "at least 1", *_STEPS)
+nonneg_steps = number_type(int, 0, True, "at least 0", *_STEPS)
+seed_int = number_type(int, 0, True, "at least 0", SEED_MAX, "JAX's random keys take 32 bits of a seed")
+mib_size = number_type(float, 0.0, False, "above 0", MIB_MAX, "its bytes must fit a 64-bit integer")
+positive_float = number_type(float, 0.0, False, "above 0")
+nonneg_float = number_type(float, 0.0, True, "at least 0")
 
 
 def share(text: str) -> float:
@@ -141,7 +142,7 @@ def share(text: str) -> float:
     return value
 
 
-seqlen_int = _number(int, 2, True, "at least 2 (a window predicts tokens[1:])", *_COUNT)
+seqlen_int = number_type(int, 2, True, "at least 2 (a window predicts tokens[1:])", *_COUNT)
 
 
 def add_model(p: Parser, default: str | None = "smollm2", what: str = "model") -> None:
@@ -225,6 +226,16 @@ def out_path(text: str) -> str:
     return os.path.expanduser(text)
 
 
+def check_readable_file(path: str, flag: str) -> None:
+    """Fail before any work when the input file `path` is missing or not a file."""
+    target = Path(path).expanduser()
+    if not target.exists():
+        raise CmoeError(f"{flag} {target} does not exist: give an existing file")
+    if not target.is_file():
+        raise CmoeError(f"{flag} {target} is a {'directory' if target.is_dir() else 'special file'}: "
+                        "give the file itself")
+
+
 def check_writable_file(path: str | None, flag: str) -> None:
     """Fail before any work when `path` cannot be written: its directory missing, or a
     trial open refused (a read-only or special filesystem such as /proc). A file the trial
@@ -247,8 +258,9 @@ def check_writable_file(path: str | None, flag: str) -> None:
         raise CmoeError(f"{flag} {path} cannot be written ({e.strerror}): choose another path") from None
 
 
-def check_writable_dir(path: str, flag: str = "--out", source: str | None = None) -> None:
-    """Fail before any work when directory `path` (and its `.partial` sibling) cannot be created."""
+def check_writable_dir(path: str, flag: str = "--out") -> None:
+    """Fail before any work when directory `path` (and its `.partial` sibling) cannot be created
+    (that it lies apart from the job's inputs is the job layer's check: `jobs.apart`)."""
     target = Path(path).expanduser()
     if target.exists() and not target.is_dir():
         raise CmoeError(f"{flag} {path} is a file: give a directory")
@@ -256,8 +268,6 @@ def check_writable_dir(path: str, flag: str = "--out", source: str | None = None
     if not target.name or target.resolve() in (here, *here.parents) or target.name in (".", ".."):
         raise CmoeError(f"{flag} {path!r} names the working directory or one above it: give a new "
                         "directory for the output (a job replaces its whole --out)")
-    if source and Path(source).exists() and Path(source).resolve().is_relative_to(target.resolve()):
-        raise CmoeError(f"{flag} {path} holds the source model {source}: give another directory")
     parent = target.resolve().parent
     while not parent.exists():
         parent = parent.parent

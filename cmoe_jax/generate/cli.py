@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from cmoe_jax.cli_args import (Parser, add_model, add_seed, command_main, nonneg_float, nonneg_int,
-                               positive_float, positive_int)
+from cmoe_jax.cli_args import (Parser, add_model, add_seed, check_readable_file, command_main, nonneg_float,
+                               nonneg_int, positive_float, positive_int)
 from cmoe_jax.errors import CmoeError
 
 
@@ -53,9 +53,8 @@ def _prompts(args) -> list[str]:
         raise CmoeError("give the prompts with --prompt (repeatable) or with --prompts-file, one of the two")
     if args.prompt:
         return list(args.prompt)
+    check_readable_file(args.prompts_file, "--prompts-file")
     path = Path(args.prompts_file).expanduser()
-    if not path.is_file():
-        raise CmoeError(f"--prompts-file {path} does not exist")
     try:
         prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except UnicodeDecodeError as e:
@@ -148,6 +147,9 @@ def run(args) -> dict:
     ids = [tokenizer.encode(t) for t in texts]
     if any(not i for i in ids):
         raise CmoeError("a prompt encodes to no token: give a non-empty prompt")
+    if args.top_k > cfg.vocab_size:
+        raise CmoeError(f"--top-k {args.top_k} exceeds the model's vocabulary of {cfg.vocab_size} tokens: "
+                        f"give at most {cfg.vocab_size} (0: all)")
     if args.max_new_tokens >= cfg.max_position_embeddings:
         raise CmoeError(f"--max-new-tokens {args.max_new_tokens} must be below the model's context of "
                         f"{cfg.max_position_embeddings} tokens")

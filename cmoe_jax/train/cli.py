@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from cmoe_jax import distributed
 from cmoe_jax.cli_args import (Parser, add_data, add_model, add_output_dir, add_progress, add_seed,
-                               add_seqlen, check_writable_dir, command_main, nonneg_float, nonneg_steps,
-                               positive_float, positive_int, step_count)
+                               add_seqlen, check_writable_dir, command_main, FLOAT32_MAX, nonneg_float, nonneg_steps,
+                               number_type, positive_float, positive_int, step_count)
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.train.api import finetune
 from cmoe_jax.train.settings import TrainSettings
@@ -72,7 +73,7 @@ def add_recovery(p: Parser) -> None:
                     help="train on the KL divergence to the teacher's next-token distribution")
     kd.add_argument("--teacher", default=None, metavar="MODEL",
                     help="model to distil from (default: the converted model's source)")
-    kd.add_argument("--kd-temperature", type=positive_float, default=1.0, help="softmax temperature T")
+    kd.add_argument("--kd-temperature", type=kd_temperature, default=1.0, help="softmax temperature T")
     kd.add_argument("--kd-weight", type=unit_weight, default=1.0,
                     help="weight of the KL term; the LM loss gets 1 - weight")
     kd.add_argument("--kd-top-k", type=positive_int, default=None, metavar="K",
@@ -86,6 +87,10 @@ def add_recovery(p: Parser) -> None:
                     help="calibration windows of --recover (the first training windows)")
     kd.add_argument("--recover-steps", type=step_count, default=200, help="Adam steps per layer")
     kd.add_argument("--recover-lr", type=positive_float, default=1e-3, help="layer-wise learning rate")
+
+
+kd_temperature = number_type(float, 0.0, False, "above 0", math.sqrt(FLOAT32_MAX),
+                             "the distillation loss is scaled by its square, in float32")
 
 
 def unit_weight(text: str) -> float:
@@ -117,7 +122,7 @@ def _mesh(text):
 
 
 def run(args) -> dict:
-    check_writable_dir(args.out, source=args.model)
+    check_writable_dir(args.out)
     distributed.initialize()  # a multi-process job trains data-parallel over all processes
 
     settings = TrainSettings(dataset=args.dataset, data_path=args.data_path, split=args.split,

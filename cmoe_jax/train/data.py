@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from cmoe_jax.cli_args import STEP_MAX
 from cmoe_jax.data import calibration_windows
 from cmoe_jax.train.lora import TrainError
 
 
-def training_windows(tokens, samples: int, seqlen: int, seed: int, name: str = "the dataset") -> np.ndarray:
+def training_windows(tokens, samples: int, seqlen: int, seed: int, name: str = "the dataset",
+                     asked: str = "--samples") -> np.ndarray:
     """`samples` windows of `seqlen` tokens at seeded random offsets (GPTQ-style sampling, as
     the CMoE paper's 2,048 WikiText-2 samples). Fails when the text has fewer distinct
-    windows than requested samples."""
+    windows than requested samples (`asked`: the flags that ask for them, for the message)."""
     n_tokens = len(tokens)
     distinct = n_tokens - seqlen
     if distinct < samples:
         raise TrainError(f"{name} has {n_tokens} tokens: only {max(distinct, 0)} distinct windows "
-                         f"of {seqlen}, fewer than --samples {samples}; use a longer text, fewer "
+                         f"of {seqlen}, fewer than {asked} asks for ({samples}); use a longer text, fewer "
                          "samples or a smaller --seqlen")
     return calibration_windows(tokens, samples, seqlen, seed, name=name)
 
@@ -35,6 +37,9 @@ class BatchOrder:
         self.num_windows, self.batch_size, self.epochs, self.seed = num_windows, batch_size, epochs, seed
         self.steps_per_epoch = num_windows // batch_size
         self.total_steps = self.steps_per_epoch * epochs
+        if self.total_steps > STEP_MAX:
+            raise TrainError(f"--epochs {epochs} of {self.steps_per_epoch} steps make {self.total_steps} steps, "
+                             f"more than JAX's 32-bit step counter holds ({STEP_MAX}): lower --epochs")
 
     def indices(self, step: int) -> np.ndarray:
         epoch, pos = divmod(step, self.steps_per_epoch)

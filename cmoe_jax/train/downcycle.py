@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from cmoe_jax.cli_args import (Parser, add_data_path, add_model, add_output_dir, add_seed, add_seqlen,
-                               check_writable_dir, nonneg_float, nonneg_int, nonneg_steps, command_main,
+                               check_readable_file, check_writable_dir, nonneg_float, nonneg_int, nonneg_steps, command_main,
                                positive_float, positive_int, step_count)
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.jobs import Job, JobRun, Outcome, RunOptions, SourceModel, fault_point, run_job
@@ -143,7 +143,8 @@ def run(args) -> dict:
     if not 0 <= args.shared_experts < args.active <= args.experts:
         raise CmoeError(f"need 0 <= --shared-experts ({args.shared_experts}) < --active ({args.active}) "
                         f"<= --experts ({args.experts})")
-    check_writable_dir(args.out, source=args.model)
+    check_readable_file(args.data_path, "--data-path")
+    check_writable_dir(args.out)
     return run_job(DowncycleJob(args), args.model, args.out,
                    RunOptions(resume=args.resume, overwrite=args.overwrite))
 
@@ -155,12 +156,12 @@ def _train(args, source: SourceModel, directory: Path) -> list:
     from cmoe_jax.train.checkpoint import RunCheckpoints
     from cmoe_jax.train.data import BatchOrder, training_windows
     from cmoe_jax.train.full import FullTrainer
-    from cmoe_jax.train.loop import TrainLoop
+    from cmoe_jax.train.loop import TrainLoop, finite_loss
 
     model, tokenizer = initial_model(args, source)
     tokens = load_text_tokens("wikitext2", tokenizer, data_path=args.data_path)
     samples = args.steps * args.batch_size
-    windows = training_windows(tokens, samples, args.seqlen, args.seed + 1)
+    windows = training_windows(tokens, samples, args.seqlen, args.seed + 1, asked="--steps x --batch-size")
     order = BatchOrder(samples, args.batch_size, 1, args.seed)
     trainer = FullTrainer(model, downcycle_optimizer(args.lr, args.steps, args.warmup),
                           lambda m, t: downcycle_loss(m, t, args.aux_coef), metrics=("nll", "aux"))
@@ -171,7 +172,12 @@ def _train(args, source: SourceModel, directory: Path) -> list:
         trainer.save(checkpoints, log)
         fault_point("checkpoint")
 
-    loop = TrainLoop(step=lambda i: trainer.train_step(windows[order.indices(i)]), save=save,
+    def step(i: int) -> dict:
+        record = trainer.train_step(windows[order.indices(i)])
+        finite_loss(record["loss"], i + 1, "lower --lr or --aux-coef")
+        return record
+
+    loop = TrainLoop(step=step, save=save,
                      save_every=args.save_every, postfix=lambda r: {"loss": f"{r['nll']:.3f}"},
                      desc=f"downcycling ({args.init})")
     loop.run(log, len(log), args.steps, checkpoints.latest_step())

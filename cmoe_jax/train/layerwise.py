@@ -123,6 +123,9 @@ def layerwise_recover(student, teacher, windows: np.ndarray, lora: LoRAConfig,
             params["u"] = jnp.asarray(ffn.u[...], jnp.float32)
         graphdef, state = nnx.split(ffn)
         params, before, after = fit(graphdef, replicate(state, mesh), replicate(params, mesh), x, y)
+        if not np.isfinite(after):
+            raise TrainError(f"layer {i}: the layer-wise fit diverged (its error became {float(after)}): "
+                             "lower --recover-lr")
         params = jax.device_get(params)
         adapters["layers"][str(i)] = {"mlp": params["lora"]}
         if "u" in params:

@@ -7,13 +7,23 @@ checkpointed every `save_every` steps and after the last one (the caller's `save
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 from tqdm.auto import tqdm
 
+from cmoe_jax.errors import CmoeError
 from cmoe_jax.jobs import fault_point
 
 DONE, OUT_OF_TIME, STOPPED = "done", "out of time", "stopped"
+
+
+def finite_loss(loss: float, step: int, advice: str) -> float:
+    """`loss`, or one line when the step made it NaN or infinite: training diverged, so
+    nothing is published (`advice`: the flags to lower)."""
+    if not math.isfinite(loss):
+        raise CmoeError(f"the loss became {loss} at step {step}: {advice}")
+    return loss
 
 
 @dataclasses.dataclass
@@ -41,7 +51,12 @@ class TrainLoop:
             if self.out_of_time is not None and self.out_of_time(last_seconds):
                 how = OUT_OF_TIME
                 break
-            log.append(self.step(i))
+            try:
+                log.append(self.step(i))
+            except BaseException:  # the bar cleared, so that the error is the job's one line
+                bar.leave = False
+                bar.close()
+                raise
             last_seconds = log[-1]["seconds"]
             bar.update(1)
             bar.set_postfix(**self.postfix(log[-1]))

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from cmoe_jax import distributed
-from cmoe_jax.errors import CmoeError
 from cmoe_jax.jobs import SourceModel, fault_point
 from cmoe_jax.train.checkpoint import RunCheckpoints, lora_saved, lora_state, save_adapters
 from cmoe_jax.train.lora import TrainError, adapted_weights
@@ -67,6 +66,10 @@ class FineTuning:
                              f"({cfg.max_position_embeddings} positions)")
         abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
         adapted = adapted_weights(abstract, self.lora.targets)  # targets that match nothing fail here
+        full_rank = max(min(shape[-2:]) for _, shape in adapted)
+        if s.lora_rank > full_rank:
+            raise TrainError(f"--lora-rank {s.lora_rank} exceeds the rank of every adapted weight "
+                             f"(at most {full_rank}): give at most {full_rank}")
         tied = [i for i, spec in enumerate(cfg.moe_layers) if spec is not None and spec.prototype_owner >= 0]
         if tied and any(p[1] in tied and p[3].startswith("expert_") for p, _ in adapted):
             raise TrainError("the model shares prototype tables across layers (compressed with "
@@ -166,17 +169,15 @@ class FineTuning:
 
     def train(self, progress: bool, stop_after_steps: int | None) -> str:
         """The step loop (`cmoe_jax.train.loop`); DONE, OUT_OF_TIME or STOPPED."""
-        from cmoe_jax.train.loop import TrainLoop
+        from cmoe_jax.train.loop import TrainLoop, finite_loss
 
         s, tokens_per_step = self.settings, self.settings.batch_size * self.settings.seqlen
 
         def step(i: int) -> dict:
             t0 = time.perf_counter()
             self.state, loss, _ = self.compiled(self.state, self.frozen, self._batch(i))
-            loss = float(loss)
+            loss = finite_loss(float(loss), i + 1, "lower --lr / --router-lr")
             dt = time.perf_counter() - t0
-            if not np.isfinite(loss):
-                raise CmoeError(f"the loss became {loss} at step {i + 1}: lower --lr / --router-lr")
             return {"step": i + 1, "epoch": i // self.order.steps_per_epoch, "loss": loss,
                     "seconds": dt, "tokens_per_s": tokens_per_step / dt}
 

@@ -63,6 +63,6 @@ def task_windows(texts, tokenizer, samples_per_task: int, seqlen: int, max_tasks
         if len(windows) == max_tasks:
             break
     if not windows:
-        raise DataError(f"no calibration text has {need} tokens ({samples_per_task} x {seqlen}): "
-                        "lower --samples-per-task or --seqlen")
+        lower = "--samples-per-task or --seqlen" if samples_per_task > 1 else "--seqlen"
+        raise DataError(f"no calibration text has {need} tokens ({samples_per_task} x {seqlen}): lower {lower}")
     return np.concatenate(windows), np.asarray(ids, np.int32)
