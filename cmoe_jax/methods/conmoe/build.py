@@ -88,7 +88,13 @@ def materialize(model, plans) -> Decoder:
     return Decoder.from_pure(model.config, state, model.dtype)
 
 
-def routed_bytes(model) -> int:
-    """Bytes of the distinct routed-expert arrays in `model`'s state (a tied table once)."""
+def state_bytes(model, names=None) -> int:
+    """Bytes of the distinct arrays in `model`'s state (a tied table once), only those named
+    `names` when given: what a checkpoint stores, independent of how Orbax packs it."""
     flat = nnx.to_flat_state(nnx.state(model))
-    return int(sum(v.get_value().nbytes for p, v in flat if p[-1] in PROJECTIONS))
+    return int(sum(v.get_value().nbytes for p, v in flat if names is None or p[-1] in names))
+
+
+def routed_bytes(model) -> int:
+    """Bytes of the distinct routed-expert arrays in `model`'s state."""
+    return state_bytes(model, PROJECTIONS)
