@@ -28,7 +28,9 @@ from cmoe_jax.generate import main as generate_main
 from cmoe_jax.jobs import OutputLock
 from cmoe_jax.loading import load_model
 from cmoe_jax.train.cli import main as train_main
+from cmoe_jax.train.downcycle import main as downcycle_main
 from tests.conftest import save_tiny_tokenizer, tiny_hf_model, write_random_text
+from tests.test_expertweaver import _articles
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +51,8 @@ def inputs(tmp_path_factory):
     text = write_random_text(root / "calib.txt", 3000)
     converted = root / "converted"
     convert(str(dense), _tiny_job(text), out=converted, progress=False)
-    return {"dense": dense, "text": text, "converted": converted, "root": root}
+    return {"dense": dense, "text": text, "converted": converted, "root": root,
+            "articles": _articles(root / "articles.txt")}
 
 
 def _convert(i, out, *extra, model=None):
@@ -73,6 +76,13 @@ def _train(i, out, *extra, model=None):
     return train_main(["--model", str(model or i["converted"]), "--data-path", str(i["text"]),
                        "--samples", "4", "--seqlen", "16", "--batch-size", "2", "--no-progress",
                        "--out", str(out), *extra])
+
+
+def _downcycle(i, out, *extra, model=None):
+    return downcycle_main(["--model", str(model or i["dense"]), "--data-path", str(i["articles"]),
+                           "--experts", "8", "--active", "4", "--shared-experts", "1", "--calib-tasks", "4",
+                           "--layers", "1", "--seqlen", "16", "--steps", "4", "--batch-size", "2",
+                           "--warmup", "0", "--out", str(out), *extra])
 
 
 def _generate(i, out, *extra, model=None):
@@ -171,6 +181,35 @@ CASES = [
      "--temperature must be a finite number"),
     ("generate-prompts-latin1", _generate, ["PROMPTS_LATIN1"], None, "is not UTF-8 text"),
     ("eval-json-in-proc", _eval, ["--json", "/proc/x.json"], None, "--out /proc/x.json cannot be written"),
+    ("downcycle-missing-data", _downcycle, ["--data-path", "NONE"], None, "none.txt does not exist: give an existing file"),
+    ("downcycle-data-is-a-directory", _downcycle, ["--data-path", "runs"], None,
+     "--data-path runs is a directory: give the file itself"),
+    ("downcycle-lr-diverges", _downcycle, ["--lr", "1e23"], None, "the loss became nan at step 3: lower --lr"),
+    ("downcycle-steps-beyond-text", _downcycle, ["--steps", "2147483647"], None,
+     "fewer than --steps x --batch-size asks for (4294967294)"),
+    ("convert-calib-samples-overflow", _convert, ["--calib-samples", "100000000000000000000000"], None,
+     "--calib-samples must be at most 9223372036854775807 (a 64-bit integer)"),
+    ("train-seed-overflow", _train, ["--seed", "100000000000000000000000"], None,
+     "--seed must be at most 4294967295"),
+    ("train-recover-steps-overflow", _train, ["--recover", "layerwise", "--recover-steps", "1e23"], None,
+     "--recover-steps: '1e23' is not an integer"),
+    ("train-lora-rank-beyond-the-weights", _train, ["--lora-rank", "100000000000000000000000"], None,
+     "--lora-rank must be at most"),
+    ("train-lora-rank-beyond-full-rank", _train, ["--lora-rank", "33"], None,
+     "--lora-rank 33 exceeds the rank of every adapted weight (at most 32)"),
+    ("train-kd-temperature-huge", _train, ["--distill", "--kd-temperature", "1e23"], None,
+     "--kd-temperature must be at most"),
+    ("train-recover-lr-diverges", _train, ["--recover", "layerwise", "--recover-samples", "2", "--recover-lr",
+                                           "1e23"], None, "the layer-wise fit diverged (its error became nan): lower --recover-lr"),
+    ("export-max-shard-huge", _export, ["--max-shard-mb", "1e308"], None, "--max-shard-mb must be at most"),
+    ("generate-top-k-overflow", _generate, ["--prompt", "w1", "--top-k", "100000000000000000000"], None,
+     "--top-k must be at most"),
+    ("generate-top-k-beyond-vocab", _generate, ["--prompt", "w1", "--top-k", "97"], None,
+     "--top-k 97 exceeds the model's vocabulary of 96 tokens"),
+    ("generate-seed-overflow", _generate, ["--prompt", "w1", "--seed", "100000000000000000000"], None,
+     "--seed must be at most 4294967295"),
+    ("generate-prompts-file-directory", _generate, ["--prompts-file", "runs"], None,
+     "--prompts-file runs is a directory: give the file itself"),
 ]
 
 
