@@ -182,3 +182,17 @@ def test_train_refuses_a_table_shared_across_layers(mixtral, tmp_path, capsys):
     assert train_main(args) == 2
     assert "--scope 1" in capsys.readouterr().err
     assert not (tmp_path / "ft").exists() and not (tmp_path / "ft.partial").exists()
+
+
+def test_identical_runs_record_identical_figures(mixtral, tmp_path):
+    """The manifest's figures are the same on a rerun (Orbax's file sizes are not: OCDBT packs
+    chunks by the order its writes finish), and the state's bytes are those of the arrays
+    the restored model holds."""
+    path, text = mixtral
+    figures = []
+    for out in (tmp_path / "a", tmp_path / "b"):
+        assert main(_args(path, text, out, "--method", "conmoe", "--ratio", "0.5", "--no-progress")) == 0
+        figures.append(json.loads((out / "cmoe_manifest.json").read_text())["compression"])
+    assert figures[0] == figures[1]
+    restored = _flat(load_model(str(tmp_path / "a")).model)
+    assert figures[0]["state_array_bytes"] == sum(a.nbytes for a in restored.values())
