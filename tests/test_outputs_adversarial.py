@@ -140,7 +140,8 @@ def test_kill_inside_publish_or_cleanup_is_repaired_by_a_plain_rerun(inputs, tmp
 
 def _read_during_publish(inputs, tmp_path, monkeypatch):
     """A reader of `old` paused after its first layer, an overwrite publish of `new` let run
-    up to 2 s, the reader resumed: (old's arrays, new's arrays, what the reader got)."""
+    up to 2 s, the reader resumed: (old's arrays, new's arrays, what the reader got: its
+    arrays, or the CheckpointError it raised)."""
     from cmoe_jax import faults
 
     old, new = tmp_path / "old", tmp_path / "new"
@@ -153,7 +154,14 @@ def _read_during_publish(inputs, tmp_path, monkeypatch):
     faults.reset_counts()
     monkeypatch.setenv(faults.PAUSE_ENV, f"read:layer:2:{gate}")  # after layer 0, before layer 1
     result = {}
-    reader = threading.Thread(target=lambda: result.setdefault("model", restore_model(old)))
+
+    def read():
+        try:
+            result["model"] = restore_model(old)
+        except CheckpointError as e:
+            result["error"] = e
+
+    reader = threading.Thread(target=read)
     reader.start()
     while not (gate / "paused").exists() and reader.is_alive():
         reader.join(0.01)
@@ -173,7 +181,7 @@ def _read_during_publish(inputs, tmp_path, monkeypatch):
     writer.join()
     monkeypatch.delenv(faults.PAUSE_ENV)
     assert all(np.array_equal(a, b) for a, b in zip(after, _leaves(restore_model(old))))  # published
-    return before, after, _leaves(result["model"])
+    return before, after, result.get("error") or _leaves(result["model"])
 
 
 def _same(a, b):
@@ -186,14 +194,17 @@ def test_a_reader_is_isolated_from_an_overwrite_publish(inputs, tmp_path, monkey
 
 
 def test_without_the_readers_lock_the_same_schedule_gives_a_mix(inputs, tmp_path, monkeypatch):
-    """The test above can fail: with the lock taken out, the reader gets layers of both."""
+    """The test above can fail: with the lock taken out, the reader reads layers of both, which
+    the old manifest's checksums refuse (without checksums, as in older directories, it would
+    return the mix)."""
     import contextlib
 
     import cmoe_jax.jobs.staging as staging
 
     monkeypatch.setattr(staging, "readers_excluded", lambda _: contextlib.nullcontext())
     before, after, got = _read_during_publish(inputs, tmp_path, monkeypatch)
-    assert not _same(got, before) and not _same(got, after)
+    assert isinstance(got, CheckpointError), "the reader returned a model"
+    assert "state/layer_0001: " in str(got) and "does not match the checksum" in str(got)
 
 
 # ---- 5. loading verifies what it reads ---------------------------------------------------------
