@@ -2,10 +2,13 @@
 
     python scripts/bad_input_table.py
 
-Runs `tests/test_bad_input.py::test_bad_input_is_one_line_exit_2_nothing_written` with
-`CMOE_BAD_INPUT_TABLE` set: every case that passes (one `error:` line, exit 2, nothing
-written) records its flags and its line, and the table between the markers of the guide is
-rewritten from those records. A case that fails is not in the table and the script exits 1.
+Runs `tests/test_bad_input.py::test_bad_input_is_one_line_exit_2_nothing_written` and the
+parser property test of `tests/test_cli_limits.py` with `CMOE_BAD_INPUT_TABLE` set: every
+end-to-end case that passes (one `error:` line, exit 2, nothing written) records its flags
+and its line; each command's parser test records the distinct (flag, value) pairs it refused
+in one line. The table between the markers of the guide is rewritten from those records,
+with the parser cases counted per command and the total. A case that fails is not counted
+and the script exits 1.
 """
 from __future__ import annotations
 
@@ -37,12 +40,22 @@ def _flags(flags: list[str]) -> str:
     return " ".join(shown).replace("|", "\\|") or "(the case's model)"
 
 
+TESTS = ["tests/test_bad_input.py::test_bad_input_is_one_line_exit_2_nothing_written",
+         "tests/test_cli_limits.py::test_every_numeric_flag_at_the_type_limits_is_exit_0_or_2"]
+
+
 def table(records: list[dict]) -> str:
+    cases = [r for r in records if "id" in r]
+    parsers = {r["parser"]: len(r["cases"]) for r in records if "parser" in r}
     rows = ["| case | command | its one line | written |", "|---|---|---|---|"]
-    for r in records:
+    for r in cases:
         line = re.sub(r"\(pid \d+ on [^:]+: .*\): wait", "(pid PID on HOST: COMMAND): wait", r["error"])
         line = line.replace("|", "\\|")
         rows.append(f"| {r['id']} | `{r['job']}` {_flags(r['flags'])} | `{line}` | nothing |")
+    counts = ", ".join(f"{job} {n}" for job, n in sorted(parsers.items()))
+    rows += ["", f"Besides these {len(cases)} cases, the parsers alone refuse {sum(parsers.values())} distinct "
+                 f"(flag, value) pairs at and beyond the limits of each numeric flag's type ({counts}), "
+                 f"each in one line: {len(cases) + sum(parsers.values())} bad inputs, 0 tracebacks."]
     return "\n".join(rows)
 
 
@@ -51,15 +64,14 @@ def main() -> int:
         records_file = Path(tmp) / "records.jsonl"
         env = dict(os.environ, CMOE_BAD_INPUT_TABLE=str(records_file), PYTHONPATH=str(ROOT),
                    JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               "tests/test_bad_input.py::test_bad_input_is_one_line_exit_2_nothing_written"],
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS],
                               cwd=ROOT, env=env)
         records = [json.loads(line) for line in records_file.read_text().splitlines()] \
             if records_file.exists() else []
     text = GUIDE.read_text()
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
     GUIDE.write_text(text[:start] + "\n" + table(records) + "\n" + text[end:])
-    print(f"{len(records)} cases written to {GUIDE.relative_to(ROOT)}")
+    print(table(records).splitlines()[-1], f"({GUIDE.relative_to(ROOT)} rewritten)")
     return proc.returncode
 
 
