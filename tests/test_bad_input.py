@@ -186,7 +186,7 @@ CASES = [
      "--data-path runs is a directory: give the file itself"),
     ("downcycle-lr-diverges", _downcycle, ["--lr", "1e23"], None, "the loss became nan at step 3: lower --lr"),
     ("downcycle-steps-beyond-text", _downcycle, ["--steps", "2147483647"], None,
-     "fewer than --steps x --batch-size asks for (4294967294)"),
+     "fewer than --steps x --batch-size = 4294967294"),
     ("convert-calib-samples-overflow", _convert, ["--calib-samples", "100000000000000000000000"], None,
      "--calib-samples must be at most 9223372036854775807 (a 64-bit integer)"),
     ("train-seed-overflow", _train, ["--seed", "100000000000000000000000"], None,

@@ -18,7 +18,7 @@ def training_windows(tokens, samples: int, seqlen: int, seed: int, name: str = "
     distinct = n_tokens - seqlen
     if distinct < samples:
         raise TrainError(f"{name} has {n_tokens} tokens: only {max(distinct, 0)} distinct windows "
-                         f"of {seqlen}, fewer than {asked} asks for ({samples}); use a longer text, fewer "
+                         f"of {seqlen}, fewer than {asked} {samples}; use a longer text, fewer "
                          "samples or a smaller --seqlen")
     return calibration_windows(tokens, samples, seqlen, seed, name=name)
 

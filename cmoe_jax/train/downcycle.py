@@ -161,7 +161,7 @@ def _train(args, source: SourceModel, directory: Path) -> list:
     model, tokenizer = initial_model(args, source)
     tokens = load_text_tokens("wikitext2", tokenizer, data_path=args.data_path)
     samples = args.steps * args.batch_size
-    windows = training_windows(tokens, samples, args.seqlen, args.seed + 1, asked="--steps x --batch-size")
+    windows = training_windows(tokens, samples, args.seqlen, args.seed + 1, asked="--steps x --batch-size =")
     order = BatchOrder(samples, args.batch_size, 1, args.seed)
     trainer = FullTrainer(model, downcycle_optimizer(args.lr, args.steps, args.warmup),
                           lambda m, t: downcycle_loss(m, t, args.aux_coef), metrics=("nll", "aux"))
