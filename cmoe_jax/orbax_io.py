@@ -26,6 +26,7 @@ from cmoe_jax.errors import PLACE_ERRORS
 
 _OS_ERROR_CODE = re.compile(r"\[os_error_code='(\d+)'\]")
 _orbax_log = logging.getLogger("absl")
+DRAIN_SECONDS = 60.0
 
 
 def os_error_of(error: BaseException, path: Path) -> OSError | None:
@@ -65,8 +66,9 @@ def orbax_writes(path: Path):
 
 
 def _run_sync_draining(coro):
-    """Orbax's `_run_sync_via_new_loop`, except that the loop closes only once every task
-    it started has ended (tensorstore's reads resolve their futures through the loop)."""
+    """Orbax's `_run_sync_via_new_loop`, except that the loop closes only once the tasks it
+    started have ended (tensorstore's reads resolve their futures through the loop), or
+    after `DRAIN_SECONDS` (a task that never ends is closed with the loop, as before)."""
     loop = asyncio.new_event_loop()
     try:
         asyncio.set_event_loop(loop)
@@ -74,7 +76,10 @@ def _run_sync_draining(coro):
     finally:
         pending = asyncio.all_tasks(loop)
         if pending:
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            done, _ = loop.run_until_complete(asyncio.wait(pending, timeout=DRAIN_SECONDS))
+            for task in done:  # their errors are the one raised or its siblings: seen, not logged
+                if not task.cancelled():
+                    task.exception()
         asyncio.set_event_loop(None)
         loop.close()
 
