@@ -30,11 +30,13 @@ DRAIN_SECONDS = 60.0
 
 
 def os_error_of(error: BaseException, path: Path) -> OSError | None:
-    """The OSError of the environment inside a tensorstore error (`[os_error_code='N']`, or
-    `RESOURCE_EXHAUSTED` alone: a full disk), with `path` as its filename; None otherwise."""
+    """The OSError of the environment inside a tensorstore error (`[os_error_code='N']`;
+    without a code, `RESOURCE_EXHAUSTED` is a full disk and `Failed writing` an I/O error),
+    with `path` as its filename; None for any other error."""
     text = str(error)
     found = _OS_ERROR_CODE.search(text)
-    code = int(found.group(1)) if found else errno.ENOSPC if "RESOURCE_EXHAUSTED" in text else None
+    code = (int(found.group(1)) if found else errno.ENOSPC if "RESOURCE_EXHAUSTED" in text
+            else errno.EIO if "Failed writing" in text else None)
     if code not in PLACE_ERRORS:
         return None
     return OSError(code, os.strerror(code), str(path))

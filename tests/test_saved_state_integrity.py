@@ -24,6 +24,7 @@ from cmoe_jax import atomic_files
 from cmoe_jax.checkpoint import DIGESTS, MANIFEST, restore_model, write_json_atomic
 from cmoe_jax.errors import CheckpointError, run_job
 from cmoe_jax.loading import load_model
+from cmoe_jax.orbax_io import os_error_of
 from cmoe_jax.train.checkpoint import RunCheckpoints
 from tests.test_bad_input import _compress, _convert, _eval, _export, _train, inputs  # noqa: F401
 
@@ -111,6 +112,21 @@ def test_disk_full_in_converts_save_is_one_line_and_resume_is_identical(inputs, 
     monkeypatch.undo()
     assert _convert(inputs, out, "--resume", "--no-progress") == 0
     assert all(np.array_equal(a, b) for a, b in zip(_leaves(out), _leaves(inputs["converted"])))
+
+
+@pytest.mark.parametrize("message, code", [
+    ("RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']", errno.ENOSPC),
+    ("PERMISSION_DENIED: Failed writing: \"/x/d/1\": Permission denied [os_error_code='13']", errno.EACCES),
+    ("RESOURCE_EXHAUSTED: Error writing \"a/0\" in OCDBT database", errno.ENOSPC),
+    ("UNKNOWN: Failed writing: \"/x/d/1\"", errno.EIO),
+    ("INVALID_ARGUMENT: shape mismatch", None),  # not the environment: a bug keeps its traceback
+])
+def test_orbax_write_errors_map_to_the_environments_oserror(message, code, tmp_path):
+    refused = os_error_of(ValueError(message), tmp_path / "state")
+    if code is None:
+        assert refused is None
+    else:
+        assert (refused.errno, refused.filename) == (code, str(tmp_path / "state"))
 
 
 def _train_tree() -> dict:
