@@ -24,12 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def finished(inputs, tmp_path_factory):
-    """A finished training run of the converted model on a copy of the text."""
+    """A finished training run (1 of its 2 steps: stopped by --max-steps) of the converted model
+    on a copy of the text."""
     root = tmp_path_factory.mktemp("finished")
     text, conv = root / "t.txt", root / "conv"
     shutil.copy(inputs["text"], text)
     shutil.copytree(inputs["converted"], conv)
-    assert _train(inputs, root / "ft", "--data-path", str(text), model=conv) == 0
+    assert _train(inputs, root / "ft", "--data-path", str(text), "--max-steps", "1", model=conv) == 0
     return {"text": text, "conv": conv, "ft": root / "ft"}
 
 
@@ -115,3 +116,22 @@ def test_a_job_holds_the_readers_lock_of_an_exported_source(inputs, tmp_path):
         fcntl.flock(record, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free once the job is done
     finally:
         os.close(record)
+
+
+def test_new_data_continues_a_finished_run_and_records_it(inputs, finished, tmp_path, capsys):
+    import json
+
+    other = tmp_path / "other.txt"
+    write_random_text(other, 3000, seed=11)
+    out = tmp_path / "ft"
+    shutil.copytree(finished["ft"], out)
+    steps = len(json.loads((out / "train_log.json").read_text())["steps"])
+    assert _train(inputs, out, "--data-path", str(other), "--new-data", model=finished["conv"]) == 2
+    assert "--new-data does not apply without --resume" in capsys.readouterr().err
+    assert _train(inputs, out, "--resume", "--data-path", str(other), "--new-data", model=finished["conv"]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    history = log["data_history"]
+    assert [h["from_step"] for h in history] == [0, steps] and len(log["steps"]) == steps + 1
+    assert history[0]["data_path"] == str(finished["text"]) and history[1]["data_path"] == str(other)
+    manifest = json.loads((out / "cmoe_manifest.json").read_text())
+    assert manifest["inputs"]["data_sha256"] == history[1]["data_sha256"] != history[0]["data_sha256"]

@@ -198,9 +198,10 @@ def input_digests(fingerprint: dict) -> dict:
             "source_sha256": hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()}
 
 
-def check_continued_inputs(out: Path, fingerprint: dict) -> None:
+def check_continued_inputs(out: Path, fingerprint: dict, data_may_differ: bool = False) -> dict:
     """Continuing a finished run in `out` follows the rule of a resume: the source and the data
-    it was published from (its manifest's `inputs`) must be what the job reads now."""
+    it was published from (its manifest's `inputs`, returned) must be what the job reads now;
+    other data only when the user asked for it (`data_may_differ`)."""
     try:
         recorded = json.loads((Path(out) / MANIFEST).read_text()).get("inputs")
     except (OSError, ValueError, AttributeError):
@@ -212,7 +213,8 @@ def check_continued_inputs(out: Path, fingerprint: dict) -> None:
     if recorded.get("source_sha256") != now["source_sha256"]:
         raise ResumeMismatchError(f"--resume: the source model changed since {out} was made (its files "
                                   "differ in content); restore it, or rerun with --overwrite to start over")
-    if recorded.get("data_sha256") != now["data_sha256"]:
+    if recorded.get("data_sha256") != now["data_sha256"] and not data_may_differ:
         raise ResumeMismatchError(f"--resume: the training text differs from the one {out} was made with "
-                                  "(its tokens have another digest); restore that text, or rerun with "
-                                  "--overwrite to start over")
+                                  "(its tokens have another digest); restore that text, pass --new-data "
+                                  "to continue on this one, or rerun with --overwrite to start over")
+    return recorded

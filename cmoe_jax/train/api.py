@@ -33,9 +33,25 @@ from cmoe_jax.train.run import FineTuning
 from cmoe_jax.train.settings import TrainSettings
 
 
-def _prepare_dirs(staging: Staging, fp: dict, settings: dict, resume: bool, overwrite: bool) -> bool:
+DATA_KEYS = ("dataset", "split", "data_path")  # what `--new-data` lets a continued run change
+DATA_HISTORY = "data_history.json"  # staged beside run_config.json when the data changed
+
+
+def _data_history(out: Path, saved: dict, recorded: dict, settings: dict, fp: dict) -> list | None:
+    """The texts a continued run has trained on ({from_step, dataset, split, data_path,
+    data_sha256} each), with the new one appended; None when the text is the same."""
+    if recorded.get("data_sha256") == fp["data"]:
+        return None
+    log = json.loads((out / "train_log.json").read_text())
+    history = log.get("data_history") or [
+        {"from_step": 0, **{k: saved.get(k) for k in DATA_KEYS}, "data_sha256": recorded.get("data_sha256")}]
+    return [*history, {"from_step": len(log["steps"]), **{k: settings.get(k) for k in DATA_KEYS},
+                       "data_sha256": fp["data"]}]
+
+
+def _prepare_dirs(staging: Staging, fp: dict, settings: dict, options: RunOptions, new_data: bool) -> bool:
     """Open the staging directory (process 0); True when the output must be replaced at the end."""
-    out = staging.out
+    out, resume, overwrite = staging.out, options.resume, options.overwrite
     if resume and staging.exists():
         staging.open(fp, resume=True)
         moved = staging.dir / "final" / "checkpoints"  # killed between this move and publish
@@ -43,9 +59,11 @@ def _prepare_dirs(staging: Staging, fp: dict, settings: dict, resume: bool, over
             moved.rename(staging.dir / "checkpoints")
         return out.exists()
     if resume and (out / "checkpoints").exists():  # continue a finished (e.g. time-limited) run
-        check_run_config(out, settings)
-        check_continued_inputs(out, fp)
-        staging.open(fp, resume=False, files={RUN_CONFIG: settings})
+        saved = check_run_config(out, settings, may_differ=DATA_KEYS if new_data else ())
+        recorded = check_continued_inputs(out, fp, data_may_differ=new_data)
+        history = _data_history(out, saved, recorded, settings, fp) if new_data else None
+        staging.open(fp, resume=False, files={RUN_CONFIG: settings,
+                                              **({DATA_HISTORY: history} if history else {})})
         for part in ("checkpoints", RECOVER_DIR) if (out / RECOVER_DIR).is_dir() else ("checkpoints",):
             copy = staging.dir / f".{part}.copy"
             shutil.copytree(out / part, copy)
@@ -69,8 +87,8 @@ class TrainJob(Job):
     kind, fresh_final, manifest_name = "train", False, None  # `save` writes the manifest whole
     resumable = ("checkpoints/[0-9]*", "final/checkpoints/[0-9]*", RECOVER_DIR)
 
-    def __init__(self, settings: TrainSettings, devices=None):
-        self.settings, self.devices = settings, devices
+    def __init__(self, settings: TrainSettings, devices=None, new_data: bool = False):
+        self.settings, self.devices, self.new_data = settings, devices, new_data
 
     def output_may_exist(self, options: RunOptions) -> bool:
         return options.overwrite or options.resume
@@ -91,7 +109,7 @@ class TrainJob(Job):
     def open(self, output: OutputDir, fingerprint: dict) -> None:
         # process 0 alone touches the directories (the others wait for it)
         self.replace_out = output.on_main(lambda staging: _prepare_dirs(
-            staging, fingerprint, self.run_settings, self.options.resume, self.options.overwrite))
+            staging, fingerprint, self.run_settings, self.options, self.new_data))
 
     def work(self, run: JobRun) -> Outcome:
         progress = run.options.progress and run.main
@@ -106,8 +124,10 @@ class TrainJob(Job):
 
     def save(self, run: JobRun, outcome: Outcome) -> None:
         """The merged model, adapters, checkpoints, log and plot into `run.final`."""
-        self.summary = self.fine.write_final(run.output.staging.dir, outcome.extra, self.run_settings,
-                                             outcome.manifest)
+        history = run.output.staging.dir / DATA_HISTORY  # the texts of a run continued on new data
+        record = {**self.run_settings, **({"data_history": json.loads(history.read_text())}
+                                          if history.is_file() else {})}
+        self.summary = self.fine.write_final(run.output.staging.dir, outcome.extra, record, outcome.manifest)
 
     def publish(self, run: JobRun) -> None:
         run.output.publish(run.final, overwrite=self.replace_out or self.options.overwrite)
@@ -118,7 +138,7 @@ class TrainJob(Job):
 
 def finetune(model: str, settings: TrainSettings = TrainSettings(), *, out, resume: bool = False,
              overwrite: bool = False, devices=None, progress: bool = True,
-             stop_after_steps: int | None = None) -> dict:
+             stop_after_steps: int | None = None, new_data: bool = False) -> dict:
     """LoRA fine-tuning of a dense or converted model (CMoE paper, section 4); returns a summary.
 
     `settings.mesh_shape = (data, model)` (default: all devices of all processes on "data");
@@ -126,10 +146,11 @@ def finetune(model: str, settings: TrainSettings = TrainSettings(), *, out, resu
     the MoE layers' routed experts are split over it (tokens exchanged by all-to-all) and the
     batch over data x expert, so `batch_size` must be a multiple of data x expert.
     `stop_after_steps` exists for testing interruption: the job stops as if killed right after
-    that step (its checkpoints stay in `OUT.partial`).
+    that step (its checkpoints stay in `OUT.partial`). `new_data`: with `resume`, continue a
+    finished run on another text (recorded in its log's `data_history`).
     """
     options = RunOptions(resume, overwrite, progress, stop_after=stop_after_steps)
-    return run_job(TrainJob(settings, devices), model, out, options)
+    return run_job(TrainJob(settings, devices, new_data), model, out, options)
 
 
 def _source_manifest(path: Path, model: str) -> dict:

@@ -86,17 +86,20 @@ def lora_state(saved: dict) -> dict:
             "bias": saved.get("bias", {}), "step": saved["step"]}
 
 
-def check_run_config(directory: Path, settings: dict) -> None:
-    """Refuse to resume a run directory written with other settings (one line naming them)."""
+def check_run_config(directory: Path, settings: dict, may_differ: tuple[str, ...] = ()) -> dict:
+    """Refuse to resume a run directory written with other settings (one line naming them),
+    except for the keys in `may_differ`; returns the saved settings."""
     path = Path(directory) / RUN_CONFIG
     if not path.exists():
         raise TrainError(f"--resume: {directory} has no {RUN_CONFIG}; it is not a fine-tuning run")
     saved = json.loads(path.read_text())
-    diff = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+    diff = sorted(k for k in set(saved) | set(settings)
+                  if saved.get(k) != settings.get(k) and k not in may_differ)
     if diff:
         detail = ", ".join(f"{k}: {saved.get(k)!r} there, {settings.get(k)!r} now" for k in diff)
         raise TrainError(f"--resume: {directory} was written with a different configuration ({detail}); "
                          "rerun with the same settings or without --resume into a new --out")
+    return saved
 
 
 def write_run_config(directory: Path, settings: dict) -> None:

@@ -63,6 +63,9 @@ def build_parser(prog: str = "python -m cmoe_jax.train") -> Parser:
     job.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (less memory)")
     add_output_dir(p, "merged model, adapters, checkpoints, log",
                    "continue the run in --out from its last checkpoint")
+    p.add_argument("--new-data", action="store_true",
+                   help="with --resume on a finished run: continue it on another text (--dataset, "
+                        "--split, --data-path), recorded in its log's data_history")
     add_progress(p)
     return p
 
@@ -108,7 +111,11 @@ def dropout_rate(text: str) -> float:
 
 
 def parse_args(argv=None, prog: str = "python -m cmoe_jax.train"):
-    return build_parser(prog).parse_args(argv)
+    p = build_parser(prog)
+    args = p.parse_args(argv)
+    if not args.resume:
+        p.reject(args, ("new_data",), "without --resume (it continues a finished run on another text)")
+    return args
 
 
 def _mesh(text):
@@ -138,7 +145,7 @@ def run(args) -> dict:
                    recover_samples=args.recover_samples, recover_steps=args.recover_steps,
                    recover_lr=args.recover_lr)
     return finetune(args.model, settings, out=args.out, resume=args.resume, overwrite=args.overwrite,
-                    progress=not args.no_progress)
+                    progress=not args.no_progress, new_data=args.new_data)
 
 
 def report(args, result: dict) -> None:
