@@ -87,8 +87,8 @@ class TrainJob(Job):
     kind, fresh_final, manifest_name = "train", False, None  # `save` writes the manifest whole
     resumable = ("checkpoints/[0-9]*", "final/checkpoints/[0-9]*", RECOVER_DIR)
 
-    def __init__(self, settings: TrainSettings, devices=None, new_data: bool = False):
-        self.settings, self.devices, self.new_data = settings, devices, new_data
+    def __init__(self, settings: TrainSettings, devices=None):
+        self.settings, self.devices = settings, devices
 
     def output_may_exist(self, options: RunOptions) -> bool:
         return options.overwrite or options.resume
@@ -109,7 +109,7 @@ class TrainJob(Job):
     def open(self, output: OutputDir, fingerprint: dict) -> None:
         # process 0 alone touches the directories (the others wait for it)
         self.replace_out = output.on_main(lambda staging: _prepare_dirs(
-            staging, fingerprint, self.run_settings, self.options, self.new_data))
+            staging, fingerprint, self.run_settings, self.options, self.settings.new_data))
 
     def work(self, run: JobRun) -> Outcome:
         progress = run.options.progress and run.main
@@ -138,7 +138,7 @@ class TrainJob(Job):
 
 def finetune(model: str, settings: TrainSettings = TrainSettings(), *, out, resume: bool = False,
              overwrite: bool = False, devices=None, progress: bool = True,
-             stop_after_steps: int | None = None, new_data: bool = False) -> dict:
+             stop_after_steps: int | None = None) -> dict:
     """LoRA fine-tuning of a dense or converted model (CMoE paper, section 4); returns a summary.
 
     `settings.mesh_shape = (data, model)` (default: all devices of all processes on "data");
@@ -146,11 +146,11 @@ def finetune(model: str, settings: TrainSettings = TrainSettings(), *, out, resu
     the MoE layers' routed experts are split over it (tokens exchanged by all-to-all) and the
     batch over data x expert, so `batch_size` must be a multiple of data x expert.
     `stop_after_steps` exists for testing interruption: the job stops as if killed right after
-    that step (its checkpoints stay in `OUT.partial`). `new_data`: with `resume`, continue a
-    finished run on another text (recorded in its log's `data_history`).
+    that step (its checkpoints stay in `OUT.partial`). `settings.new_data`: with `resume`,
+    continue a finished run on another text (recorded in its log's `data_history`).
     """
     options = RunOptions(resume, overwrite, progress, stop_after=stop_after_steps)
-    return run_job(TrainJob(settings, devices, new_data), model, out, options)
+    return run_job(TrainJob(settings, devices), model, out, options)
 
 
 def _source_manifest(path: Path, model: str) -> dict:

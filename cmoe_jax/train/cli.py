@@ -138,6 +138,7 @@ def run(args) -> dict:
                    targets=args.targets, lr=args.lr, router_lr=args.router_lr,
                    bias_speed=args.bias_speed, epochs=args.epochs, seed=args.seed,
                    save_every=args.save_every, max_steps=args.max_steps, max_minutes=args.max_minutes,
+                   new_data=args.new_data,
                    mesh_shape=_mesh(args.mesh), expert_parallel=args.expert_parallel,
                    remat=args.remat, dtype=args.dtype, distill=args.distill, teacher=args.teacher,
                    kd_temperature=args.kd_temperature, kd_weight=args.kd_weight,
@@ -145,7 +146,7 @@ def run(args) -> dict:
                    recover_samples=args.recover_samples, recover_steps=args.recover_steps,
                    recover_lr=args.recover_lr)
     return finetune(args.model, settings, out=args.out, resume=args.resume, overwrite=args.overwrite,
-                    progress=not args.no_progress, new_data=args.new_data)
+                    progress=not args.no_progress)
 
 
 def report(args, result: dict) -> None:

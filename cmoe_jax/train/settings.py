@@ -36,6 +36,7 @@ class TrainSettings:
     save_every: int = 100
     max_steps: int | None = None
     max_minutes: float | None = None
+    new_data: bool = False  # with --resume on a finished run: continue it on another text
     mesh_shape: tuple | None = None
     expert_parallel: int = 1
     remat: bool = False
