@@ -53,7 +53,8 @@ class _QuietWriterThreads(logging.Filter):
 @contextmanager
 def orbax_writes(path: Path):
     """Around an Orbax save of `path`: the environment's refusal (disk full, read-only,
-    permission) raised as an OSError naming `path`, any other error unchanged."""
+    permission) raised as an OSError naming `path` (the file when it names one), any other
+    error unchanged."""
     quiet = _QuietWriterThreads()
     _orbax_log.addFilter(quiet)
     try:
@@ -63,6 +64,10 @@ def orbax_writes(path: Path):
         if refused is None:
             raise
         raise refused from None
+    except OSError as e:  # Orbax's own small files (metadata) fail as plain OSErrors, no path
+        if e.filename is None and e.errno in PLACE_ERRORS:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     finally:
         _orbax_log.removeFilter(quiet)
 

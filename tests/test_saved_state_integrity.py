@@ -87,14 +87,18 @@ def test_a_manifest_without_checksums_loads_as_before(inputs, tmp_path):
     assert any(not np.array_equal(a, b) for a, b in zip(_leaves(older), _leaves(inputs["converted"])))
 
 
-def _disk_full_inside_orbax(monkeypatch):
-    """Orbax's array writes fail as tensorstore fails them on a full disk (message copied
-    from a save onto a full 2 MiB tmpfs)."""
+TENSORSTORE_FULL = ValueError(  # copied from a save onto a full 2 MiB tmpfs
+    'RESOURCE_EXHAUSTED: Error writing "a/0" in OCDBT database at local file "/x.orbax-checkpoint-tmp/'
+    'ocdbt.process_0/": Failed writing: "/x.orbax-checkpoint-tmp/ocdbt.process_0/d/0135e6d6": Failed to '
+    "write 5083136 bytes to file 11: No space left on device [os_error_code='28']")
+# as Orbax's own metadata writes (etils write_text) fail on a full disk: no file named
+METADATA_FULL = OSError(errno.ENOSPC, "No space left on device")
+
+
+def _disk_full_inside_orbax(monkeypatch, error=TENSORSTORE_FULL):
+    """Orbax's array writes fail, inside its writer threads, as a full disk fails them."""
     async def full(*args, **kwargs):
-        raise ValueError('RESOURCE_EXHAUSTED: Error writing "a/0" in OCDBT database at local file '
-                         '"/x.orbax-checkpoint-tmp/ocdbt.process_0/": Failed writing: '
-                         '"/x.orbax-checkpoint-tmp/ocdbt.process_0/d/0135e6d6": Failed to write 5083136 '
-                         "bytes to file 11: No space left on device [os_error_code='28']")
+        raise error
 
     monkeypatch.setattr(serialization, "async_serialize_from_host", full)
 
@@ -135,9 +139,10 @@ def _train_tree() -> dict:
             "opt": (jnp.asarray(rng.normal(size=(64, 64)), jnp.float32),)}
 
 
-def test_disk_full_in_a_train_checkpoint_is_one_line(tmp_path, capsys, caplog, monkeypatch):
+@pytest.mark.parametrize("error", [TENSORSTORE_FULL, METADATA_FULL], ids=["tensorstore", "metadata"])
+def test_disk_full_in_a_train_checkpoint_is_one_line(tmp_path, capsys, caplog, monkeypatch, error):
     checkpoints = RunCheckpoints(tmp_path / "checkpoints")
-    _disk_full_inside_orbax(monkeypatch)
+    _disk_full_inside_orbax(monkeypatch, error)
     assert run_job(lambda _: checkpoints.save(1, _train_tree(), {}), None) == (None, 2)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"No space left on device at {tmp_path / 'checkpoints' / '1'}:" in err[0], err
