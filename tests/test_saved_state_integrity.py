@@ -149,6 +149,18 @@ def test_disk_full_in_a_train_checkpoint_is_one_line(tmp_path, capsys, caplog, m
     assert not [r for r in caplog.records if r.exc_info], "Orbax's writer threads logged tracebacks"
 
 
+def test_a_resume_after_a_failed_checkpoint_save_is_quiet(tmp_path, caplog):
+    """The unfinished temporary a failed save left (as on a full disk) is removed first, not
+    reported by Orbax as a warning line beside the run's output."""
+    unfinished = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp"
+    unfinished.mkdir(parents=True)
+    (unfinished / "half").write_bytes(b"x" * 100)
+    checkpoints = RunCheckpoints(tmp_path / "checkpoints")
+    checkpoints.save(2, _train_tree(), {})
+    assert not [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+
+
 def test_damaged_train_checkpoint_is_seen_on_resume(tmp_path):
     tree = _train_tree()
     checkpoints = RunCheckpoints(tmp_path / "checkpoints")

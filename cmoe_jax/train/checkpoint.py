@@ -9,6 +9,7 @@ the optimizer itself on restore), everything else as nested dicts.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -40,6 +41,10 @@ class RunCheckpoints:
 
     def __init__(self, directory: Path, keep: int = 2):
         self.directory = Path(directory).absolute()
+        if distributed.is_main():  # a save that failed (a full disk) or was killed left these
+            for unfinished in self.directory.glob("*.orbax-checkpoint-tmp*"):
+                shutil.rmtree(unfinished, ignore_errors=True)
+        distributed.barrier("run_checkpoints:unfinished")
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep, enable_async_checkpointing=False, create=True))
