@@ -37,7 +37,7 @@ common = ["--data-path", text, "--seqlen", "32"]
 assert convert_main(["--model", model, "--config", "S1A1E8", "--calib", "wikitext2",
                      "--calib-samples", "2", "--k-act", "4", "--out", out, *common]) == 0
 assert eval_main(["--model", out, "--dataset", "wikitext2", "--max-windows", "2",
-                  "--json", out + "/ppl.json", "--no-progress", *common]) == 0
+                  "--json", out + ".ppl.json", "--no-progress", *common]) == 0
 assert sys.modules.get("torch") is None, "torch was imported"
 print(json.dumps(sorted(m for m, v in sys.modules.items() if m.split(".")[0] == "torch" and v is not None)))
 """
@@ -51,7 +51,7 @@ def test_load_convert_eval_with_torch_unimportable(tiny_checkpoint, tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
-    assert json.loads((out / "ppl.json").read_text())["ppl"] > 1
+    assert json.loads(out.with_name("converted.ppl.json").read_text())["ppl"] > 1
 
 
 def test_block_really_blocks_torch():

@@ -21,4 +21,4 @@ fi
   --router-lr 1e-3 --bias-speed 1e-3 --epochs 1 --save-every 50 --max-minutes "${MINUTES:-30}" \
   --out runs/ft/s1a1e8 ${RESUME:-}
 "$PY" -m cmoe_jax.eval --model runs/ft/s1a1e8 --dataset wikitext2 \
-  --data-path "$DATA/test.txt" --max-windows 40 --json runs/ft/s1a1e8/ppl.json
+  --data-path "$DATA/test.txt" --max-windows 40 --json runs/ft/s1a1e8.ppl.json
