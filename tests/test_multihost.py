@@ -331,8 +331,8 @@ def test_only_process_0_tries_the_json_path(tmp_path, monkeypatch):
     monkeypatch.setattr(distributed, "process_count", lambda: 2)
     monkeypatch.setattr(distributed, "gather_objects", gather)
     monkeypatch.setattr(distributed, "broadcast_from_main", lambda obj: None)
-    bad = argparse.Namespace(out=str(tmp_path / "missing" / "r.json"))
-    good = argparse.Namespace(out=str(tmp_path / "r.json"))
+    bad = argparse.Namespace(model="smollm2", out=str(tmp_path / "missing" / "r.json"))
+    good = argparse.Namespace(model="smollm2", out=str(tmp_path / "r.json"))
 
     monkeypatch.setattr(distributed, "process_index", lambda: 1)
     main_verdict = None
