@@ -43,6 +43,9 @@ VARIANTS = {
     "shared-by-rate": {"shared_by": "rate"},
     "no-normalize": {"normalize": False},
     "no-gate-fit": {"gate_fit": False},
+    "16-router-neurons": {"router_neurons": 16},
+    "32-router-neurons": {"router_neurons": 32},
+    "fit-8192-tokens": {"router_fit_tokens": 8192},
     "calib-bos": {},
     "authors-sampler": {},
 }
