@@ -1,6 +1,7 @@
 """Job staging written once: the output lock, `OUT.partial`, resume bookkeeping with a
-verified fingerprint, atomic publish, the job's source model, fault injection, and the one
-skeleton every job runs (`run_job`; a registered method through `run_method`)."""
+verified fingerprint, atomic publish, outputs kept apart from inputs and inputs watched for
+change, the job's source model, fault injection, and the one skeleton every job runs
+(`run_job`; a registered method through `run_method`)."""
 from cmoe_jax.jobs.faults import FAULT_ENV, fault_point
 from cmoe_jax.jobs.fingerprint import ResumeMismatchError, fingerprint
 from cmoe_jax.jobs.output import OutputExistsError, OutputDir, check_output_free

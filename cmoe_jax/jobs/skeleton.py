@@ -9,7 +9,9 @@ finished output is written into `OUT.partial/final`, the manifest gets its timin
 directory is renamed to `--out` (`OutputDir`). An error leaves through `OutputDir`, which
 discards the staging directory unless it holds resumable work. A unit of work is what a job
 saves as it goes and a resume keeps: a layer (convert, compress), a shard (export), a
-step's checkpoint (train, downcycle).
+step's checkpoint (train, downcycle). Before anything is read, the paths the job writes are
+checked apart from those it reads (`jobs.apart`) and its inputs are stamped (`InputWatch`,
+checked again just before publishing); the source's readers' lock is held throughout.
 """
 from __future__ import annotations
 
