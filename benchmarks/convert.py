@@ -69,7 +69,7 @@ def layer_floor(model: str, plan, samples: int, seqlen: int, repeats: int) -> No
     markers, mu, _ = profile_layer(xt, *w, k_act=cc.k_act)
     carving = carve_layer(np.asarray(markers), np.asarray(mu), plan, k_act=cc.k_act,
                           router_neurons=cc.router_neurons)
-    fg, fs = nnx.split(filled_ffn(cfg, moe_spec(cfg, cc), slices_for(layer, carving), dense.dtype))
+    fg, fs = nnx.split(filled_ffn(cfg, moe_spec(cfg, cc, cc.plan), slices_for(layer, carving), dense.dtype))
     fs = replicate(fs, mesh)
     steps = {
         "attention (calibration pass)": lambda: attention_step(lg, ls, h, rope),
@@ -139,8 +139,8 @@ def random_layers(args, load_start: float) -> None:
         h_mid, x, _ = attention_step(lg, replicate(ls, mesh), h, rope)
         jax.block_until_ready(x)
         t2 = time.perf_counter()
-        carving, _, secs = carve_one_layer(layer, x, cc)
-        ffn = filled_ffn(cfg, moe_spec(cfg, cc), slices_for(layer, carving), dtype)
+        carving, _, secs = carve_one_layer(layer, x, cc, cc.plan)
+        ffn = filled_ffn(cfg, moe_spec(cfg, cc, cc.plan), slices_for(layer, carving), dtype)
         ffn.backend = args.backend
         fit_router_scales(ffn, x, cc, mesh)
         fg, fs = nnx.split(ffn)

@@ -125,6 +125,21 @@ def number_type(kind, low: float, inclusive: bool, what: str, high: float | None
 _COUNT = (INT64_MAX, "a 64-bit integer")
 positive_int = number_type(int, 1, True, "at least 1", *_COUNT)
 nonneg_int = number_type(int, 0, True, "at least 0", *_COUNT)
+
+
+def active_amount(text: str) -> int | float:
+    """`--active`: a whole number is y, the active routed experts of a shape (with --shared
+    and --experts); a decimal such as 0.25 is a budget, the share of FFN neurons a token runs."""
+    if text.strip().isdigit():
+        return positive_int(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count of experts (e.g. 3) nor a "
+                                         f"share of FFN neurons (e.g. 0.25)")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"a budget must be a share in (0, 1], got {text}")
+    return value
 _STEPS = (STEP_MAX, "JAX counts steps in 32-bit integers")
 step_count = number_type(int, 1, True, "at least 1", *_STEPS)
 nonneg_steps = number_type(int, 0, True, "at least 0", *_STEPS)

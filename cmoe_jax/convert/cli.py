@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from cmoe_jax import distributed
-from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir,
+from cmoe_jax.cli_args import (Parser, active_amount, add_calib_samples, add_data, add_model, add_output_dir,
                                add_progress, add_seed, add_seqlen, check_writable_dir, command_main,
                                nonneg_int, positive_int)
 from cmoe_jax.convert.api import convert
 from cmoe_jax.methods import registry
+from cmoe_jax.methods.cmoe.report import layer_table
 
 EXAMPLE = ("{prog} --model smollm2 --config S3A3E8 --shared-by energy "
            "--data-path wikitext-2/wiki.valid.raw --out out/s3a3e8")
@@ -48,7 +50,11 @@ def add_plan(p: Parser) -> None:
                            "default, its paper's rule) or highest output energy "
                            "E[h^2]*||W_down row||^2 (either method)")
     plan.add_argument("--shared", type=nonneg_int, help="x, shared experts (instead of --config)")
-    plan.add_argument("--active", type=positive_int, help="y, active routed experts per token (instead of --config)")
+    plan.add_argument("--active", type=active_amount,
+                      help="y, active routed experts per token (a whole number, with --shared and "
+                           "--experts, instead of --config); or a budget F such as 0.25: the mean "
+                           "share of FFN neurons a token runs, each layer's shape chosen by its "
+                           "measured sensitivity (cmoe; z from --experts, default 8)")
     plan.add_argument("--experts", type=positive_int, help="z, total experts (instead of --config; "
                                                            "expertweaver: N_e, default 64)")
 
@@ -71,8 +77,13 @@ def settings_from_args(args):
 
 
 def report(args, result: dict) -> None:
+    """The result as JSON on stdout; each layer's shape and error as a table on stderr."""
     if distributed.is_main():
-        print(json.dumps({k: result[k] for k in ("out", "config", "seconds") if k in result}, indent=1))
+        print(json.dumps({k: result[k] for k in ("out", "config", "active_share", "seconds")
+                          if k in result}, indent=1))
+        layers = result.get("layers") or []
+        if layers and all("shape" in entry for entry in layers):
+            print(layer_table(layers), file=sys.stderr)
 
 
 def main(argv=None, prog: str = "python -m cmoe_jax.convert") -> int:

@@ -94,6 +94,18 @@ class JobRun:
 
         return done, on_layer
 
+    def json_rows(self, name: str):
+        """(rows saved before, save(i, row)) of a per-layer JSON log `name` under the staging
+        directory besides the layers' (a measurement a resume keeps): process 0 writes."""
+        log = LayerLog(self.output.staging.dir / name)
+        done = log.records() if self.main else []
+
+        def save(i, row):
+            if self.main:
+                log.save_json(i, row)
+
+        return done, save
+
     def array_layers(self, parse):
         """({layer: parse(npz)} saved before, on_layer) for a job whose layers save arrays
         (`record.to_npz()`); the stop hook counts the layers saved."""

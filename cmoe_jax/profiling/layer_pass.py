@@ -109,6 +109,12 @@ class LayerInput:
     ffn_input: jax.Array | None  # [N, T, d] sharded over the batch; None once the FFN ran
     seconds: float  # the attention half of the layer
     ffn: nnx.Module | None = None  # what `on_layer` returned
+    residual: jax.Array | None = None  # the stream after attention, h_mid [N, T, d]
+    out_norm: nnx.Module | None = None  # the norm on the FFN's output (`DecoderLayer.ffn_out`)
+
+    def stream_after(self, ffn: nnx.Module, mesh: Mesh) -> jax.Array:
+        """The residual stream after this layer were `ffn` its FFN (a method trying shapes)."""
+        return run_ffn(ffn, self.residual, self.ffn_input, mesh, self.out_norm)[0]
 
 
 def _ffn_input(layer, index: int, h, rope, mesh: Mesh):
@@ -160,11 +166,11 @@ def layer_pass(layers: Collection[nnx.Module], h, rope, mesh: Mesh,
             layer = next(source)
             h_mid, x, seconds = _ffn_input(layer, index, h, rope, mesh)
             out_norm = layer.ffn_out()  # kept: `on_layer` may free the layer
-            inputs = LayerInput(index, layer, x, seconds)
+            inputs = LayerInput(index, layer, x, seconds, residual=h_mid, out_norm=out_norm)
             del layer, x
             inputs.ffn = on_layer(inputs)
             h, load = run_ffn(inputs.ffn, h_mid, inputs.ffn_input, mesh, out_norm)
-            inputs.ffn_input = h_mid = None
+            inputs.ffn_input = inputs.residual = h_mid = None
             if after_layer is not None:
                 load = np.asarray(load)
                 after_layer(inputs, distributed.sum_across_processes(load).astype(load.dtype))

@@ -97,9 +97,9 @@ def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
     x = jnp.asarray(calibration_inputs, jnp.float32).reshape(-1, d)
     markers, mu, energy = profile_layer(x, w_gate, w_up, w_down, k_act=cc.k_act,
                                         normalize=cc.normalize)
-    carving = carve_profiled(np.asarray(markers), np.asarray(mu), np.asarray(energy), cc)
+    carving = carve_profiled(np.asarray(markers), np.asarray(mu), np.asarray(energy), cc, cc.plan)
     weights = [np.asarray(w, np.float32) for w in (w_gate, w_up, w_down)]
-    layer = filled_ffn(cfg, moe_spec(cfg, cc), slice_ffn(*weights, carving), dtype)
+    layer = filled_ffn(cfg, moe_spec(cfg, cc, cc.plan), slice_ffn(*weights, carving), dtype)
     layer.backend = backend
     fit_router(layer, x[None], cc, conversion_mesh(cc, 1))
     return (layer, carving) if return_carving else layer

@@ -12,62 +12,16 @@ from typing import Callable
 import numpy as np
 from flax import nnx
 
+from cmoe_jax.methods.cmoe.config import ROUTER_REPS, SHARED_BY, ConversionError, ConvertConfig
 from cmoe_jax.methods.cmoe.carve import LayerCarving, NeuronScores, carve_layer, slice_ffn
 from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.profiling.markers import profile_layer
 from cmoe_jax.methods.cmoe.router_fit import fit_router
 from cmoe_jax import distributed
-from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
 from cmoe_jax.profiling.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
                                            start_pass)
-
-
-class ConversionError(CmoeError):
-    """Bad conversion input (plan, calibration data, activations)."""
-
-
-SHARED_BY = ("energy", "rate", "rate-energy")
-ROUTER_REPS = ("centroid", "energy")
-
-@dataclasses.dataclass(frozen=True)
-class ConvertConfig:
-    """What to convert to and how (the CLI flags, minus I/O)."""
-
-    plan: MoEPlan
-    k_act: int = 10
-    normalize: bool = True
-    kmeans_iters: int | None = None  # None: iterate to convergence; 1: the authors' code
-    seed: int = 0
-    # Router: r representative neurons per expert (1: the paper's), and per-expert score
-    # scales fitted on `router_fit_tokens` calibration tokens (False: the paper's raw |h|).
-    router_neurons: int = 8
-    router_scale: bool = True
-    router_fit_tokens: int = 2048
-    # Shared experts: neurons of highest activation rate mu times output energy E[h^2] ||W_down
-    # row||^2 ("rate-energy", the default: best of the three on SmolLM2 and Gemma 3 at 25% and
-    # 75% active), of highest mu ("rate", the paper's rule) or of highest energy ("energy").
-    shared_by: str = "rate-energy"
-    # Router neurons of each expert: its members closest to the cluster centroid ("centroid",
-    # the paper's rule) or of highest output energy ("energy", the default: the neurons whose
-    # output matters most; best measured on every plan of the README's table).
-    router_reps: str = "energy"
-    # Gate scales u of the gates 1 + s'u: fitted by least squares to make up for the
-    # unselected experts on the calibration tokens, or 0 (False: the paper's unweighted sum).
-    gate_fit: bool = True
-
-    # The CMoE paper's analytical router: one representative neuron per expert, the member
-    # closest to the centroid, raw |h| scores, gates 1 (`--paper-router`).
-    PAPER_ROUTER = {"router_neurons": 1, "router_reps": "centroid", "router_scale": False,
-                    "gate_fit": False}
-
-    def to_dict(self) -> dict:
-        return {"config": self.plan.name, "k_act": self.k_act, "normalize": self.normalize,
-                "kmeans_iters": self.kmeans_iters, "seed": self.seed,
-                "router_neurons": self.router_neurons, "router_scale": self.router_scale,
-                "router_fit_tokens": self.router_fit_tokens, "shared_by": self.shared_by,
-                "router_reps": self.router_reps, "gate_fit": self.gate_fit}
 
 
 @dataclasses.dataclass
@@ -80,6 +34,7 @@ class LayerRecord:
     seconds: dict
     router_scales: np.ndarray | None = None  # fitted per-expert score scales (None: not fitted)
     gate_scales: np.ndarray | None = None  # fitted gate scales u (None: u = 0)
+    error: float | None = None  # relative change of the stream after the layer (`stream_error`)
 
     def to_json(self) -> dict:
         c = self.carving
@@ -92,16 +47,21 @@ class LayerRecord:
                 "router_scales": (None if self.router_scales is None
                                   else np.asarray(self.router_scales, np.float64).tolist()),
                 "gate_scales": (None if self.gate_scales is None
-                                else np.asarray(self.gate_scales, np.float64).tolist())}
+                                else np.asarray(self.gate_scales, np.float64).tolist()),
+                "error": self.error}
 
     @classmethod
     def from_json(cls, d: dict) -> "LayerRecord":
-        experts = np.asarray(d["experts"], np.int64)
+        experts, reps = (_rows(d[k]) for k in ("experts", "representatives"))
         carving = LayerCarving(shared_idx=np.asarray(d["shared"], np.int64), expert_idx=experts,
-                               representative_idx=np.asarray(d["representatives"], np.int64)
-                               .reshape(len(experts), -1),
+                               representative_idx=reps,
                                iterations=d["kmeans_iterations"])
         return cls(carving, np.asarray(d["mu"], np.float32), np.asarray(d["load"]), d["seconds"])
+
+
+def _rows(nested) -> np.ndarray:
+    """A JSON list of equal-length index lists as [rows, width] (a kept dense layer: [0, 0])."""
+    return np.asarray(nested, np.int64).reshape(len(nested), -1) if nested else np.zeros((0, 0), np.int64)
 
 
 def validate(cfg: ModelConfig, calib: np.ndarray, cc: ConvertConfig) -> None:
@@ -109,17 +69,29 @@ def validate(cfg: ModelConfig, calib: np.ndarray, cc: ConvertConfig) -> None:
     if cfg.moe_layers and any(s is not None for s in cfg.moe_layers):
         raise ConversionError("the model already has MoE FFN layers: CMoE conversion needs a "
                               "dense model")
-    try:
-        cc.plan.validate(cfg.intermediate_size, cc.k_act)
-    except ValueError as e:
-        raise ConversionError(str(e)) from e
+    check_plans(cfg, cc)
     check_router(cfg, cc)
     if calib.ndim != 2 or calib.shape[0] < 1:
         raise ConversionError(f"calibration data must be [samples, seqlen] token ids, got {calib.shape}")
 
 
+def carved_plans(cfg: ModelConfig, cc: ConvertConfig) -> list[MoEPlan]:
+    """The distinct shapes the layers are carved to (kept-dense layers have none)."""
+    if cc.layer_plans is None:
+        return [cc.plan]
+    return sorted({p for p in cc.layer_shapes(cfg.num_layers) if p is not None}, key=lambda p: p.name)
+
+
+def check_plans(cfg: ModelConfig, cc: ConvertConfig) -> None:
+    try:
+        for plan in carved_plans(cfg, cc):
+            plan.validate(cfg.intermediate_size, cc.k_act)
+    except ValueError as e:
+        raise ConversionError(str(e)) from e
+
+
 def check_router(cfg: ModelConfig, cc: ConvertConfig) -> None:
-    m = cc.plan.expert_width(cfg.intermediate_size)
+    m = min([p.expert_width(cfg.intermediate_size) for p in carved_plans(cfg, cc)], default=1)
     if not 1 <= cc.router_neurons <= m:
         raise ConversionError(f"--router-neurons {cc.router_neurons} must be between 1 and the "
                               f"expert width {m}")
@@ -131,31 +103,58 @@ def check_router(cfg: ModelConfig, cc: ConvertConfig) -> None:
         raise ConversionError(f"--router-fit-tokens {cc.router_fit_tokens} must be at least 1")
 
 
-def conversion_mesh(cc: ConvertConfig, num_windows: int, devices=None, expert_parallel: int = 1):
+def conversion_mesh(cc: ConvertConfig, num_windows: int, devices=None, expert_parallel: int = 1,
+                    plans=None):
     """The calibration mesh; with `expert_parallel > 1` each converted layer's routed experts
-    are split over an "expert" axis of that many devices for its forward pass."""
-    routed = cc.plan.total - cc.plan.shared
-    if expert_parallel > 1 and routed % expert_parallel:
-        raise ConversionError(f"--expert-parallel {expert_parallel} does not divide the {routed} "
-                              f"routed experts of {cc.plan.name}")
+    are split over an "expert" axis of that many devices for its forward pass. `plans`: the
+    layers' distinct shapes (default: the uniform one)."""
+    for plan in plans or ([cc.plan] if cc.plan is not None else []):
+        if expert_parallel > 1 and plan.routed % expert_parallel:
+            raise ConversionError(f"--expert-parallel {expert_parallel} does not divide the "
+                                  f"{plan.routed} routed experts of {plan.name}")
     return calibration_mesh(num_windows, devices, expert=expert_parallel)
 
 
-def moe_spec(cfg: ModelConfig, cc: ConvertConfig) -> FFNSpec:
-    plan = cc.plan
+def moe_spec(cfg: ModelConfig, cc: ConvertConfig, plan: MoEPlan | None) -> FFNSpec | None:
+    """The FFN spec of a layer carved to `plan` (None: the layer stays dense)."""
+    if plan is None:
+        return None
     m = plan.expert_width(cfg.intermediate_size)
     return FFNSpec(num_experts=plan.routed, top_k=plan.active, expert_width=m,
                    shared_width=plan.shared_width(cfg.intermediate_size), router="cmoe",
                    router_neurons=cc.router_neurons)
 
 
-def carve_one_layer(layer, x, cc: ConvertConfig) -> tuple[LayerCarving, np.ndarray, dict]:
-    """Profile the FFN input x [N, T, d] of one dense layer and carve its neurons.
+def carve_one_layer(layer, x, cc: ConvertConfig, plan: MoEPlan) -> tuple[LayerCarving, np.ndarray, dict]:
+    """Profile the FFN input x [N, T, d] of one dense layer and carve its neurons to `plan`.
 
     In a multi-process run each process profiles its own windows; markers and per-window
     energy sums are gathered in window order and reduced as sums, so the statistics are the
     single-process ones; the partition is carved once, on process 0, and broadcast."""
     t0 = time.perf_counter()
+    markers, mu, energy = layer_profile(layer, x, cc)
+    t1 = time.perf_counter()
+    carving = carve_on_main(markers, mu, energy, cc, plan)
+    return carving, mu, {"profile": t1 - t0, "cluster": time.perf_counter() - t1}
+
+
+def carve_on_main(markers, mu, energy, cc: ConvertConfig, plan: MoEPlan) -> LayerCarving:
+    """`carve_profiled` on process 0, broadcast to the others (a failure raised on all)."""
+    carving = None
+    if distributed.is_main():
+        try:
+            carving = carve_profiled(markers, mu, energy, cc, plan)
+        except Exception as e:  # every process fails, none waits for the broadcast
+            carving = e
+    carving = distributed.broadcast_from_main(carving)
+    if isinstance(carving, Exception):
+        raise carving
+    return carving
+
+
+def layer_profile(layer, x, cc: ConvertConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ATopK markers [T, d_h], activation rates mu [d_h], output energies [d_h]) of one
+    dense layer's FFN on its input x [N, T, d], gathered over processes."""
     mlp = layer.mlp
     markers, _, energy = profile_layer(x.reshape(-1, x.shape[-1]), mlp.gate[...], mlp.up[...],
                                        mlp.down[...], k_act=cc.k_act, normalize=cc.normalize,
@@ -164,25 +163,13 @@ def carve_one_layer(layer, x, cc: ConvertConfig) -> tuple[LayerCarving, np.ndarr
     energy = distributed.gather_rows(np.asarray(energy)).astype(np.float64).sum(0)
     tokens = markers.shape[0]
     mu = markers.sum(axis=0, dtype=np.int64).astype(np.float32) / np.float32(tokens)
-    energy = (energy / tokens).astype(np.float32)
-    t1 = time.perf_counter()
-    carving = None
-    if distributed.is_main():
-        try:
-            carving = carve_profiled(markers, mu, energy, cc)
-        except Exception as e:  # every process fails, none waits for the broadcast
-            carving = e
-    carving = distributed.broadcast_from_main(carving)
-    if isinstance(carving, Exception):
-        raise carving
-    t2 = time.perf_counter()
-    return carving, mu, {"profile": t1 - t0, "cluster": t2 - t1}
+    return markers, mu, (energy / tokens).astype(np.float32)
 
 
-def carve_profiled(markers, mu, energy, cc: ConvertConfig) -> LayerCarving:
-    """`carve_layer` with the options of `cc` on one FFN's profile (markers [T, d_h], rates
-    mu and output energies [d_h]): the conversion's carve, also `carve_ffn`'s."""
-    return carve_layer(markers, mu, cc.plan, k_act=cc.k_act, kmeans_iters=cc.kmeans_iters,
+def carve_profiled(markers, mu, energy, cc: ConvertConfig, plan: MoEPlan) -> LayerCarving:
+    """`carve_layer` to `plan` with the options of `cc` on one FFN's profile (markers [T, d_h],
+    rates mu and output energies [d_h]): the conversion's carve, also `carve_ffn`'s."""
+    return carve_layer(markers, mu, plan, k_act=cc.k_act, kmeans_iters=cc.kmeans_iters,
                        router_neurons=cc.router_neurons, scores=NeuronScores(
                            shared=shared_score(mu, energy, cc), ties=energy,
                            representatives=energy if cc.router_reps == "energy" else None))
@@ -198,6 +185,12 @@ def shared_score(mu, energy, cc: ConvertConfig):
     if cc.shared_by == "rate-energy":
         return np.asarray(mu, np.float64) * np.asarray(energy, np.float64)
     return None
+
+
+def kept_dense(d_h: int) -> LayerCarving:
+    """The partition of a layer that stays dense: every neuron always on, no routed expert."""
+    return LayerCarving(shared_idx=np.arange(d_h), expert_idx=np.zeros((0, 0), np.int64),
+                        representative_idx=np.zeros((0, 0), np.int64), iterations=0)
 
 
 def slices_for(layer, carving: LayerCarving) -> dict:
@@ -218,17 +211,38 @@ class LayerConverter(LayerStep):
 
     def __call__(self, inputs: LayerInput) -> nnx.Module:
         i, layer, x = inputs.index, inputs.layer, inputs.ffn_input
+        plan = self.cc.plan_at(i)
         if i < len(self.done):
             record = self.done[i]
+        elif plan is None:  # kept dense: nothing to profile or carve
+            record = LayerRecord(kept_dense(self.cfg.intermediate_size), np.zeros(0, np.float32),
+                                 np.zeros(0), {"attention": inputs.seconds})
         else:
-            carving, mu, secs = carve_one_layer(layer, x, self.cc)
+            carving, mu, secs = carve_one_layer(layer, x, self.cc, plan)
             record = LayerRecord(carving, mu, np.zeros(0), dict(secs, attention=inputs.seconds))
         self._t_forward = time.perf_counter()
-        ffn = filled_ffn(self.cfg, moe_spec(self.cfg, self.cc), slices_for(layer, record.carving),
+        if plan is None:
+            record.error = 0.0
+            self.records.append(record)
+            return layer.mlp
+        ffn = filled_ffn(self.cfg, moe_spec(self.cfg, self.cc, plan), slices_for(layer, record.carving),
                          layer.mlp.gate[...].dtype)
         record.router_scales, record.gate_scales = fit_router(ffn, x, self.cc, self.mesh)
+        record.error = stream_error(inputs, ffn, inputs.stream_after(layer.mlp, self.mesh), self.mesh)
         self.records.append(record)
         return ffn
+
+
+def stream_error(inputs: LayerInput, ffn, dense_stream, mesh) -> float:
+    """||stream after the layer with `ffn` - with the dense FFN||^2 / ||the dense one||^2 over
+    every calibration token (all processes): how much of what the next layer reads the
+    carving changed (a norm on the FFN's output, as in Gemma, included)."""
+    change = inputs.stream_after(ffn, mesh) - dense_stream
+    return _total(change ** 2) / _total(dense_stream ** 2)
+
+
+def _total(squares) -> float:
+    return float(distributed.sum_across_processes(np.asarray(squares.sum(), np.float64)))
 
 
 def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devices=None,
@@ -245,10 +259,10 @@ def convert_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *, devic
     cfg = model.config
     calib = np.asarray(calib, np.int32)
     validate(cfg, calib, cc)
-    mesh = conversion_mesh(cc, calib.shape[0], devices, expert_parallel)
+    mesh = conversion_mesh(cc, calib.shape[0], devices, expert_parallel, carved_plans(cfg, cc))
     h, rope = start_pass(model, calib, mesh)
     step = LayerConverter(cfg, cc, mesh, done or (), on_layer)
-    ffns = converted_ffns(model.layers, h, rope, mesh, step, desc=f"converting to {cc.plan.name}",
+    ffns = converted_ffns(model.layers, h, rope, mesh, step, desc=f"converting to {cc.label}",
                           progress=progress)
-    cfg_moe = cfg.with_moe_layers([moe_spec(cfg, cc)] * cfg.num_layers)
+    cfg_moe = cfg.with_moe_layers([moe_spec(cfg, cc, p) for p in cc.layer_shapes(cfg.num_layers)])
     return model.with_ffns(cfg_moe, ffns), step.records

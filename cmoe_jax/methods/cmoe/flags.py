@@ -5,6 +5,7 @@ from __future__ import annotations
 from cmoe_jax.cli_args import positive_int
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
+from cmoe_jax.methods.cmoe.budget import Budget
 from cmoe_jax.methods.cmoe.convert import ConvertConfig
 from cmoe_jax.methods.cmoe.job import ConvertSettings
 from cmoe_jax.methods.cmoe.plan import MoEPlan
@@ -47,11 +48,29 @@ def check_args(args, error) -> None:
               "paper's rule, the default) or energy")
 
 
-def plan_from_args(args) -> MoEPlan:
+def budget_from_args(args) -> Budget | None:
+    """The budget of `--active F` (a decimal share), None for a shape."""
+    if not isinstance(args.active, float):
+        return None
+    if args.config or args.shared is not None:
+        given = "--config" if args.config else "--shared"
+        raise CmoeError(f"--active {args.active:g} is a budget (each layer's shape chosen for it) and "
+                        f"{given} a shape: give one of them")
+    if args.stream:
+        raise CmoeError(f"--active {args.active:g} measures every layer before carving any: it runs "
+                        "on a model held in memory; drop --stream")
+    return Budget(args.active, 8 if args.experts is None else args.experts)
+
+
+def plan_from_args(args) -> MoEPlan | None:
+    """The uniform shape (None with a budget, `budget_from_args`)."""
+    if isinstance(args.active, float):
+        return None
     if args.config:
         return MoEPlan.parse(args.config, flag="--config")
     if None in (args.shared, args.active, args.experts):
-        raise CmoeError("give --config SxAyEz, or all three of --shared, --active, --experts")
+        raise CmoeError("give --config SxAyEz, or all three of --shared, --active, --experts, or a "
+                        "budget --active F (e.g. 0.25)")
     return MoEPlan(args.shared, args.active, args.experts)
 
 
@@ -81,4 +100,5 @@ def settings_from_args(args) -> ConvertSettings:
                               samples=args.calib_samples,
                               seqlen=2048 if args.seqlen is None else args.seqlen)
     return ConvertSettings(method, calibration, stream=args.stream, expert_parallel=args.expert_parallel,
-                           min_expert_tokens=args.min_expert_tokens, report=args.report)
+                           min_expert_tokens=args.min_expert_tokens, report=args.report,
+                           budget=budget_from_args(args))

@@ -7,14 +7,17 @@ import dataclasses
 import time
 
 import jax.numpy as jnp
+import numpy as np
 
 from cmoe_jax import distributed
 from cmoe_jax.checkpoint import PER_LAYER, save_converted, write_manifest
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.loading import open_source
-from cmoe_jax.methods.cmoe.convert import (ConversionError, ConvertConfig, LayerRecord, check_router,
-                                           conversion_mesh, convert_model)
+from cmoe_jax.methods.cmoe.budget import Budget, adaptive_config, check_budget, measure_damage
+from cmoe_jax.methods.cmoe.convert import (ConversionError, ConvertConfig, LayerRecord, check_plans,
+                                           check_router, conversion_mesh, convert_model)
+from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.methods.cmoe.report import write_report
 from cmoe_jax.methods.cmoe.streamed import Streamed, convert_streamed
 
@@ -30,6 +33,7 @@ class ConvertSettings:
     expert_parallel: int = 1  # devices the routed experts are split over in the forward
     min_expert_tokens: int = 32  # hierarchical: fewer routed tokens -> profile on all tokens
     report: bool = False  # PNG plots and a JSON summary beside the model
+    budget: Budget | None = None  # `--active F`: each layer's shape chosen for the budget
 
 
 def is_dense(cfg) -> bool:
@@ -56,53 +60,82 @@ def stage_seconds(records, t_start: float, t_load: float, t_conv: float, t_save:
     }
 
 
+def plan_entry(plan: MoEPlan | None, d_h: int, experts: int) -> dict:
+    """One layer's shape in the manifest (a kept dense FFN: every expert shared, none routed)."""
+    if plan is None:
+        return {"shared": experts, "active": 0, "experts": experts, "expert_width": d_h // experts,
+                "dense": True}
+    return {"shared": plan.shared, "active": plan.active, "experts": plan.total,
+            "expert_width": plan.expert_width(d_h)}
+
+
+def layer_shapes(plans) -> list[tuple[str, float]]:
+    """(shape name, share of FFN neurons a token runs) of each layer of shapes `plans`."""
+    return [("dense", 1.0) if p is None else (p.name, (p.shared + p.active) / p.total) for p in plans]
+
+
+def active_share(plans) -> float:
+    """The mean share of FFN neurons a token runs over layers of shapes `plans`."""
+    return float(np.mean([share for _, share in layer_shapes(plans)]))
+
+
 def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> dict:
-    """The manifest of a CMoE conversion (hierarchical CMoE updates some of its fields)."""
-    cc, cal, plan = settings.method, settings.calibration, settings.method.plan
+    """The manifest of a CMoE conversion (hierarchical CMoE updates some of its fields):
+    `plan` has one entry per layer, `active_share` the mean share of neurons a token runs."""
+    cc, cal = settings.method, settings.calibration
+    plans = cc.layer_shapes(cfg.num_layers)
+    experts = settings.budget.experts if settings.budget else cc.plan.total
     return {
-        "source_model": source_name, "method": "cmoe", "config": plan.name,
-        "plan": {"shared": plan.shared, "active": plan.active, "experts": plan.total,
-                 "expert_width": plan.expert_width(cfg.intermediate_size)},
+        "source_model": source_name, "method": "cmoe", "config": cc.label,
+        "plan": [plan_entry(p, cfg.intermediate_size, experts) for p in plans],
+        "active_share": active_share(plans),
+        "budget": None if settings.budget is None else {"active": settings.budget.active,
+                                                        "experts": settings.budget.experts},
         "calibration": cal.manifest(cc.seed),
         "k_act": cc.k_act, "normalize": cc.normalize, "kmeans_iters": cc.kmeans_iters,
         "shared_by": cc.shared_by,
         "router": {"neurons_per_expert": cc.router_neurons, "fitted_scales": cc.router_scale,
                    "fit_tokens": cc.router_fit_tokens, "representatives_by": cc.router_reps,
                    "fitted_gates": cc.gate_fit},
-        "layers": [{k: v for k, v in r.to_json().items() if k not in ("mu", "seconds")}
-                   for r in records],
+        "layers": [dict(layer=i, shape=name, active_share=share,
+                        **{k: v for k, v in r.to_json().items() if k not in ("mu", "seconds")})
+                   for i, (r, (name, share)) in enumerate(zip(records, layer_shapes(plans)))],
     }
 
 
 class CmoeSteps:
-    """The job's steps of a CMoE conversion of a dense source."""
+    """The job's steps of a CMoE conversion of a dense source (with a budget: first each
+    layer's damage at every candidate shape, saved per layer for a resume, then the shapes)."""
 
     kind = "convert"
-    resumable = ("layers/*.json",)
+    resumable = ("layers/*.json", "damage/*.json")
     record = LayerRecord
 
     def __init__(self, settings: ConvertSettings):
         self.settings = settings
         self.windows = self.moe_config = None  # the calibration windows; a streamed result's config
+        self.damage = None  # [L, K] with a budget
 
     def validate(self, source, options) -> None:
         s = self.settings
         distributed.refuse(**{"--resume": options.resume, "--stream": s.stream,
                               "an MoE source (hierarchical carving)": False})
         cfg, cc = source.config, s.method
-        try:
-            cc.plan.validate(cfg.intermediate_size, cc.k_act)
-        except ValueError as e:
-            raise ConversionError(str(e)) from e
-        check_router(cfg, cc)
+        if s.budget is not None:
+            check_budget(s.budget, cfg, cc)
+        else:
+            check_plans(cfg, cc)
+            check_router(cfg, cc)
         # each process calibrates on its share of the windows (`cmoe_jax.distributed`)
         conversion_mesh(cc, len(distributed.split_for_process(range(s.calibration.samples))),
                         expert_parallel=s.expert_parallel)
         check_context(s.calibration, cfg)
 
     def fingerprint_settings(self, source) -> dict:
+        budget = self.settings.budget
         return {"model": source.name, **self.settings.method.to_dict(),
-                **self.settings.calibration.settings()}
+                **self.settings.calibration.settings(),
+                **({} if budget is None else {"active": budget.active, "experts": budget.experts})}
 
     def prepare(self, source):
         cal = self.settings.calibration
@@ -133,15 +166,40 @@ class CmoeSteps:
         t_load = time.perf_counter()
         lm = self.load(run)
         t_conv = time.perf_counter()
+        self.choose_shapes(run, lm)
+        t_shapes = time.perf_counter()
         model, records = self.carve(run, lm, done, on_layer)
         seconds = stage_seconds(records, run.t_start, t_load, t_conv, time.perf_counter())
+        if self.damage is not None:
+            seconds["measure_damage"] = t_shapes - t_conv
         return model, self.manifest(run.source, records), seconds, records
 
+    def choose_shapes(self, run, lm) -> None:
+        """With a budget: measure each layer's damage at every candidate shape (rows saved in
+        the staging directory as they come, read back on a resume), then set the shapes."""
+        budget = self.settings.budget
+        if budget is None:
+            return
+        saved, save_row = run.json_rows("damage")
+        names = ["dense" if p is None else p.name for p in budget.candidates()]
+
+        def save(i, row):
+            save_row(i, {"damage": row, "candidates": names})
+
+        self.damage = measure_damage(lm.model, self.windows, self.settings.method, budget,
+                                     progress=run.options.progress, on_row=save,
+                                     done=[r["damage"] for r in saved])
+        method = adaptive_config(self.settings.method, budget, self.damage)
+        self.settings = dataclasses.replace(self.settings, method=method)
+
     def manifest(self, source, records) -> dict:
-        return base_manifest(source.name, source.config, self.settings, records)
+        manifest = base_manifest(source.name, source.config, self.settings, records)
+        if self.damage is not None:
+            manifest["budget"]["damage"] = self.damage.tolist()
+        return manifest
 
     def interrupted(self, after: int) -> dict:
-        return {"out": None, "config": self.settings.method.plan.name, "interrupted_after": after}
+        return {"out": None, "config": self.settings.method.label, "interrupted_after": after}
 
     def save(self, run, model, manifest) -> None:
         tokenizer = run.source.tokenizer
@@ -151,4 +209,5 @@ class CmoeSteps:
             save_converted(model, manifest, run.final, tokenizer=tokenizer)
 
     def write_report(self, records, manifest, seconds, directory) -> None:
-        write_report(records, self.settings.method.plan.name, seconds, directory)
+        shapes = layer_shapes(self.settings.method.layer_shapes(len(records)))
+        write_report(records, self.settings.method.label, seconds, directory, shapes)

@@ -1,4 +1,5 @@
-"""Conversion report: activation-rate histograms and expert loads as PNG, a JSON summary."""
+"""Conversion report: activation-rate histograms, expert loads and each layer's shape and
+error as PNG, a JSON summary, and the short per-layer table the command prints."""
 from __future__ import annotations
 
 import math
@@ -9,17 +10,25 @@ import numpy as np
 from cmoe_jax.checkpoint import write_json_atomic
 
 
-def summary(records, plan_name: str, stage_seconds: dict) -> dict:
+def _mu_stats(r) -> dict | None:
+    mu = np.asarray(r.mu, np.float64)
+    if not mu.size:  # a kept dense layer is not profiled
+        return None
+    return {"mean": float(mu.mean()), "median": float(np.median(mu)), "max": float(mu.max()),
+            "p90": float(np.quantile(mu, 0.9)), "frac_zero": float((mu == 0).mean()),
+            "shared_mean": float(mu[np.asarray(r.carving.shared_idx)].mean())
+            if len(r.carving.shared_idx) else None}
+
+
+def summary(records, plan_name: str, stage_seconds: dict, shapes=None) -> dict:
+    """`shapes`: each layer's (shape name, active share), e.g. from `layer_shapes`."""
     layers = []
     for i, r in enumerate(records):
-        mu = np.asarray(r.mu, np.float64)
         load = np.asarray(r.load, np.int64)
+        shape = {} if shapes is None else {"shape": shapes[i][0], "active_share": shapes[i][1]}
         layers.append({
-            "layer": i,
-            "mu": {"mean": float(mu.mean()), "median": float(np.median(mu)), "max": float(mu.max()),
-                   "p90": float(np.quantile(mu, 0.9)), "frac_zero": float((mu == 0).mean()),
-                   "shared_mean": float(mu[np.asarray(r.carving.shared_idx)].mean())
-                   if len(r.carving.shared_idx) else None},
+            "layer": i, **shape, "error": r.error,
+            "mu": _mu_stats(r),
             "load_per_expert": load.tolist(),
             "load_cv": float(load.std() / load.mean()) if load.size and load.mean() > 0 else None,
             "kmeans_iterations": int(r.carving.iterations),
@@ -46,6 +55,10 @@ def plot_activation_rates(records, path: Path) -> None:
             ax.axis("off")
             continue
         mu = np.asarray(records[i].mu)
+        if not mu.size:
+            ax.set_title(f"layer {i} (dense)", fontsize=8)
+            ax.axis("off")
+            continue
         ax.hist(mu, bins=50, color="tab:blue", log=True)
         shared = np.asarray(records[i].carving.shared_idx)
         if shared.size:
@@ -64,8 +77,11 @@ def plot_expert_load(records, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    load = np.stack([np.asarray(r.load, np.float64) for r in records])
-    frac = load / np.maximum(load.sum(axis=1, keepdims=True), 1)
+    width = max(1, max(len(r.load) for r in records))
+    load = np.full((len(records), width), np.nan)
+    for i, r in enumerate(records):  # layers of fewer experts (or dense) leave blanks
+        load[i, :len(r.load)] = r.load
+    frac = load / np.maximum(np.nansum(load, axis=1, keepdims=True), 1)
     fig, ax = plt.subplots(figsize=(max(4, 0.5 * load.shape[1] + 2), max(3, 0.22 * len(records) + 1)))
     im = ax.imshow(frac, aspect="auto", cmap="viridis")
     ax.set_xlabel("routed expert")
@@ -77,11 +93,49 @@ def plot_expert_load(records, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(records, plan_name: str, stage_seconds: dict, directory: Path) -> dict:
+def plot_layers(records, shapes, path: Path) -> None:
+    """Each layer's active share (bars, left axis) and stream error (line, log, right axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(records)
+    fig, ax = plt.subplots(figsize=(max(5, 0.28 * n + 2), 3.2))
+    ax.bar(range(n), [share for _, share in shapes], color="tab:blue", alpha=0.6, label="active share")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("active share of FFN neurons")
+    ax.set_ylim(0, 1.05)
+    errors = [np.nan if not r.error else r.error for r in records]
+    if not np.all(np.isnan(errors)):
+        twin = ax.twinx()
+        twin.plot(range(n), errors, "o-", color="tab:red", ms=3, label="stream error")
+        twin.set_yscale("log")
+        twin.set_ylabel("relative stream error", color="tab:red")
+    ax.set_title("Shape and error per layer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def layer_table(layers: list[dict]) -> str:
+    """The per-layer table a conversion prints: layer, shape, active share, stream error."""
+    rows = ["layer  shape       active  error"]
+    for entry in layers:
+        error = entry.get("error")
+        rows.append(f"{entry['layer']:>5}  {entry['shape']:<10}  {entry['active_share']:>6.3f}  "
+                    + ("-" if error is None else f"{error:.2e}"))
+    return "\n".join(rows)
+
+
+def write_report(records, plan_name: str, stage_seconds: dict, directory: Path, shapes=None) -> dict:
+    """report.json, activation_rates.png, expert_load.png and (with `shapes`) layers.png."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    s = summary(records, plan_name, stage_seconds)
+    s = summary(records, plan_name, stage_seconds, shapes)
     plot_activation_rates(records, directory / "activation_rates.png")
     plot_expert_load(records, directory / "expert_load.png")
+    if shapes is not None:
+        plot_layers(records, shapes, directory / "layers.png")
     write_json_atomic(directory / "report.json", s)
     return s

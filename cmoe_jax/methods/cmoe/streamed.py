@@ -18,7 +18,7 @@ from flax import nnx
 
 from cmoe_jax.checkpoint import PER_LAYER, layer_part, save_state_part, without_layers
 from cmoe_jax.methods.cmoe.convert import (ConvertConfig, LayerConverter, LayerRecord,
-                                           conversion_mesh, moe_spec, validate)
+                                           carved_plans, conversion_mesh, moe_spec, validate)
 from cmoe_jax.loading.load import load_layer, load_outer
 from cmoe_jax.loading.sources import TensorSource
 from cmoe_jax.models import DecoderLayer, ModelConfig
@@ -74,13 +74,13 @@ def convert_streamed(model: Streamed, calib: np.ndarray, cc: ConvertConfig, *, d
     source, cfg, out = model
     calib = np.asarray(calib, np.int32)
     validate(cfg, calib, cc)
-    mesh = conversion_mesh(cc, calib.shape[0], devices, expert_parallel)
+    mesh = conversion_mesh(cc, calib.shape[0], devices, expert_parallel, carved_plans(cfg, cc))
     outer = load_outer(source, cfg, dtype=jnp.float32, mesh=mesh)
     save_state_part(out, "rest", without_layers(nnx.state(outer)))
     h, rope = start_pass(outer, calib, mesh)
     del outer
     source.release()
-    cfg_moe = cfg.with_moe_layers([moe_spec(cfg, cc)] * cfg.num_layers)
+    cfg_moe = cfg.with_moe_layers([moe_spec(cfg, cc, p) for p in cc.layer_shapes(cfg.num_layers)])
     step = LayerConverter(cfg, cc, mesh, done or (), on_layer)
 
     def save(inputs, load):
@@ -92,7 +92,7 @@ def convert_streamed(model: Streamed, calib: np.ndarray, cc: ConvertConfig, *, d
         step.finish(inputs, load)
 
     layer_pass(_Layers(model, mesh), h, rope, mesh, step, after_layer=save,
-               desc=f"converting to {cc.plan.name} (streamed)", progress=progress)
+               desc=f"converting to {cc.label} (streamed)", progress=progress)
     return cfg_moe, step.records
 
 

@@ -62,7 +62,7 @@ def carve_expert(rows: np.ndarray, w_gate, w_up, w_down, cc, activation: str = "
     markers = np.asarray(markers)[:n]
     mu = markers.mean(axis=0, dtype=np.float64).astype(np.float32)
     energy = np.asarray(energy, np.float64) * (len(padded(rows)) / n)  # mean over the real rows
-    return carve_profiled(markers, mu, energy, cc)
+    return carve_profiled(markers, mu, energy, cc, cc.plan)
 
 
 def sub_expert_slices(w_gate, w_up, w_down, carving: LayerCarving, plan: MoEPlan) -> dict:

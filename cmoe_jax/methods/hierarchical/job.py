@@ -22,6 +22,9 @@ class HierarchicalSteps(CmoeSteps):
         s = self.settings
         distributed.refuse(**{"--resume": options.resume, "--stream": s.stream,
                               "an MoE source (hierarchical carving)": True})
+        if s.budget is not None:
+            raise ConversionError(f"--active {s.budget.active:g} (a budget) carves a dense source; "
+                                  "an MoE source takes a per-expert --config")
         validate_moe(source.config, s.method, s.min_expert_tokens)
         if s.expert_parallel > 1:
             raise ConversionError("--expert-parallel is not supported for an MoE source "

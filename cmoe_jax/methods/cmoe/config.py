@@ -1,0 +1,73 @@
+"""What a CMoE conversion is asked for: the shape (one for every layer, or one per layer),
+the profiling, carving and router options (the CLI flags, minus I/O)."""
+from __future__ import annotations
+
+import dataclasses
+
+from cmoe_jax.errors import CmoeError
+from cmoe_jax.methods.cmoe.plan import MoEPlan
+
+
+class ConversionError(CmoeError):
+    """Bad conversion input (plan, calibration data, activations)."""
+
+
+SHARED_BY = ("energy", "rate", "rate-energy")
+ROUTER_REPS = ("centroid", "energy")
+
+@dataclasses.dataclass(frozen=True)
+class ConvertConfig:
+    """What to convert to and how (the CLI flags, minus I/O)."""
+
+    plan: MoEPlan | None  # every layer's shape; None when `layer_plans` gives each its own
+    k_act: int = 10
+    normalize: bool = True
+    kmeans_iters: int | None = None  # None: iterate to convergence; 1: the authors' code
+    seed: int = 0
+    # Router: r representative neurons per expert (1: the paper's), and per-expert score
+    # scales fitted on `router_fit_tokens` calibration tokens (False: the paper's raw |h|).
+    router_neurons: int = 8
+    router_scale: bool = True
+    router_fit_tokens: int = 2048
+    # Shared experts: neurons of highest activation rate mu times output energy E[h^2] ||W_down
+    # row||^2 ("rate-energy", the default: best of the three on SmolLM2 and Gemma 3 at 25% and
+    # 75% active), of highest mu ("rate", the paper's rule) or of highest energy ("energy").
+    shared_by: str = "rate-energy"
+    # Router neurons of each expert: its members closest to the cluster centroid ("centroid",
+    # the paper's rule) or of highest output energy ("energy", the default: the neurons whose
+    # output matters most; best measured on every plan of the README's table).
+    router_reps: str = "energy"
+    # Gate scales u of the gates 1 + s'u: fitted by least squares to make up for the
+    # unselected experts on the calibration tokens, or 0 (False: the paper's unweighted sum).
+    gate_fit: bool = True
+    # One shape per layer (a budget's allocation, `cmoe_jax.methods.cmoe.budget`); None in
+    # it keeps that layer's dense FFN. None: every layer gets `plan`.
+    layer_plans: tuple[MoEPlan | None, ...] | None = None
+
+    # The CMoE paper's analytical router: one representative neuron per expert, the member
+    # closest to the centroid, raw |h| scores, gates 1 (`--paper-router`).
+    PAPER_ROUTER = {"router_neurons": 1, "router_reps": "centroid", "router_scale": False,
+                    "gate_fit": False}
+
+    def plan_at(self, layer: int) -> MoEPlan | None:
+        """Layer `layer`'s shape (None: its dense FFN is kept)."""
+        return self.plan if self.layer_plans is None else self.layer_plans[layer]
+
+    def layer_shapes(self, num_layers: int) -> list[MoEPlan | None]:
+        if self.layer_plans is not None and len(self.layer_plans) != num_layers:
+            raise ConversionError(f"{len(self.layer_plans)} layer shapes for a model of {num_layers} layers")
+        return [self.plan_at(i) for i in range(num_layers)]
+
+    @property
+    def label(self) -> str:
+        """The uniform shape's name, or "per-layer" (progress bars, reports)."""
+        return "per-layer" if self.plan is None else self.plan.name
+
+    def to_dict(self) -> dict:
+        shapes = None if self.layer_plans is None else [
+            "dense" if p is None else p.name for p in self.layer_plans]
+        return {"config": self.label, "layer_plans": shapes, "k_act": self.k_act, "normalize": self.normalize,
+                "kmeans_iters": self.kmeans_iters, "seed": self.seed,
+                "router_neurons": self.router_neurons, "router_scale": self.router_scale,
+                "router_fit_tokens": self.router_fit_tokens, "shared_by": self.shared_by,
+                "router_reps": self.router_reps, "gate_fit": self.gate_fit}
