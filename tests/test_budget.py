@@ -1,0 +1,110 @@
+"""Layer-adaptive budgets: the allocation against brute force, the budget's arithmetic, and
+`convert --active F` end to end on a tiny model (its budget met, its errors refused)."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cmoe_jax.carving.allocation import BudgetError, allocate
+from cmoe_jax.methods.cmoe.budget import Budget
+from cmoe_jax.methods.cmoe.plan import MoEPlan
+
+
+def brute_force(damage, units, target):
+    """Least summed damage over every choice of one shape per layer spending `target` units."""
+    best = np.inf
+    for choice in itertools.product(range(damage.shape[1]), repeat=damage.shape[0]):
+        if sum(units[k] for k in choice) == target:
+            best = min(best, sum(damage[i, k] for i, k in enumerate(choice)))
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(2, 4), st.integers(0, 2 ** 31 - 1), st.data())
+def test_allocation_is_optimal_against_brute_force(layers, shapes, seed, data):
+    rng = np.random.default_rng(seed)
+    damage = rng.random((layers, shapes))
+    units = np.sort(rng.choice(np.arange(1, 7), shapes, replace=False))
+    target = data.draw(st.integers(int(units.min()) * layers, int(units.max()) * layers))
+    expected = brute_force(damage, units, target)
+    if not np.isfinite(expected):
+        with pytest.raises(BudgetError):
+            allocate(damage, units, target)
+        return
+    picked = allocate(damage, units, target)
+    assert sum(units[k] for k in picked) == target
+    assert sum(damage[i, k] for i, k in enumerate(picked)) == pytest.approx(expected, rel=1e-12)
+
+
+def test_equal_sensitivities_give_the_uniform_shape():
+    curve = np.array([0.9, 0.5, 0.3, 0.2, 0.12, 0.06, 0.02, 0.0])
+    budget = Budget(0.375, 8)
+    plans = budget.allocate(np.tile(curve, (6, 1)))
+    assert plans == [MoEPlan(1, 2, 8)] * 6
+    # a linear curve makes every allocation equally good: the uniform one is still chosen
+    linear = np.tile(np.linspace(1, 0, 8), (5, 1))
+    assert Budget(0.5, 8).allocate(linear) == [MoEPlan(2, 2, 8)] * 5
+
+
+def test_the_allocation_moves_neurons_to_the_sensitive_layer():
+    curve = np.array([0.9, 0.5, 0.3, 0.2, 0.12, 0.06, 0.02, 0.0])
+    damage = np.stack([curve, curve * 50, curve, curve])
+    plans = Budget(0.25, 8).allocate(damage)
+    shares = [(p.shared + p.active) / p.total if p else 1.0 for p in plans]
+    assert np.mean(shares) == pytest.approx(0.25) and shares[1] > 0.25 > min(shares)
+
+
+def test_budget_arithmetic():
+    b = Budget(0.25, 8)
+    assert [p.name if p else "dense" for p in b.candidates()] == [
+        "S0A1E8", "S1A1E8", "S1A2E8", "S2A2E8", "S2A3E8", "S3A3E8", "S3A4E8", "dense"]
+    assert b.target_units(30) == 60 and b.uniform_index() == 1
+    assert Budget(0.3, 8).uniform_index() is None and Budget(0.3, 8).target_units(30) == 72
+    for bad in (Budget(0.3, 8), Budget(0.05, 8), Budget(1.5, 8)):
+        with pytest.raises(BudgetError):
+            bad.target_units(2)  # 0.3 of 16 units is 4.8: 5 units is 4% off; 0.05 < 1/8; 1.5 > 1
+
+
+def _cli(path, text, out, *extra):
+    return ["--model", str(path), "--data-path", str(text), "--calib-samples", "2", "--seqlen", "32",
+            "--k-act", "4", "--no-progress", "--out", str(out), *extra]
+
+
+def test_convert_meets_the_budget(tiny_checkpoint, tmp_path, capsys):
+    from cmoe_jax.convert.cli import main
+
+    _, path, text = tiny_checkpoint
+    out = tmp_path / "adaptive"
+    assert main(_cli(path, text, out, "--active", "0.375")) == 0
+    manifest = json.loads((out / "cmoe_manifest.json").read_text())
+    plan = manifest["plan"]
+    assert len(plan) == 2 and set(plan[0]) >= {"shared", "active", "experts", "expert_width"}
+    shares = [(p["shared"] + p["active"]) / p["experts"] for p in plan]
+    assert abs(np.mean(shares) - 0.375) <= 0.01 * 0.375
+    assert manifest["active_share"] == pytest.approx(np.mean(shares))
+    assert np.asarray(manifest["budget"]["damage"]).shape == (2, 8)
+    assert all(layer["error"] >= 0 for layer in manifest["layers"])
+    err = capsys.readouterr().err
+    assert "layer  shape" in err and manifest["layers"][1]["shape"] in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--active", "0.25", "--config", "S1A1E8"], "give one of them"),
+    (["--active", "0.25", "--shared", "1"], "give one of them"),
+    (["--active", "0.05"], "cannot be met"),
+    (["--active", "0.3"], "cannot be met"),  # 2 layers of 8 experts: 0.3125 is 4% off
+    (["--active", "1.5"], "(0, 1]"),
+])
+def test_bad_budgets_fail_before_any_work(tiny_checkpoint, tmp_path, capsys, extra, message):
+    from cmoe_jax.convert.cli import main
+
+    _, path, text = tiny_checkpoint
+    out = tmp_path / "out"
+    assert main(_cli(path, text, out, *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error:") and message in err[-1], err
+    assert not out.exists() and not list(tmp_path.glob("out.partial*"))
