@@ -56,9 +56,6 @@ def budget_from_args(args) -> Budget | None:
         given = "--config" if args.config else "--shared"
         raise CmoeError(f"--active {args.active:g} is a budget (each layer's shape chosen for it) and "
                         f"{given} a shape: give one of them")
-    if args.stream:
-        raise CmoeError(f"--active {args.active:g} measures every layer before carving any: it runs "
-                        "on a model held in memory; drop --stream")
     return Budget(args.active, 8 if args.experts is None else args.experts)
 
 

@@ -19,7 +19,7 @@ from cmoe_jax.methods.cmoe.convert import (ConversionError, ConvertConfig, Layer
                                            check_router, conversion_mesh, convert_model)
 from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.methods.cmoe.report import write_report
-from cmoe_jax.methods.cmoe.streamed import Streamed, convert_streamed
+from cmoe_jax.methods.cmoe.streamed import Streamed, convert_streamed, measure_streamed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,15 +145,19 @@ class CmoeSteps:
 
     def carve(self, run, lm, done, on_layer):
         """(converted model or None when streamed into `run.final`, per-layer records)."""
-        s, source = self.settings, run.source
+        s = self.settings
         if s.stream:
-            streamed = Streamed(source.source or open_source(source.path), source.config, run.final)
-            moe_config, records = convert_streamed(streamed, self.windows, s.method, progress=run.options.progress,
-                                                   done=done, on_layer=on_layer, expert_parallel=s.expert_parallel)
+            moe_config, records = convert_streamed(self.streamed(run), self.windows, s.method,
+                                                   progress=run.options.progress, done=done,
+                                                   on_layer=on_layer, expert_parallel=s.expert_parallel)
             self.moe_config = moe_config
             return None, records
         return convert_model(lm.model, self.windows, s.method, progress=run.options.progress,
                              done=done, on_layer=on_layer, expert_parallel=s.expert_parallel)
+
+    def streamed(self, run) -> Streamed:
+        source = run.source
+        return Streamed(source.source or open_source(source.path), source.config, run.final)
 
     def load(self, run):
         if self.settings.stream:
@@ -176,7 +180,8 @@ class CmoeSteps:
 
     def choose_shapes(self, run, lm) -> None:
         """With a budget: measure each layer's damage at every candidate shape (rows saved in
-        the staging directory as they come, read back on a resume), then set the shapes."""
+        the staging directory as they come, read back on a resume; a streamed job reads the
+        layers one at a time), then set the shapes."""
         budget = self.settings.budget
         if budget is None:
             return
@@ -186,9 +191,13 @@ class CmoeSteps:
         def save(i, row):
             save_row(i, {"damage": row, "candidates": names})
 
-        self.damage = measure_damage(lm.model, self.windows, self.settings.method, budget,
-                                     progress=run.options.progress, on_row=save,
-                                     done=[r["damage"] for r in saved])
+        done, progress = [r["damage"] for r in saved], run.options.progress
+        if self.settings.stream:  # the layers read one at a time, as the conversion reads them
+            self.damage = measure_streamed(self.streamed(run), self.windows, self.settings.method, budget,
+                                           progress=progress, on_row=save, done=done)
+        else:
+            self.damage = measure_damage(lm.model, self.windows, self.settings.method, budget,
+                                         progress=progress, on_row=save, done=done)
         method = adaptive_config(self.settings.method, budget, self.damage)
         self.settings = dataclasses.replace(self.settings, method=method)
 

@@ -5,7 +5,9 @@ Here each layer's weights are read from the checkpoint (safetensors shards, GGUF
 the calibration stream reaches it, converted by the same `LayerConverter`, written to the
 output as its own checkpoint piece and dropped. Peak host memory is about one dense layer
 (plus its carved copy) and one layer's calibration activations, whatever the depth; the
-embedding and LM head are read once, written, and dropped before the first layer.
+embedding and LM head are read once, written, and dropped before the first layer. With a
+budget (`--active F`) a first streamed pass measures each layer's damage at every candidate
+shape (`measure_streamed`), then the conversion reads the layers again.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from cmoe_jax.checkpoint import PER_LAYER, layer_part, save_state_part, without_layers
+from cmoe_jax.methods.cmoe.budget import Budget, DamageStep
 from cmoe_jax.methods.cmoe.convert import (ConvertConfig, LayerConverter, LayerRecord,
                                            carved_plans, conversion_mesh, moe_spec, validate)
 from cmoe_jax.loading.load import load_layer, load_outer
@@ -60,6 +63,25 @@ class _Layers:
             yield load_layer(self.model.source, self.model.config, i, dtype=jnp.float32, mesh=self.mesh)
 
 
+def measure_streamed(model: Streamed, calib: np.ndarray, cc: ConvertConfig, budget: Budget, *,
+                     devices=None, progress: bool = True, done=(),
+                     on_row: Callable[[int, list], None] | None = None) -> np.ndarray:
+    """`measure_damage` ([L, K] damage of each layer at each candidate shape) of the dense
+    model in `model.source`, its layers read one at a time: the same rows as on the loaded
+    model (same steps, same order), one dense layer in memory. Writes nothing to `model.out`."""
+    source, cfg, _ = model
+    calib = np.asarray(calib, np.int32)
+    mesh = conversion_mesh(cc, calib.shape[0], devices)
+    outer = load_outer(source, cfg, dtype=jnp.float32, mesh=mesh)
+    h, rope = start_pass(outer, calib, mesh)
+    del outer
+    source.release()
+    step = DamageStep(cfg, cc, budget, mesh, done, on_row)
+    layer_pass(_Layers(model, mesh), h, rope, mesh, step, after_layer=lambda inputs, load: source.release(),
+               desc="measuring each layer's damage (streamed)", progress=progress)
+    return np.asarray(step.rows, np.float64)
+
+
 def convert_streamed(model: Streamed, calib: np.ndarray, cc: ConvertConfig, *, devices=None,
                      progress: bool = True, done: list[LayerRecord] | None = None,
                      on_layer: Callable[[int, LayerRecord], None] | None = None,
@@ -96,4 +118,4 @@ def convert_streamed(model: Streamed, calib: np.ndarray, cc: ConvertConfig, *, d
     return cfg_moe, step.records
 
 
-__all__ = ["PER_LAYER", "Streamed", "convert_streamed", "converted_layer_state"]
+__all__ = ["PER_LAYER", "Streamed", "convert_streamed", "converted_layer_state", "measure_streamed"]

@@ -16,7 +16,7 @@ from cmoe_jax.errors import CmoeError
 from cmoe_jax.methods.conmoe.baselines import METHODS as BASELINES, baseline_plans
 from cmoe_jax.methods.conmoe.build import apply_plans, routed_bytes, state_bytes
 from cmoe_jax.methods.conmoe.calibration import LayerStats, collect_stats
-from cmoe_jax.methods.conmoe.plan import conmoe_plans
+from cmoe_jax.methods.conmoe.plan import conmoe_plans, scopes_of
 from cmoe_jax.methods.conmoe.report import write_report
 from cmoe_jax.methods.conmoe.scoring import DISTANCES, SELECTIONS
 from cmoe_jax.moe.prototypes import DUPLICATE_GATES
@@ -76,13 +76,23 @@ def check_inputs(cfg, job: CompressConfig, seqlen) -> list[int]:
     if any(s.num_prototypes for _, s in specs):
         raise CmoeError("the model is already compressed (it has prototype layers): give the "
                         "original MoE")
-    if len({(s.num_experts, s.expert_width, s.sub_experts) for _, s in specs}) > 1:
-        raise CmoeError("the MoE layers differ in expert count or width: cmoe_jax.compress needs "
-                        "identical MoE layers")
+    check_scopes(dict(specs), job)
     if seqlen > cfg.max_position_embeddings:
         raise CmoeError(f"--seqlen {seqlen} exceeds the model's context "
                         f"({cfg.max_position_embeddings} positions)")
     return [i for i, _ in specs]
+
+
+def check_scopes(specs: dict, job: CompressConfig) -> None:
+    """The MoE layers of one scope share one prototype table, so their experts must have one
+    shape (width, sub-experts); their counts may differ (a per-layer conversion's routed
+    experts). Dense layers between them are not compressed and stay as they are."""
+    for layers in scopes_of(sorted(specs), job.scope):
+        shapes = {(specs[l].expert_width, specs[l].sub_experts) for l in layers}
+        if len(shapes) > 1:
+            raise CmoeError(f"the MoE layers {layers} of one --scope {job.scope} differ in expert "
+                            "width or sub-experts, so they cannot share one prototype table: use "
+                            "a smaller --scope (1 compresses each layer on its own)")
 
 
 def make_plans(model, stats, job: CompressConfig):

@@ -38,6 +38,11 @@ class ScopePlan:
     def num_prototypes(self) -> int:
         return self.mix.shape[0]
 
+    def unit_layer(self, unit: int) -> int:
+        """The layer of scope unit `unit` (the scope's experts numbered layer-major)."""
+        ends = np.cumsum([len(self.slot_maps[l]) for l in self.layers])
+        return self.layers[int(np.searchsorted(ends, unit, side="right"))]
+
     def to_json(self) -> dict:
         return {"layers": self.layers, "num_prototypes": self.num_prototypes,
                 "slot_maps": {str(l): m.tolist() for l, m in self.slot_maps.items()},
@@ -67,10 +72,13 @@ def expert_weights(model, layers) -> list[np.ndarray]:
 
 def copy_plan(layers, prototypes, owner_of_slot, num_experts) -> ScopePlan:
     """A plan whose table rows are the original experts `prototypes` (scope indices) and
-    whose slot of scope expert i goes to row `owner_of_slot[i]` (-1: pruned)."""
-    mix = np.zeros((len(prototypes), len(layers) * num_experts))
+    whose slot of scope expert i goes to row `owner_of_slot[i]` (-1: pruned). `num_experts`:
+    the slots of every layer, or of each layer (a list: layers of a per-layer conversion
+    differ in their routed expert count)."""
+    sizes = [num_experts] * len(layers) if np.isscalar(num_experts) else list(num_experts)
+    mix = np.zeros((len(prototypes), sum(sizes)))
     mix[np.arange(len(prototypes)), prototypes] = 1.0
-    owner = np.asarray(owner_of_slot, np.int32).reshape(len(layers), num_experts)
+    owner = np.split(np.asarray(owner_of_slot, np.int32), np.cumsum(sizes)[:-1])
     return ScopePlan(list(layers), mix, {l: owner[j] for j, l in enumerate(layers)})
 
 
@@ -88,17 +96,18 @@ def conmoe_plans(model, stats: dict, ratio: float, scope: int, selection: str = 
     if distance not in scoring.DISTANCES:
         raise ValueError(f"distance {distance!r} must be one of {', '.join(scoring.DISTANCES)}")
     moe_layers = sorted(stats)
-    num_experts = len(stats[moe_layers[0]].freq)  # units (top-level experts) per layer
+    counts = {l: len(stats[l].freq) for l in moe_layers}  # units (top-level experts) per layer
     plans, spread, cross = [], [], []
     for layers in scopes_of(moe_layers, scope):
         dist = scoring.frobenius_distance(
             expert_weights(model, layers) if distance == "weights"
             else [np.concatenate([stats[l].mean_out for l in layers])])
-        layer_of = np.repeat(np.arange(len(layers)), num_experts)
+        sizes = [counts[l] for l in layers]
+        layer_of = np.repeat(np.arange(len(layers)), sizes)
         contrib = np.concatenate([stats[l].contrib for l in layers])
         freq = np.concatenate([stats[l].freq for l in layers])
         sel = scoring.select(contrib, dist, freq, layer_of, ratio, selection)
-        plan = copy_plan(layers, sel["prototypes"], scoring.assign(dist, sel["prototypes"]), num_experts)
+        plan = copy_plan(layers, sel["prototypes"], scoring.assign(dist, sel["prototypes"]), sizes)
         off = dist[~np.eye(len(dist), dtype=bool)]
         plan.info = {"prototypes": sel["prototypes"].tolist(), "a": sel["a"].tolist(),
                      "b": sel["b"].tolist(), "score": sel["score"].tolist(),
@@ -110,7 +119,7 @@ def conmoe_plans(model, stats: dict, ratio: float, scope: int, selection: str = 
         spread.append(off)
         cross.append(scoring.cross_layer_fraction(dist, layer_of) * len(layer_of))
     allv = np.concatenate(spread) if spread else np.zeros(0)
-    n_total = len(moe_layers) * num_experts
+    n_total = sum(counts.values())
     figures = {"cross_layer_nn_fraction": float(sum(cross) / n_total),
                "distance_min": float(allv.min()) if allv.size else None,
                "distance_max": float(allv.max()) if allv.size else None,

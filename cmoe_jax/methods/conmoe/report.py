@@ -9,8 +9,8 @@ from cmoe_jax.checkpoint import write_json_atomic
 
 
 def slot_matrix(plans, num_experts: int):
-    """`[layers, E]` source layer of each slot's prototype (-1 pruned, nan merged) and the
-    global table row it uses (for annotation)."""
+    """`[layers, E]` source layer of each slot's prototype (-1 pruned, nan merged or, past a
+    layer's own slots when layers differ in expert count, no slot); E the most slots."""
     rows = []
     for plan in plans:
         for l in plan.layers:
@@ -19,7 +19,7 @@ def slot_matrix(plans, num_experts: int):
                 if p < 0:
                     src[e] = -1
                 elif np.count_nonzero(plan.mix[p]) == 1:
-                    src[e] = plan.layers[int(np.argmax(plan.mix[p])) // num_experts]
+                    src[e] = plan.unit_layer(int(np.argmax(plan.mix[p])))
             rows.append(src)
     return np.stack(rows) if rows else np.zeros((0, num_experts))
 
@@ -35,8 +35,7 @@ def plot_slot_map(plans, num_experts: int, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(4, 0.6 * num_experts + 2), max(3, 0.22 * len(layers) + 1)))
     im = ax.imshow(src, aspect="auto", cmap="viridis", interpolation="nearest")
     for r, l in enumerate(layers):
-        for e in range(num_experts):
-            p = plans_row(plans, l)[e]
+        for e, p in enumerate(plans_row(plans, l)):
             ax.text(e, r, "x" if p < 0 else str(p), ha="center", va="center", fontsize=5, color="w")
     ax.set_xlabel("router slot")
     ax.set_ylabel("MoE layer")
@@ -78,7 +77,7 @@ def plot_scores(plans, stats, path: Path) -> None:
 def write_report(plans, stats, compression: dict, directory: Path) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    num_experts = len(next(iter(stats.values())).freq)
+    num_experts = max(len(s.freq) for s in stats.values())
     if plans:
         plot_slot_map(plans, num_experts, directory / "slot_map.png")
     plot_scores(plans, stats, directory / "scores.png")
