@@ -44,6 +44,7 @@ VARIANTS = {
     "no-normalize": {"normalize": False},
     "no-gate-fit": {"gate_fit": False},
     "16-router-neurons": {"router_neurons": 16},
+    "24-router-neurons": {"router_neurons": 24},
     "32-router-neurons": {"router_neurons": 32},
     "fit-8192-tokens": {"router_fit_tokens": 8192},
     "calib-bos": {},
@@ -103,13 +104,12 @@ def run(lm, valid, bos, test, config: str, variant: str) -> dict:
             "convert_s": round(seconds, 1)}
 
 
-def _authors_carve(markers, mu, energy, cc):
+def _authors_carve(markers, mu, energy, cc, plan):
     import torch
 
     from benchmarks.cmoe_authors_reference import authors_carving
     from cmoe_jax.methods.cmoe.carve import LayerCarving
 
-    plan = cc.plan
     c = authors_carving(torch.from_numpy(np.asarray(markers, np.float32)),
                         torch.from_numpy(np.asarray(mu, np.float32)), plan.shared, plan.total)
     return LayerCarving(c.shared, c.experts, c.representatives[:, None], 1)

@@ -9,7 +9,8 @@ from cmoe_jax.methods.cmoe.carve_ffn import carve_ffn
 from cmoe_jax.methods.cmoe.convert import (ConversionError, ConvertConfig, LayerRecord, carve_profiled, check_router,
                                            conversion_mesh, convert_model)
 from cmoe_jax.methods.cmoe.plan import MoEPlan
-from cmoe_jax.methods.cmoe.report import plot_expert_load, write_report
+from cmoe_jax.methods.cmoe.report import layer_table, plot_expert_load, write_report
+from cmoe_jax.methods.cmoe.budget import Budget, BudgetError, adaptive_config, measure_damage
 from cmoe_jax.methods.cmoe.router import (gate_fit_sums, representative_neurons, router_fit_sums,
                                           router_weights, scale_router_up, solve_gate_scales)
 from cmoe_jax.methods.cmoe.shared import split_shared
@@ -26,6 +27,6 @@ METHOD = Method(name="cmoe", command="convert", choices=("cmoe",), title="CMoE",
 
 __all__ = ["LayerCarving", "carve_layer", "slice_ffn", "ConversionError", "ConvertConfig",
            "LayerRecord", "convert_model", "MoEPlan", "representative_neurons", "router_weights",
-           "split_shared", "Streamed", "convert_streamed", "check_router", "conversion_mesh", "plot_expert_load",
+           "split_shared", "layer_table", "Budget", "BudgetError", "adaptive_config", "measure_damage", "Streamed", "convert_streamed", "check_router", "conversion_mesh", "plot_expert_load",
            "write_report", "router_fit_sums", "scale_router_up", "gate_fit_sums", "solve_gate_scales", "carve_ffn", "carve_profiled", "CmoeSteps", "ConvertSettings",
            "base_manifest", "check_context", "is_dense", "stage_seconds", "flags", "METHOD"]

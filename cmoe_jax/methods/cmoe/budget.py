@@ -125,17 +125,17 @@ class DamageStep:
 
 
 def measure_damage(model, calib: np.ndarray, cc: ConvertConfig, budget: Budget, *, devices=None,
-                   progress: bool = True, layers=None, done=(),
+                   progress: bool = True, done=(),
                    on_row: Callable[[int, list], None] | None = None) -> np.ndarray:
     """[L, K] damage of carving each layer of the dense `model` to each of `budget`'s
-    candidate shapes, on the calibration windows `calib` [N, T]. `layers`: the decoder
-    layers in order (default `model.layers`; a streamed job reads them one at a time);
-    `done`, `on_row`: rows measured before (resume) and a callback saving each new row."""
+    candidate shapes, on the calibration windows `calib` [N, T] (`measure_streamed`: one
+    layer read at a time). `done`, `on_row`: rows measured before (resume) and a callback
+    saving each new row."""
     calib = np.asarray(calib, np.int32)
     mesh = conversion_mesh(cc, calib.shape[0], devices)
     h, rope = start_pass(model, calib, mesh)
     step = DamageStep(model.config, cc, budget, mesh, done, on_row)
-    layer_pass(model.layers if layers is None else layers, h, rope, mesh, step,
+    layer_pass(model.layers, h, rope, mesh, step,
                desc="measuring each layer's damage", progress=progress)
     return np.asarray(step.rows, np.float64)
 

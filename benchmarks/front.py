@@ -1,0 +1,193 @@
+"""The quality/speed front of one model: uniform and layer-adaptive CMoE at several budgets.
+
+    python benchmarks/front.py --model smollm2 --out front/smollm2 [--budgets 0.25 0.375 0.5 0.625 0.75]
+        [--max-windows 40] [--arc-limit N] [--repeats 3] [--resume]
+
+For each budget F (the share of FFN neurons a token runs): the uniform shape of that share
+(S1A1E8 at 0.25, S1A2E8 at 0.375, S2A2E8, S2A3E8, S3A3E8 at 0.75; `Budget.candidates`) and
+the adaptive conversion (`convert --active F`; each layer's damage is measured once per
+model and reused for every budget). Each model is scored on WikiText-2 test perplexity
+(`--max-windows` windows of 2048) and ARC-Easy (acc), and timed against the dense model in
+the same run: prefill (a batch of 512-token prompts through the model) and decode (128 new
+greedy tokens with the KV cache), batch 1 and 16, the two sides interleaved, medians.
+
+Every finished cell is saved as `OUT/cells/NAME.json` at once; `--resume` skips those, so a
+killed sweep goes on where it stopped. At the end `OUT/front.json` holds every cell and
+`OUT/front.png` the two panels (perplexity and speed against active share, dense as a line).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import interleaved_times, load_average, machine_line  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data"
+BUDGETS = (0.25, 0.375, 0.5, 0.625, 0.75)
+
+
+def _save(path: Path, cell: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cell, indent=1))
+    tmp.replace(path)
+
+
+class Front:
+    """One model's sweep: the dense model, its windows and damage, each cell cached on disk."""
+
+    def __init__(self, args):
+        from cmoe_jax.data import calibration_windows
+        from cmoe_jax.loading import load_model
+
+        from benchmarks.cmoe_ablation import windows
+
+        self.args = args
+        self.lm = load_model(args.model, progress=False)
+        args.data_dir = args.wikitext
+        valid, self.bos, self.test = windows(self.lm, args)
+        self.calib = calibration_windows(valid, 8, 2048, 0)
+        self.prompts = np.asarray(valid[:16 * 512], np.int32).reshape(16, 512)  # speed only
+        self.cells = args.out / "cells"
+
+    def cell(self, name: str, make):
+        """The saved cell `name`, or `make()` measured and saved."""
+        path = self.cells / f"{name}.json"
+        if self.args.resume and path.exists():
+            return json.loads(path.read_text())
+        t0 = time.perf_counter()
+        cell = dict(make(), name=name, seconds=round(time.perf_counter() - t0, 1), load_at_end=load_average())
+        _save(path, cell)
+        print(json.dumps({k: v for k, v in cell.items() if k != "damage"}), flush=True)
+        return cell
+
+    def damage(self, budget) -> np.ndarray:
+        from cmoe_jax.convert import ConvertConfig
+        from cmoe_jax.methods.cmoe.budget import measure_damage
+
+        cell = self.cell(f"damage-E{budget.experts}", lambda: {"damage": measure_damage(
+            self.lm.model, self.calib, ConvertConfig(plan=None), budget, progress=True).tolist()})
+        return np.asarray(cell["damage"])
+
+    def converted(self, cc):
+        from cmoe_jax.convert import convert_model
+
+        return convert_model(copy.deepcopy(self.lm.model), self.calib, cc, progress=True)
+
+    def scores(self, model) -> dict:
+        from cmoe_jax.eval import perplexity
+        from cmoe_jax.eval.tasks import evaluate_task, get_task, load_documents
+
+        task = get_task("arc_easy")
+        docs = load_documents(task, self.args.arc_path, self.args.arc_limit)
+        tok, bos = self.lm.tokenizer, self.bos  # ARC opened by BOS where the family's windows are
+
+        def encode(text):
+            return tok.encode(text) if bos is None else [bos, *tok.encode(text)]
+        arc = evaluate_task(model, encode, task, docs, progress=False)
+        return {"ppl": perplexity(model, self.test, progress=False)["ppl"], "arc_acc": arc["acc"],
+                "arc_acc_stderr": arc.get("acc_stderr"), "arc_questions": len(docs)}
+
+    def speed(self, model) -> dict:
+        """dense time / this model's time (medians, interleaved) of prefill and decode."""
+        from benchmarks.decode import ours_side
+        from benchmarks.prefill import prefill_fn
+
+        out = {}
+        for batch in (1, 16):
+            prompts = self.prompts[:batch]
+            pairs = {"prefill": [prefill_fn(m) for m in (self.lm.model, model)],
+                     "decode": [ours_side(m, prompts[:, :128], 128) for m in (self.lm.model, model)]}
+            for what, (dense, moe) in pairs.items():
+                if what == "prefill":
+                    dense, moe = (lambda f=dense: f(prompts)), (lambda f=moe: f(prompts))
+                times = interleaved_times([dense, moe], self.args.repeats)
+                out[f"{what}_b{batch}"] = statistics.median(times[0]) / statistics.median(times[1])
+        return out
+
+
+def sweep(args) -> list[dict]:
+    from cmoe_jax.convert import ConvertConfig
+    from cmoe_jax.methods.cmoe.budget import Budget, adaptive_config
+    from cmoe_jax.methods.cmoe.job import active_share
+
+    front = Front(args)
+    cells = [front.cell("dense", lambda: dict(front.scores(front.lm.model), kind="dense", active_share=1.0))]
+    damage = front.damage(Budget(0.5, 8))
+    for share in args.budgets:
+        budget = Budget(share, 8)
+        uniform = budget.candidates()[budget.uniform_index()]
+        adaptive = adaptive_config(ConvertConfig(plan=None), budget, damage)
+        for kind, cc in (("uniform", ConvertConfig(plan=uniform)), ("adaptive", adaptive)):
+            def make(cc=cc, kind=kind):
+                model, records = front.converted(cc)
+                shapes = ["dense" if p is None else p.name
+                          for p in cc.layer_shapes(front.lm.config.num_layers)]
+                return dict(front.scores(model), **front.speed(model), kind=kind, budget=share,
+                            active_share=active_share(cc.layer_shapes(len(shapes))), shapes=shapes,
+                            layer_error=[r.error for r in records])
+            cells.append(front.cell(f"{kind}-{share:g}", make))
+    return cells
+
+
+def plot(cells: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dense = next(c for c in cells if c["kind"] == "dense")
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+    for kind, style in (("uniform", "o--"), ("adaptive", "s-")):
+        rows = sorted((c for c in cells if c["kind"] == kind), key=lambda c: c["active_share"])
+        x = [c["active_share"] for c in rows]
+        ax.plot(x, [c["ppl"] for c in rows], style, label=kind)
+        for key, color in (("prefill_b1", "tab:blue"), ("decode_b1", "tab:orange"),
+                           ("decode_b16", "tab:green")):
+            bx.plot(x, [c[key] for c in rows], style, color=color, label=f"{kind} {key}")
+    ax.axhline(dense["ppl"], color="gray", lw=1, label="dense")
+    ax.set_yscale("log")
+    ax.set(xlabel="active share of FFN neurons", ylabel="WikiText-2 perplexity", title=title)
+    ax.legend(fontsize=8)
+    bx.axhline(1.0, color="gray", lw=1)
+    bx.set(xlabel="active share of FFN neurons", ylabel="dense time / model time", title="speed")
+    bx.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
+    p.add_argument("--max-windows", type=int, default=40)
+    p.add_argument("--arc-limit", type=int, default=None, help="first N ARC-Easy questions (default all)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--wikitext", type=Path, default=DATA / "wikitext-2", help="valid.txt and test.txt")
+    p.add_argument("--arc-path", type=Path, default=DATA / "arc-easy" / "test.jsonl")
+    p.add_argument("--resume", action="store_true", help="keep the cells already saved under OUT")
+    args = p.parse_args(argv)
+    if args.out.exists() and not args.resume and any(args.out.glob("cells/*.json")):
+        p.error(f"{args.out} holds a sweep already: pass --resume to go on with it")
+    print(machine_line(), flush=True)
+    cells = sweep(args)
+    summary = {"model": args.model, "machine": machine_line(), "date": time.strftime("%Y-%m-%d"),
+               "max_windows": args.max_windows, "cells": cells}
+    _save(args.out / "front.json", summary)
+    plot(cells, args.out / "front.png", args.model)
+
+
+if __name__ == "__main__":
+    main()
