@@ -100,6 +100,8 @@ class Front:
 
     def speed(self, model) -> dict:
         """dense time / this model's time (medians, interleaved) of prefill and decode."""
+        import jax
+
         from benchmarks.decode import ours_side
         from benchmarks.prefill import prefill_fn
 
@@ -109,8 +111,8 @@ class Front:
             pairs = {"prefill": [prefill_fn(m) for m in (self.lm.model, model)],
                      "decode": [ours_side(m, prompts[:, :128], 128) for m in (self.lm.model, model)]}
             for what, (dense, moe) in pairs.items():
-                if what == "prefill":
-                    dense, moe = (lambda f=dense: f(prompts)), (lambda f=moe: f(prompts))
+                if what == "prefill":  # each side blocks until its logits are there
+                    dense, moe = ((lambda f=f: jax.block_until_ready(f(prompts))) for f in (dense, moe))
                 times = interleaved_times([dense, moe], self.args.repeats)
                 out[f"{what}_b{batch}"] = statistics.median(times[0]) / statistics.median(times[1])
         return out

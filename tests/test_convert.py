@@ -155,12 +155,16 @@ def test_router_sums_several_neurons_with_least_squares_scales(dense):
     np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x, jnp.float32))), expected, atol=1e-4)
 
 
-def test_defaults_are_eight_energy_router_neurons_and_paper_router_one_flag_away(
+def test_defaults_are_sixteen_energy_router_neurons_and_paper_router_one_flag_away(
         tiny_checkpoint, tmp_path):
     cc = ConvertConfig(plan=MoEPlan.parse("S1A1E8"))
-    assert (cc.router_neurons, cc.router_reps, cc.router_scale, cc.shared_by, cc.gate_fit) == (
-        8, "energy", True, "rate-energy", True)
+    assert (cc.neurons_for(192), cc.router_reps, cc.router_scale, cc.shared_by, cc.gate_fit) == (
+        16, "energy", True, "rate-energy", True)
+    assert cc.neurons_for(8) == 8  # capped at a narrower expert
     _, path, text = tiny_checkpoint
+    assert convert_main(_cli(path, text, tmp_path / "default", "--config", "S1A1E4")) == 0
+    router = json.loads((tmp_path / "default" / "cmoe_manifest.json").read_text())["router"]
+    assert router["neurons_per_expert"] == 16  # the tiny model's experts are 16 wide
     assert convert_main(_cli(path, text, tmp_path / "paper", "--config", "S1A1E8", "--paper-router")) == 0
     router = json.loads((tmp_path / "paper" / "cmoe_manifest.json").read_text())["router"]
     assert (router["neurons_per_expert"], router["representatives_by"], router["fitted_scales"],

@@ -135,9 +135,9 @@ def run_ffn(ffn, h_mid, x, mesh: Mesh, out_norm: nnx.Module | None = None):
     (`DecoderLayer.ffn_out`); the FFN's variables placed by the sharding rules (an "expert"
     axis in `mesh` makes an MoE FFN run expert-parallel)."""
     fg, fs = nnx.split(ffn)
-    if "expert" in mesh.axis_names:  # the routed experts split over the expert axis
+    if "expert" in mesh.axis_names and isinstance(ffn, MoEFFN):  # routed experts split over it
         fs = place_state(fs, shardings_of(ffn, mesh))
-    else:  # calibration meshes split only the batch: every device holds the whole FFN
+    else:  # a dense FFN, or a mesh that splits only the batch: every device holds it whole
         fs = replicate(fs, mesh)
     norm = (None, None)
     if out_norm is not None:

@@ -89,7 +89,7 @@ def check_budget(budget: Budget, cfg, cc: ConvertConfig) -> None:
     except ValueError as e:
         raise ConversionError(str(e)) from e
     m = cfg.intermediate_size // budget.experts
-    if not 1 <= cc.router_neurons <= m:
+    if cc.router_neurons is not None and not 1 <= cc.router_neurons <= m:
         raise ConversionError(f"--router-neurons {cc.router_neurons} must be between 1 and the "
                               f"expert width {m}")
 

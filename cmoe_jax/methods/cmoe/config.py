@@ -24,9 +24,10 @@ class ConvertConfig:
     normalize: bool = True
     kmeans_iters: int | None = None  # None: iterate to convergence; 1: the authors' code
     seed: int = 0
-    # Router: r representative neurons per expert (1: the paper's), and per-expert score
-    # scales fitted on `router_fit_tokens` calibration tokens (False: the paper's raw |h|).
-    router_neurons: int = 8
+    # Router: r representative neurons per expert (1: the paper's; None: `ROUTER_NEURONS`, or
+    # the expert width where that is narrower), and per-expert score scales fitted on
+    # `router_fit_tokens` calibration tokens (False: the paper's raw |h|).
+    router_neurons: int | None = None
     router_scale: bool = True
     router_fit_tokens: int = 2048
     # Shared experts: neurons of highest activation rate mu times output energy E[h^2] ||W_down
@@ -48,6 +49,17 @@ class ConvertConfig:
     # closest to the centroid, raw |h| scores, gates 1 (`--paper-router`).
     PAPER_ROUTER = {"router_neurons": 1, "router_reps": "centroid", "router_scale": False,
                     "gate_fit": False}
+
+    # 16 router neurons: better than 8 on SmolLM2 and Gemma 3 at 25% and 75% active and about
+    # as good as 32 at half the router's cost (docs/results/cmoe.md, ablation)
+    ROUTER_NEURONS = 16
+
+    def neurons_for(self, expert_width: int) -> int:
+        """r for experts of `expert_width` neurons: as given, or by default `ROUTER_NEURONS`
+        capped at the width."""
+        if self.router_neurons is not None:
+            return self.router_neurons
+        return min(self.ROUTER_NEURONS, expert_width)
 
     def plan_at(self, layer: int) -> MoEPlan | None:
         """Layer `layer`'s shape (None: its dense FFN is kept)."""

@@ -92,7 +92,7 @@ def check_plans(cfg: ModelConfig, cc: ConvertConfig) -> None:
 
 def check_router(cfg: ModelConfig, cc: ConvertConfig) -> None:
     m = min([p.expert_width(cfg.intermediate_size) for p in carved_plans(cfg, cc)], default=1)
-    if not 1 <= cc.router_neurons <= m:
+    if cc.router_neurons is not None and not 1 <= cc.router_neurons <= m:
         raise ConversionError(f"--router-neurons {cc.router_neurons} must be between 1 and the "
                               f"expert width {m}")
     if cc.shared_by not in SHARED_BY:
@@ -122,7 +122,7 @@ def moe_spec(cfg: ModelConfig, cc: ConvertConfig, plan: MoEPlan | None) -> FFNSp
     m = plan.expert_width(cfg.intermediate_size)
     return FFNSpec(num_experts=plan.routed, top_k=plan.active, expert_width=m,
                    shared_width=plan.shared_width(cfg.intermediate_size), router="cmoe",
-                   router_neurons=cc.router_neurons)
+                   router_neurons=cc.neurons_for(m))
 
 
 def carve_one_layer(layer, x, cc: ConvertConfig, plan: MoEPlan) -> tuple[LayerCarving, np.ndarray, dict]:
@@ -170,7 +170,8 @@ def carve_profiled(markers, mu, energy, cc: ConvertConfig, plan: MoEPlan) -> Lay
     """`carve_layer` to `plan` with the options of `cc` on one FFN's profile (markers [T, d_h],
     rates mu and output energies [d_h]): the conversion's carve, also `carve_ffn`'s."""
     return carve_layer(markers, mu, plan, k_act=cc.k_act, kmeans_iters=cc.kmeans_iters,
-                       router_neurons=cc.router_neurons, scores=NeuronScores(
+                       router_neurons=cc.neurons_for(plan.expert_width(markers.shape[1])),
+                       scores=NeuronScores(
                            shared=shared_score(mu, energy, cc), ties=energy,
                            representatives=energy if cc.router_reps == "energy" else None))
 

@@ -19,7 +19,8 @@ def add_flags(g) -> None:
                    help="profile unnormalised activations instead of the L2-normalised form")
     g.add_argument("--router-neurons", type=positive_int, default=None,
                    help=f"representative neurons scoring each routed expert (default "
-                        f"{ConvertConfig.router_neurons}; 1 = the paper's router)")
+                        f"{ConvertConfig.ROUTER_NEURONS}, or the expert width if narrower; hierarchical "
+                        f"carving 8; 1 = the paper's router)")
     g.add_argument("--no-router-scale", action="store_true",
                    help="do not fit per-expert router score scales (the paper's raw |h| scores)")
     g.add_argument("--no-gate-fit", action="store_true",
@@ -81,7 +82,7 @@ def router_options(args) -> dict:
             raise CmoeError(f"--paper-router sets the router itself: drop {', '.join(given)}")
         return dict(ConvertConfig.PAPER_ROUTER)
     neurons, reps = args.router_neurons, args.router_reps
-    return {"router_neurons": ConvertConfig.router_neurons if neurons is None else neurons,
+    return {"router_neurons": neurons,
             "router_reps": ConvertConfig.router_reps if reps is None else reps,
             "router_scale": not args.no_router_scale, "gate_fit": not args.no_gate_fit}
 

@@ -79,6 +79,12 @@ def active_share(plans) -> float:
     return float(np.mean([share for _, share in layer_shapes(plans)]))
 
 
+def router_neurons(cfg, cc: ConvertConfig, plans) -> int | None:
+    """The representative neurons per expert the carved layers got (None: none carved)."""
+    carved = [p for p in plans if p is not None]
+    return cc.neurons_for(carved[0].expert_width(cfg.intermediate_size)) if carved else None
+
+
 def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> dict:
     """The manifest of a CMoE conversion (hierarchical CMoE updates some of its fields):
     `plan` has one entry per layer, `active_share` the mean share of neurons a token runs."""
@@ -94,7 +100,7 @@ def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> 
         "calibration": cal.manifest(cc.seed),
         "k_act": cc.k_act, "normalize": cc.normalize, "kmeans_iters": cc.kmeans_iters,
         "shared_by": cc.shared_by,
-        "router": {"neurons_per_expert": cc.router_neurons, "fitted_scales": cc.router_scale,
+        "router": {"neurons_per_expert": router_neurons(cfg, cc, plans), "fitted_scales": cc.router_scale,
                    "fit_tokens": cc.router_fit_tokens, "representatives_by": cc.router_reps,
                    "fitted_gates": cc.gate_fit},
         "layers": [dict(layer=i, shape=name, active_share=share,

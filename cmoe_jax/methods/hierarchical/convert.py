@@ -26,8 +26,21 @@ def is_moe(cfg: ModelConfig) -> bool:
     return any(s is not None for s in cfg.moe_layers)
 
 
+# Sub-routers score each sub-expert with 8 neurons unless told otherwise: the hierarchical
+# figures were measured there (the dense conversion's default, 16, was chosen on dense models).
+SUB_ROUTER_NEURONS = 8
+
+
+def with_sub_router(cc: ConvertConfig) -> ConvertConfig:
+    """`cc` with its router neuron count made explicit for hierarchical carving."""
+    if cc.router_neurons is not None:
+        return cc
+    return dataclasses.replace(cc, router_neurons=SUB_ROUTER_NEURONS)
+
+
 def validate_moe(cfg: ModelConfig, cc: ConvertConfig, min_tokens: int = 32) -> None:
     """Fail before any work on a source or sub-plan that cannot be carved hierarchically."""
+    cc = with_sub_router(cc)
     if min_tokens < 1:
         raise ConversionError(f"--min-expert-tokens {min_tokens} must be at least 1")
     specs = [s for s in cfg.moe_layers if s is not None]
@@ -52,6 +65,7 @@ def validate_moe(cfg: ModelConfig, cc: ConvertConfig, min_tokens: int = 32) -> N
 def hier_spec(spec: FFNSpec | None, cc: ConvertConfig) -> FFNSpec | None:
     if spec is None:
         return None
+    cc = with_sub_router(cc)
     plan = cc.plan
     return dataclasses.replace(spec, expert_width=plan.expert_width(spec.expert_width),
                                sub_experts=plan.total, sub_shared=plan.shared,
@@ -144,7 +158,7 @@ def convert_moe_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *,
 
     `done`: records of finished layers
     (resume): their carvings are reused, so the result equals an uninterrupted run."""
-    cfg = model.config
+    cfg, cc = model.config, with_sub_router(cc)
     validate_moe(cfg, cc, min_tokens)
     calib = np.asarray(calib, np.int32)
     mesh = calibration_mesh(calib.shape[0], devices)
@@ -159,7 +173,7 @@ def convert_moe_model(model: Decoder, calib: np.ndarray, cc: ConvertConfig, *,
 def random_hierarchical(model: Decoder, cc: ConvertConfig) -> Decoder:
     """The labelled baseline at the same active width: every expert split into random
     sub-experts with a random sub-router (`random_moe_layer`); no calibration data."""
-    cfg = model.config
+    cfg, cc = model.config, with_sub_router(cc)
     validate_moe(cfg, cc)
     ffns = []
     for i, layer in enumerate(model.layers):
@@ -175,6 +189,7 @@ def random_hierarchical(model: Decoder, cc: ConvertConfig) -> Decoder:
 def manifest_fields(cfg: ModelConfig, cc: ConvertConfig, records: list, min_tokens: int) -> dict:
     """What the manifest of a hierarchical conversion records about both levels."""
     spec = next(s for s in cfg.moe_layers if s is not None)
+    cc = with_sub_router(cc)
     plan = cc.plan
     return {
         "method": "cmoe_hierarchical",

@@ -2,6 +2,7 @@
 checks, the carving of every expert and the manifest fields of an MoE source."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 from cmoe_jax import distributed
 from cmoe_jax.methods.cmoe import CmoeSteps, ConversionError, check_context, stage_seconds
 from cmoe_jax.methods.hierarchical.convert import (HierLayerRecord, convert_moe_model, manifest_fields,
-                                                   validate_moe)
+                                                   validate_moe, with_sub_router)
 from cmoe_jax.methods.hierarchical.report import write_hier_report
 
 
@@ -17,6 +18,9 @@ class HierarchicalSteps(CmoeSteps):
     """The job's steps of a CMoE conversion of an MoE source (each expert carved)."""
 
     record = HierLayerRecord
+
+    def __init__(self, settings):
+        super().__init__(dataclasses.replace(settings, method=with_sub_router(settings.method)))
 
     def validate(self, source, options) -> None:
         s = self.settings
