@@ -5,7 +5,7 @@
 
 For each budget F (the share of FFN neurons a token runs): the uniform shape of that share
 (S1A1E8 at 0.25, S1A2E8 at 0.375, S2A2E8, S2A3E8, S3A3E8 at 0.75; `Budget.candidates`) and
-the adaptive conversion (`convert --active F`; each layer's damage is measured once per
+the adaptive conversion (`convert --active F`; each layer's sensitivity is measured once per
 model and reused for every budget). Each model is scored on WikiText-2 test perplexity
 (`--max-windows` windows of 2048) and ARC-Easy (acc), and timed against the dense model in
 the same run: prefill (a batch of 512-token prompts through the model) and decode (128 new
@@ -68,16 +68,21 @@ class Front:
         t0 = time.perf_counter()
         cell = dict(make(), name=name, seconds=round(time.perf_counter() - t0, 1), load_at_end=load_average())
         _save(path, cell)
-        print(json.dumps({k: v for k, v in cell.items() if k != "damage"}), flush=True)
+        print(json.dumps({k: v for k, v in cell.items() if k not in ("stream_error", "loss_gain")}),
+              flush=True)
         return cell
 
-    def damage(self, budget) -> np.ndarray:
+    def sensitivity(self, budget):
+        """Each layer's stream errors and loss gains, measured once for every budget."""
         from cmoe_jax.convert import ConvertConfig
-        from cmoe_jax.methods.cmoe.budget import measure_damage
+        from cmoe_jax.methods.cmoe.budget import Sensitivity, measure_damage
 
-        cell = self.cell(f"damage-E{budget.experts}", lambda: {"damage": measure_damage(
-            self.lm.model, self.calib, ConvertConfig(plan=None), budget, progress=True).tolist()})
-        return np.asarray(cell["damage"])
+        def make():
+            s = measure_damage(self.lm.model, self.calib, ConvertConfig(plan=None), budget)
+            return {"stream_error": s.errors.tolist(), "loss_gain": s.gains.tolist()}
+
+        cell = self.cell(f"sensitivity-E{budget.experts}", make)
+        return Sensitivity(np.asarray(cell["stream_error"]), np.asarray(cell["loss_gain"]))
 
     def converted(self, cc):
         from cmoe_jax.convert import convert_model
@@ -125,12 +130,14 @@ def sweep(args) -> list[dict]:
 
     front = Front(args)
     cells = [front.cell("dense", lambda: dict(front.scores(front.lm.model), kind="dense", active_share=1.0))]
-    damage = front.damage(Budget(0.5, 8))
+    sensitivity = front.sensitivity(Budget(0.5, 8))
     for share in args.budgets:
         budget = Budget(share, 8)
-        uniform = budget.candidates()[budget.uniform_index()]
-        adaptive = adaptive_config(ConvertConfig(plan=None), budget, damage)
-        for kind, cc in (("uniform", ConvertConfig(plan=uniform)), ("adaptive", adaptive)):
+        kinds = {"uniform": ConvertConfig(plan=budget.candidates()[budget.uniform_index()]),
+                 "adaptive": adaptive_config(ConvertConfig(plan=None), budget, sensitivity.damage())}
+        if share in args.stream_sensitivity:  # the stream error alone, for comparison
+            kinds["adaptive-stream"] = adaptive_config(ConvertConfig(plan=None), budget, sensitivity.errors)
+        for kind, cc in kinds.items():
             def make(cc=cc, kind=kind):
                 model, records = front.converted(cc)
                 shapes = ["dense" if p is None else p.name
@@ -179,6 +186,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--wikitext", type=Path, default=DATA / "wikitext-2", help="valid.txt and test.txt")
     p.add_argument("--arc-path", type=Path, default=DATA / "arc-easy" / "test.jsonl")
+    p.add_argument("--stream-sensitivity", type=float, nargs="*", default=[],
+                   help="budgets also converted with the stream error alone as the damage")
     p.add_argument("--resume", action="store_true", help="keep the cells already saved under OUT")
     args = p.parse_args(argv)
     if args.out.exists() and not args.resume and any(args.out.glob("cells/*.json")):

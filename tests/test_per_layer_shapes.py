@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import cmoe_jax.methods.cmoe.budget as budget_module
+import cmoe_jax.methods.cmoe.sensitivity as sensitivity_module
 from cmoe_jax.checkpoint import PER_LAYER, restore_model, save_converted, write_manifest
 from cmoe_jax.compress.cli import main as compress_main
 from cmoe_jax.convert import Calibration, ConvertConfig, ConvertSettings, convert, convert_model
@@ -246,21 +246,23 @@ def _budget_job(src) -> ConvertSettings:
 
 
 def test_interrupted_budget_conversion_resumes_bit_identically(src, adaptive, tmp_path, monkeypatch):
-    """Killed while measuring layer 2's damage, then after converting two layers: each
-    resume measures only the rows not saved, and the result is the uninterrupted one."""
+    """Killed while measuring layer 2's stream errors, then after converting two layers:
+    each resume measures only the rows and gains not saved, and the result is the
+    uninterrupted one."""
     carved = []
-    carve = budget_module.carve_on_main
-    monkeypatch.setattr(budget_module, "carve_on_main", lambda *a: carved.append(1) or carve(*a))
+    carve = sensitivity_module.carve_on_main
+    monkeypatch.setattr(sensitivity_module, "carve_on_main", lambda *a: carved.append(1) or carve(*a))
     job, out = _budget_job(src), tmp_path / "resumed"
     assert convert(str(src / "dense"), job, out=out, stop_after_layers=1, progress=False)["out"] is None
     staging = tmp_path / "resumed.partial"
-    rows = sorted((staging / "damage").glob("*.json"))
-    assert [p.name for p in rows] == ["0000.json", "0001.json", "0002.json", "0003.json"]
-    for p in rows[2:] + sorted((staging / "layers").glob("*.json")):
+    rows, gains = (sorted((staging / d).glob("*.json")) for d in ("damage", "gains"))
+    assert [p.name for p in rows] == [p.name for p in gains] == ["0000.json", "0001.json", "0002.json", "0003.json"]
+    for p in rows[2:] + gains[3:] + sorted((staging / "layers").glob("*.json")):
         p.unlink()
     carved.clear()
     assert convert(str(src / "dense"), job, out=out, resume=True, stop_after_layers=2, progress=False)["out"] is None
-    assert len(carved) == 2 * (len(Budget(0.375).candidates()) - 1)  # layers 2 and 3, every carved shape
+    # layers 2 and 3 at every carved shape, then layer 3's loss gain at the reference shape
+    assert len(carved) == 2 * (len(Budget(0.375).candidates()) - 1) + 1
     carved.clear()
     convert(str(src / "dense"), job, out=out, resume=True, progress=False)
     assert not carved  # every row read back

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cmoe_jax import distributed
 from cmoe_jax.errors import CmoeError
+from cmoe_jax.models.nll import chunked_nll
 from cmoe_jax.moe import MoEFFN
 from cmoe_jax.sharding import ShardingError, batch_axes, make_mesh, place_state, shardings_of
 
@@ -87,6 +88,22 @@ def ffn_residual_step(graphdef, state, h_mid, x, norm_graphdef=None, norm_state=
         y = nnx.merge(norm_graphdef, norm_state)(y)
     return h_mid + y, load
 
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _nll_sums(graphdef, state, h, tokens):
+    model = nnx.merge(graphdef, state)
+    nll = chunked_nll(model.norm(h[:, :-1]), tokens[:, 1:], model.lm_head_matrix())
+    return nll.astype(jnp.float32).sum(), nll.size
+
+
+def stream_nll(model, h, tokens, mesh: Mesh) -> float:
+    """Mean next-token NLL of `tokens [N, T]` from the stream `h` after the last layer
+    (what `layer_pass` returns), through `model`'s final norm and LM head; all processes."""
+    graphdef, state = nnx.split(model)
+    total, count = _nll_sums(graphdef, replicate(state, mesh), h, shard_batch(tokens, mesh))
+    total, count = distributed.sum_across_processes((np.float64(total), np.int64(count)))
+    return float(total / count)
 
 
 def start_pass(model, tokens, mesh: Mesh):

@@ -1,11 +1,9 @@
 """Layer-adaptive CMoE: a budget (the mean share F of FFN neurons a token runs) instead of
 one shape for every layer.
 
-Layers are not equally hurt by carving. One pass over the calibration windows through the
-dense model carves every layer at every candidate shape on its own FFN input and measures
-the damage: the squared change of the residual stream after the layer, relative to that
-stream's energy (what the next layer reads; a norm after the FFN, as in Gemma, included).
-An exact knapsack (`cmoe_jax.carving.allocation`) then picks one shape per layer so the mean
+Layers are not equally hurt by carving. Each layer's damage at every candidate shape is
+measured on the dense model's own stream (`cmoe_jax.methods.cmoe.sensitivity`: the stream
+error of the carved layer, calibrated per layer by the loss rise it causes). An exact knapsack (`cmoe_jax.carving.allocation`) then picks one shape per layer so the mean
 active share is F and the summed damage least; the conversion carves each layer to its shape
 on the converted stream, as a uniform one does.
 
@@ -15,19 +13,13 @@ S(k//2)A(k - k//2)Ez (S0A1E8, S1A1E8, S1A2E8, ..., S3A4E8), and k = z, the dense
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import numpy as np
-from flax import nnx
 
 from cmoe_jax.carving.allocation import BudgetError, allocate
-from cmoe_jax.methods.cmoe.convert import (ConversionError, ConvertConfig, carve_on_main,
-                                           conversion_mesh, layer_profile, moe_spec, slices_for,
-                                           stream_error)
+from cmoe_jax.methods.cmoe.config import ConversionError, ConvertConfig
 from cmoe_jax.methods.cmoe.plan import MoEPlan
-from cmoe_jax.methods.cmoe.router_fit import fit_router
-from cmoe_jax.models.ffn import filled_ffn
-from cmoe_jax.profiling.layer_pass import LayerInput, layer_pass, start_pass
+from cmoe_jax.methods.cmoe.sensitivity import MEASURES, Measured, Sensitivity, measure
 
 TOLERANCE = 0.01  # the mean active share met to within 1% of the budget
 
@@ -39,6 +31,7 @@ class Budget:
 
     active: float
     experts: int = 8
+    measure_by: str = "loss"  # the damage: loss-calibrated stream error, or the stream error alone
 
     def candidates(self) -> list[MoEPlan | None]:
         """The shapes a layer may get, the one of index k-1 running k experts' worth of
@@ -82,6 +75,8 @@ class Budget:
 
 def check_budget(budget: Budget, cfg, cc: ConvertConfig) -> None:
     """Refuse, before any work, a budget no allocation can meet or shapes that cannot carve."""
+    if budget.measure_by not in MEASURES:
+        raise ConversionError(f"--sensitivity {budget.measure_by!r} must be one of {', '.join(MEASURES)}")
     try:
         budget.target_units(cfg.num_layers)
         for plan in budget.candidates()[:-1]:
@@ -94,50 +89,13 @@ def check_budget(budget: Budget, cfg, cc: ConvertConfig) -> None:
                               f"expert width {m}")
 
 
-class DamageStep:
-    """The layer pass's step of the damage measurement: carve layer i at every candidate
-    shape on its dense FFN input, measure each shape's damage, hand the dense FFN back (the
-    stream stays the dense model's). `rows[i]` [K]: layer i's damage per candidate."""
-
-    def __init__(self, cfg, cc: ConvertConfig, budget: Budget, mesh, done=(),
-                 on_row: Callable[[int, list], None] | None = None):
-        self.cfg, self.cc, self.budget, self.mesh = cfg, cc, budget, mesh
-        self.rows, self.on_row = [list(r) for r in done], on_row
-
-    def __call__(self, inputs: LayerInput) -> nnx.Module:
-        layer, x = inputs.layer, inputs.ffn_input
-        if inputs.index < len(self.rows):
-            return layer.mlp
-        dense = inputs.stream_after(layer.mlp, self.mesh)
-        markers, mu, out_energy = layer_profile(layer, x, self.cc)
-        row = []
-        for plan in self.budget.candidates()[:-1]:
-            carving = carve_on_main(markers, mu, out_energy, self.cc, plan)
-            ffn = filled_ffn(self.cfg, moe_spec(self.cfg, self.cc, plan), slices_for(layer, carving),
-                             layer.mlp.gate[...].dtype)
-            fit_router(ffn, x, self.cc, self.mesh)
-            row.append(stream_error(inputs, ffn, dense, self.mesh))
-        row.append(0.0)  # the dense FFN kept
-        self.rows.append(row)
-        if self.on_row is not None:
-            self.on_row(inputs.index, row)
-        return layer.mlp
-
-
-def measure_damage(model, calib: np.ndarray, cc: ConvertConfig, budget: Budget, *, devices=None,
-                   progress: bool = True, done=(),
-                   on_row: Callable[[int, list], None] | None = None) -> np.ndarray:
-    """[L, K] damage of carving each layer of the dense `model` to each of `budget`'s
-    candidate shapes, on the calibration windows `calib` [N, T] (`measure_streamed`: one
-    layer read at a time). `done`, `on_row`: rows measured before (resume) and a callback
-    saving each new row."""
-    calib = np.asarray(calib, np.int32)
-    mesh = conversion_mesh(cc, calib.shape[0], devices)
-    h, rope = start_pass(model, calib, mesh)
-    step = DamageStep(model.config, cc, budget, mesh, done, on_row)
-    layer_pass(model.layers, h, rope, mesh, step,
-               desc="measuring each layer's damage", progress=progress)
-    return np.asarray(step.rows, np.float64)
+def measure_damage(model, calib: np.ndarray, cc: ConvertConfig, budget: Budget, *,
+                   measured: Measured | None = None) -> Sensitivity:
+    """Each layer's sensitivity to each of `budget`'s candidate shapes on the calibration
+    windows `calib` [N, T] (`Sensitivity.damage()` is what the allocation minimises); the
+    streamed job's twin is `cmoe_jax.methods.cmoe.streamed.measure_streamed`."""
+    return measure(model, model.layers, calib, cc, budget.candidates(), measure_by=budget.measure_by,
+                   measured=measured)
 
 
 def adaptive_config(cc: ConvertConfig, budget: Budget, damage: np.ndarray) -> ConvertConfig:
@@ -145,4 +103,5 @@ def adaptive_config(cc: ConvertConfig, budget: Budget, damage: np.ndarray) -> Co
     return dataclasses.replace(cc, plan=None, layer_plans=tuple(budget.allocate(damage)))
 
 
-__all__ = ["Budget", "BudgetError", "DamageStep", "adaptive_config", "check_budget", "measure_damage"]
+__all__ = ["Budget", "BudgetError", "Measured", "Sensitivity", "adaptive_config", "check_budget",
+           "measure_damage"]

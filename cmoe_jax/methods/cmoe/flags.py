@@ -38,6 +38,10 @@ def add_flags(g) -> None:
     g.add_argument("--expert-parallel", type=positive_int, default=1, metavar="N",
                    help="split each converted layer's routed experts over N devices (all-to-all "
                         "token exchange) when it runs forward; the batch uses the rest")
+    g.add_argument("--sensitivity", choices=["loss", "stream"], default=None,
+                   help="with a budget --active F, each layer's damage at a shape: its stream error "
+                        "scaled by the loss rise that layer's carving causes (default), or the "
+                        "stream error alone")
     g.add_argument("--stream", action="store_true",
                    help="read, convert and write one decoder layer at a time (peak host memory "
                         "about one layer: models larger than the host's memory); dense sources")
@@ -52,12 +56,15 @@ def check_args(args, error) -> None:
 def budget_from_args(args) -> Budget | None:
     """The budget of `--active F` (a decimal share), None for a shape."""
     if not isinstance(args.active, float):
+        if args.sensitivity is not None:
+            raise CmoeError("--sensitivity measures layers for a budget: give --active F (e.g. 0.25)")
         return None
     if args.config or args.shared is not None:
         given = "--config" if args.config else "--shared"
         raise CmoeError(f"--active {args.active:g} is a budget (each layer's shape chosen for it) and "
                         f"{given} a shape: give one of them")
-    return Budget(args.active, 8 if args.experts is None else args.experts)
+    return Budget(args.active, 8 if args.experts is None else args.experts,
+                  measure_by=args.sensitivity or "loss")
 
 
 def plan_from_args(args) -> MoEPlan | None:

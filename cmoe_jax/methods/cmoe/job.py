@@ -14,7 +14,7 @@ from cmoe_jax.checkpoint import PER_LAYER, save_converted, write_manifest
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.loading import open_source
-from cmoe_jax.methods.cmoe.budget import Budget, adaptive_config, check_budget, measure_damage
+from cmoe_jax.methods.cmoe.budget import Budget, Measured, adaptive_config, check_budget, measure_damage
 from cmoe_jax.methods.cmoe.convert import (ConversionError, ConvertConfig, LayerRecord, check_plans,
                                            check_router, conversion_mesh, convert_model)
 from cmoe_jax.methods.cmoe.plan import MoEPlan
@@ -96,7 +96,8 @@ def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> 
         "plan": [plan_entry(p, cfg.intermediate_size, experts) for p in plans],
         "active_share": active_share(plans),
         "budget": None if settings.budget is None else {"active": settings.budget.active,
-                                                        "experts": settings.budget.experts},
+                                                        "experts": settings.budget.experts,
+                                                        "sensitivity": settings.budget.measure_by},
         "calibration": cal.manifest(cc.seed),
         "k_act": cc.k_act, "normalize": cc.normalize, "kmeans_iters": cc.kmeans_iters,
         "shared_by": cc.shared_by,
@@ -114,13 +115,13 @@ class CmoeSteps:
     layer's damage at every candidate shape, saved per layer for a resume, then the shapes)."""
 
     kind = "convert"
-    resumable = ("layers/*.json", "damage/*.json")
+    resumable = ("layers/*.json", "damage/*.json", "gains/*.json")
     record = LayerRecord
 
     def __init__(self, settings: ConvertSettings):
         self.settings = settings
         self.windows = self.moe_config = None  # the calibration windows; a streamed result's config
-        self.damage = None  # [L, K] with a budget
+        self.sensitivity = None  # each layer's, with a budget
 
     def validate(self, source, options) -> None:
         s = self.settings
@@ -141,7 +142,8 @@ class CmoeSteps:
         budget = self.settings.budget
         return {"model": source.name, **self.settings.method.to_dict(),
                 **self.settings.calibration.settings(),
-                **({} if budget is None else {"active": budget.active, "experts": budget.experts})}
+                **({} if budget is None else {"active": budget.active, "experts": budget.experts,
+                                              "sensitivity": budget.measure_by})}
 
     def prepare(self, source):
         cal = self.settings.calibration
@@ -180,37 +182,39 @@ class CmoeSteps:
         t_shapes = time.perf_counter()
         model, records = self.carve(run, lm, done, on_layer)
         seconds = stage_seconds(records, run.t_start, t_load, t_conv, time.perf_counter())
-        if self.damage is not None:
+        if self.sensitivity is not None:
             seconds["measure_damage"] = t_shapes - t_conv
         return model, self.manifest(run.source, records), seconds, records
 
     def choose_shapes(self, run, lm) -> None:
-        """With a budget: measure each layer's damage at every candidate shape (rows saved in
-        the staging directory as they come, read back on a resume; a streamed job reads the
-        layers one at a time), then set the shapes."""
+        """With a budget: measure each layer's sensitivity to every candidate shape (each
+        layer's figures saved in the staging directory as they come, read back on a resume; a
+        streamed job reads the layers one at a time), then set the shapes."""
         budget = self.settings.budget
         if budget is None:
             return
-        saved, save_row = run.json_rows("damage")
+        errors, save_error = run.json_rows("damage")
+        gains, save_gain = run.json_rows("gains")
         names = ["dense" if p is None else p.name for p in budget.candidates()]
-
-        def save(i, row):
-            save_row(i, {"damage": row, "candidates": names})
-
-        done, progress = [r["damage"] for r in saved], run.options.progress
+        measured = Measured([r["stream_error"] for r in errors], [r["gain"] for r in gains],
+                            on_error=lambda i, row: save_error(i, {"stream_error": row, "candidates": names}),
+                            on_gain=lambda i, gain: save_gain(i, {"gain": gain}),
+                            progress=run.options.progress)
         if self.settings.stream:  # the layers read one at a time, as the conversion reads them
-            self.damage = measure_streamed(self.streamed(run), self.windows, self.settings.method, budget,
-                                           progress=progress, on_row=save, done=done)
+            self.sensitivity = measure_streamed(self.streamed(run), self.windows, self.settings.method,
+                                                budget, measured=measured)
         else:
-            self.damage = measure_damage(lm.model, self.windows, self.settings.method, budget,
-                                         progress=progress, on_row=save, done=done)
-        method = adaptive_config(self.settings.method, budget, self.damage)
+            self.sensitivity = measure_damage(lm.model, self.windows, self.settings.method, budget,
+                                              measured=measured)
+        method = adaptive_config(self.settings.method, budget, self.sensitivity.damage())
         self.settings = dataclasses.replace(self.settings, method=method)
 
     def manifest(self, source, records) -> dict:
         manifest = base_manifest(source.name, source.config, self.settings, records)
-        if self.damage is not None:
-            manifest["budget"]["damage"] = self.damage.tolist()
+        if self.sensitivity is not None:
+            s = self.sensitivity
+            manifest["budget"].update(damage=s.damage().tolist(), stream_error=s.errors.tolist(),
+                                      loss_gain=None if s.gains is None else s.gains.tolist())
         return manifest
 
     def interrupted(self, after: int) -> dict:

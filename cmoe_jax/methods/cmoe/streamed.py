@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from cmoe_jax.checkpoint import PER_LAYER, layer_part, save_state_part, without_layers
-from cmoe_jax.methods.cmoe.budget import Budget, DamageStep
+from cmoe_jax.methods.cmoe.budget import Budget, Measured, Sensitivity
+from cmoe_jax.methods.cmoe.sensitivity import measure
 from cmoe_jax.methods.cmoe.convert import (ConvertConfig, LayerConverter, LayerRecord,
                                            carved_plans, conversion_mesh, moe_spec, validate)
 from cmoe_jax.loading.load import load_layer, load_outer
@@ -64,22 +65,16 @@ class _Layers:
 
 
 def measure_streamed(model: Streamed, calib: np.ndarray, cc: ConvertConfig, budget: Budget, *,
-                     devices=None, progress: bool = True, done=(),
-                     on_row: Callable[[int, list], None] | None = None) -> np.ndarray:
-    """`measure_damage` ([L, K] damage of each layer at each candidate shape) of the dense
-    model in `model.source`, its layers read one at a time: the same rows as on the loaded
-    model (same steps, same order), one dense layer in memory. Writes nothing to `model.out`."""
+                     measured: Measured | None = None) -> Sensitivity:
+    """`measure_damage` of the dense model in `model.source`, its layers read one at a time
+    (every pass reads them again): the same figures as on the loaded model (same steps, same
+    order), the embedding, head and one dense layer in memory. Writes nothing to `model.out`."""
     source, cfg, _ = model
-    calib = np.asarray(calib, np.int32)
-    mesh = conversion_mesh(cc, calib.shape[0], devices)
+    measured = measured or Measured()
+    mesh = conversion_mesh(cc, np.asarray(calib).shape[0], measured.devices)
     outer = load_outer(source, cfg, dtype=jnp.float32, mesh=mesh)
-    h, rope = start_pass(outer, calib, mesh)
-    del outer
-    source.release()
-    step = DamageStep(cfg, cc, budget, mesh, done, on_row)
-    layer_pass(_Layers(model, mesh), h, rope, mesh, step, after_layer=lambda inputs, load: source.release(),
-               desc="measuring each layer's damage (streamed)", progress=progress)
-    return np.asarray(step.rows, np.float64)
+    return measure(outer, _Layers(model, mesh), calib, cc, budget.candidates(), measure_by=budget.measure_by,
+                   measured=measured)
 
 
 def convert_streamed(model: Streamed, calib: np.ndarray, cc: ConvertConfig, *, devices=None,
