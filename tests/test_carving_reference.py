@@ -37,9 +37,9 @@ def test_conversion_equals_the_authors_pipeline_layer_by_layer(tmp_path, monkeyp
                        **ConvertConfig.PAPER_ROUTER)
     seen, carve = [], cmoe_convert.carve_one_layer
 
-    def recording(layer, x, cc):
+    def recording(layer, x, cc, plan):
         seen.append(np.asarray(x))
-        return carve(layer, x, cc)
+        return carve(layer, x, cc, plan)
 
     monkeypatch.setattr(cmoe_convert, "carve_one_layer", recording)
     moe, records = convert_model(lm.model, calib, cc, progress=False)

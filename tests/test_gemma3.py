@@ -62,9 +62,9 @@ def test_gemma3_270m_conversion_profiles_the_models_own_ffn_inputs(monkeypatch):
     dense_logits, expected = lm.model(jnp.asarray(ids), capture_ffn_inputs=True)
     seen, carve = [], cmoe_convert.carve_one_layer
 
-    def recording(layer, x, cc):
+    def recording(layer, x, cc, plan):
         seen.append(np.asarray(x))
-        return carve(layer, x, cc)
+        return carve(layer, x, cc, plan)
 
     monkeypatch.setattr(cmoe_convert, "carve_one_layer", recording)
     moe, _ = convert_model(lm.model, ids, ConvertConfig(plan=MoEPlan.parse("S1A7E8")), progress=False)
