@@ -61,22 +61,35 @@ def measure(demo_args, seeds: list[int]) -> list[dict]:
     return rows
 
 
+def shown_command(argv: list[str]) -> str:
+    """The command as the README shows it: data paths as the guides name them."""
+    shown = list(argv)
+    for i, arg in enumerate(shown[:-1]):
+        if arg == "--data-path":
+            shown[i + 1] = "data/wiki.test.raw"
+    return shlex.join(shown)
+
+
 def markdown(rows: list[dict], a, machine: str) -> str:
     dense = rows[0]["ppl"][0]
-    seeds = ", ".join(map(str, a.seeds))
+    one = len(a.seeds) == 1
+    drawn = (f"seed {a.seeds[0]}, with the conversion's defaults" if one else
+             f"seeds {', '.join(map(str, a.seeds))}: mean, and min - max over the seeds")
     lines = [f"WikiText-2 test perplexity on the first {a.max_windows} windows of {a.seqlen} tokens, "
              f"fp32; each conversion calibrated on {a.calib_samples} x {a.seqlen} validation tokens "
-             f"drawn with seeds {seeds}: mean, and min - max over the seeds. Made by "
-             f"`python scripts/results_table.py {shlex.join(sys.argv[1:])}` on "
-             f"{date.today().isoformat()}, {machine} "
-             f"({os.cpu_count()} cores).", "",
-             "| model | WikiText-2 ppl (mean) | min - max over seeds | x dense |", "|---|---|---|---|",
-             f"| dense | {dense:.3f} | - | 1.00x |"]
+             f"drawn with {drawn}. Made by "
+             f"`python scripts/results_table.py {shown_command(sys.argv[1:])}` on "
+             f"{date.today().isoformat()}, {machine} ({os.cpu_count()} cores).", ""]
+    if one:
+        lines += ["| model | WikiText-2 ppl | x dense |", "|---|---|---|", f"| dense | {dense:.3f} | 1.00x |"]
+    else:
+        lines += ["| model | WikiText-2 ppl (mean) | min - max over seeds | x dense |", "|---|---|---|---|",
+                  f"| dense | {dense:.3f} | - | 1.00x |"]
     for row in rows[1:]:
-        p = row["ppl"]
+        p, mean = row["ppl"], statistics.mean(row["ppl"])
         label = row["model"].replace(":energy", ", `--shared-by energy`")
-        lines.append(f"| {label} | {statistics.mean(p):.3f} | {min(p):.3f} - {max(p):.3f} | "
-                     f"{statistics.mean(p) / dense:.2f}x |")
+        spread = "" if one else f" {min(p):.3f} - {max(p):.3f} |"
+        lines.append(f"| {label} | {mean:.3f} |{spread} {mean / dense:.2f}x |")
     return "\n".join(lines)
 
 
