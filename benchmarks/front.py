@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -77,8 +78,9 @@ class Front:
         from cmoe_jax.convert import ConvertConfig
         from cmoe_jax.methods.cmoe.budget import Sensitivity, measure_damage
 
-        def make():
-            s = measure_damage(self.lm.model, self.calib, ConvertConfig(plan=None), budget)
+        def make():  # both measures: the stream errors and the loss gains
+            s = measure_damage(self.lm.model, self.calib, ConvertConfig(plan=None),
+                               dataclasses.replace(budget, measure_by="loss"))
             return {"stream_error": s.errors.tolist(), "loss_gain": s.gains.tolist()}
 
         cell = self.cell(f"sensitivity-E{budget.experts}", make)
@@ -134,9 +136,9 @@ def sweep(args) -> list[dict]:
     for share in args.budgets:
         budget = Budget(share, 8)
         kinds = {"uniform": ConvertConfig(plan=budget.candidates()[budget.uniform_index()]),
-                 "adaptive": adaptive_config(ConvertConfig(plan=None), budget, sensitivity.damage())}
-        if share in args.stream_sensitivity:  # the stream error alone, for comparison
-            kinds["adaptive-stream"] = adaptive_config(ConvertConfig(plan=None), budget, sensitivity.errors)
+                 "adaptive": adaptive_config(ConvertConfig(plan=None), budget, sensitivity.errors)}
+        if share in args.loss_sensitivity:  # the loss-calibrated errors, for comparison
+            kinds["adaptive-loss"] = adaptive_config(ConvertConfig(plan=None), budget, sensitivity.damage())
         for kind, cc in kinds.items():
             def make(cc=cc, kind=kind):
                 model, records = front.converted(cc)
@@ -176,6 +178,18 @@ def plot(cells: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def markdown(cells: list[dict]) -> str:
+    """The front as a table: each cell's share, perplexity, ARC-Easy and speed ratios."""
+    rows = ["| kind | active share | shapes | ppl | ARC-Easy acc | prefill b1 | prefill b16 | decode b1 | decode b16 |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c in sorted(cells, key=lambda c: (c["active_share"], c["kind"])):
+        shapes = sorted(set(c.get("shapes", ["dense"])))
+        speed = [f"{c[k]:.2f}x" if k in c else "-" for k in ("prefill_b1", "prefill_b16", "decode_b1", "decode_b16")]
+        rows.append(f"| {c['kind']} | {c['active_share']:.3f} | {', '.join(shapes)} | {c['ppl']:.3f} | "
+                    f"{c['arc_acc']:.4f} | " + " | ".join(speed) + " |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -186,8 +200,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--wikitext", type=Path, default=DATA / "wikitext-2", help="valid.txt and test.txt")
     p.add_argument("--arc-path", type=Path, default=DATA / "arc-easy" / "test.jsonl")
-    p.add_argument("--stream-sensitivity", type=float, nargs="*", default=[],
-                   help="budgets also converted with the stream error alone as the damage")
+    p.add_argument("--loss-sensitivity", type=float, nargs="*", default=[],
+                   help="budgets also converted with the loss-calibrated damage (--sensitivity loss)")
     p.add_argument("--resume", action="store_true", help="keep the cells already saved under OUT")
     args = p.parse_args(argv)
     if args.out.exists() and not args.resume and any(args.out.glob("cells/*.json")):
@@ -198,6 +212,7 @@ def main(argv=None) -> None:
                "max_windows": args.max_windows, "cells": cells}
     _save(args.out / "front.json", summary)
     plot(cells, args.out / "front.png", args.model)
+    print(markdown(cells))
 
 
 if __name__ == "__main__":

@@ -98,6 +98,7 @@ def test_convert_meets_the_budget(tiny_checkpoint, tmp_path, capsys):
     (["--active", "0.05"], "cannot be met"),
     (["--active", "0.3"], "cannot be met"),  # 2 layers of 8 experts: 0.3125 is 4% off
     (["--active", "1.5"], "(0, 1]"),
+    (["--config", "S1A1E8", "--sensitivity", "loss"], "give --active"),
 ])
 def test_bad_budgets_fail_before_any_work(tiny_checkpoint, tmp_path, capsys, extra, message):
     from cmoe_jax.convert.cli import main

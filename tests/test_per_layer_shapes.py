@@ -41,7 +41,8 @@ from test_tasks import write_arc_like
 # layer 1 keeps its dense FFN; the others differ in shared, active and routed experts
 PLANS = (MoEPlan(0, 1, 8), None, MoEPlan(2, 2, 8), MoEPlan(1, 2, 8))
 CALIB = np.random.default_rng(0).integers(0, 96, (2, 32)).astype(np.int32)
-ACTIVE = ["--active", "0.375", "--calib-samples", "2", "--seqlen", "32", "--k-act", "4", "--no-progress"]
+ACTIVE = ["--active", "0.375", "--sensitivity", "loss", "--calib-samples", "2", "--seqlen", "32", "--k-act", "4",
+          "--no-progress"]  # the loss measure: both of its passes, and their logs, are exercised
 _FORWARD = nnx.jit(lambda model, tokens: model(tokens))  # compiled once per model structure and shape
 
 
@@ -242,7 +243,8 @@ def test_compression_leaves_the_dense_layer_and_equals_the_copied_checkpoint(het
 
 def _budget_job(src) -> ConvertSettings:
     return ConvertSettings(ConvertConfig(plan=None, k_act=4),
-                           Calibration(data_path=str(src / "text.txt"), samples=2, seqlen=32), budget=Budget(0.375))
+                           Calibration(data_path=str(src / "text.txt"), samples=2, seqlen=32),
+                           budget=Budget(0.375, measure_by="loss"))
 
 
 def test_interrupted_budget_conversion_resumes_bit_identically(src, adaptive, tmp_path, monkeypatch):

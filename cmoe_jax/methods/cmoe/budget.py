@@ -31,7 +31,7 @@ class Budget:
 
     active: float
     experts: int = 8
-    measure_by: str = "loss"  # the damage: loss-calibrated stream error, or the stream error alone
+    measure_by: str = "stream"  # the damage: the stream error, or ("loss") it calibrated by the loss
 
     def candidates(self) -> list[MoEPlan | None]:
         """The shapes a layer may get, the one of index k-1 running k experts' worth of

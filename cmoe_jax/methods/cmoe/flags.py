@@ -40,8 +40,8 @@ def add_flags(g) -> None:
                         "token exchange) when it runs forward; the batch uses the rest")
     g.add_argument("--sensitivity", choices=["loss", "stream"], default=None,
                    help="with a budget --active F, each layer's damage at a shape: its stream error "
-                        "scaled by the loss rise that layer's carving causes (default), or the "
-                        "stream error alone")
+                        "(default), or the stream error scaled by the loss rise that layer's carving "
+                        "alone causes (loss)")
     g.add_argument("--stream", action="store_true",
                    help="read, convert and write one decoder layer at a time (peak host memory "
                         "about one layer: models larger than the host's memory); dense sources")
@@ -64,7 +64,7 @@ def budget_from_args(args) -> Budget | None:
         raise CmoeError(f"--active {args.active:g} is a budget (each layer's shape chosen for it) and "
                         f"{given} a shape: give one of them")
     return Budget(args.active, 8 if args.experts is None else args.experts,
-                  measure_by=args.sensitivity or "loss")
+                  measure_by=args.sensitivity or "stream")
 
 
 def plan_from_args(args) -> MoEPlan | None:
