@@ -112,9 +112,9 @@ def converted(tiny):
 def test_conversion_equals_single_process(tiny, converted, processes, devices):
     """Windows split over the processes, statistics gathered and summed in window order,
     clustering on process 0: the same partitions, activation rates, loads and weights, bit for
-    bit, except the router's two fits (score and gate scales): XLA's batched einsums of their
-    sums round differently with the per-process batch size (also on one process), so they
-    agree to 1e-5 relative."""
+    bit, except the router's two fits (score and gate scales) and the stream error: XLA's
+    batched einsums of their sums round differently with the per-process batch size (also on
+    one process), so they agree to 1e-5 relative."""
     out = tiny / f"p{processes}x{devices}"
     outs = launch("cmoe_jax.convert", _convert_args(tiny, out), processes, devices)
     # gloo's own connection lines aside, only process 0 prints
@@ -122,7 +122,8 @@ def test_conversion_equals_single_process(tiny, converted, processes, devices):
     assert not any("{" in o for o in outs[1:])
     one = json.loads((converted / "cmoe_manifest.json").read_text())
     many = json.loads((out / "cmoe_manifest.json").read_text())
-    for fitted in ("router_scales", "gate_scales"):  # the two least-squares fits
+    # the two least-squares fits, and each layer's stream error (a sum over the same tokens)
+    for fitted in ("router_scales", "gate_scales", "error"):
         values = [layer.pop(fitted) for r in (one, many) for layer in r["layers"]]
         half = len(values) // 2
         np.testing.assert_allclose(values[half:], values[:half], rtol=1e-5,
