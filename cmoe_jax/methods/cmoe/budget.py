@@ -68,10 +68,6 @@ class Budget:
         candidates = self.candidates()
         return [candidates[k] for k in picked]
 
-    def met(self, plans) -> float:
-        """The mean active share of per-layer `plans`."""
-        return float(np.mean([1.0 if p is None else (p.shared + p.active) / p.total for p in plans]))
-
 
 def check_budget(budget: Budget, cfg, cc: ConvertConfig) -> None:
     """Refuse, before any work, a budget no allocation can meet or shapes that cannot carve."""
