@@ -103,6 +103,33 @@ def main() -> int:
         return f"relative error {e:.1e}"
     check("MoEFFN pallas_gpu vs ragged_dot, both at highest precision (4 x 256 tokens)")(moe_layer)
 
+    def dispatch_paths(tokens):
+        """Every dispatch path of the layer against the sort path on `ragged_dot`: outputs
+        and the gradients of the expert weights, at highest precision."""
+        from flax import nnx
+
+        from cmoe_jax.moe import MoEFFN
+        x = jax.random.normal(jax.random.key(2), (tokens, 256))
+        loss = lambda m, x: jnp.sum(jnp.sin(m(x)))  # noqa: E731
+        got = {}
+        for path, backend in (("sort", "ragged_dot"), ("sort", "pallas_gpu"), ("dense", "auto"),
+                              ("gather", "auto"), ("auto", "auto")):
+            layer = MoEFFN(256, 128, 8, 2, shared_width=128, router="cmoe", router_neurons=8,
+                           backend=backend, dispatch=path, rngs=nnx.Rngs(0))
+            with jax.default_matmul_precision("highest"):
+                y = nnx.jit(lambda m, x: m(x))(layer, x)
+                g = nnx.jit(nnx.grad(loss))(layer, x)
+            got[f"{path}@{backend}"] = (y, g.expert_gate[...], g.expert_down[...])
+        ref = got.pop("sort@ragged_dot")
+        errs = {k: max(rel_err(a, b) for a, b in zip(v, ref)) for k, v in got.items()}
+        worst = max(errs.values())
+        if worst > 1e-4:
+            raise AssertionError(", ".join(f"{k} {e:.1e}" for k, e in errs.items()))
+        return ", ".join(f"{k} {e:.1e}" for k, e in errs.items())
+    for tokens in (3, 512):
+        check(f"MoEFFN every dispatch path vs sort@ragged_dot, values and gradients ({tokens} tokens)")(
+            lambda tokens=tokens: dispatch_paths(tokens))
+
     passed = sum(ok for _, ok, _ in RESULTS)
     print(f"gpu checks: {passed} passed, {len(RESULTS) - passed} failed")
     return 0 if passed == len(RESULTS) else 1

@@ -15,7 +15,7 @@ HI = jax.lax.Precision.HIGHEST
 
 BACKENDS = {
     "cpu": gmm_cpu.gmm,
-    "cpu_small_blocks": gmm_cpu.make_gmm(block=16, tail=4),  # full-block and tail paths
+    "cpu_small_blocks": gmm_cpu.make_gmm(windows=(16, 8, 4)),  # every window level
     "pallas_gpu_interpret": gmm_pallas_gpu.make_gmm((16, 16, 16), interpret=True),
     "megablox_tpu_interpret": gmm_tpu.make_gmm((16, 16, 16), interpret=True),
     "ragged_dot": gmm_ragged_dot,
@@ -91,7 +91,7 @@ def test_gradients_match_ragged_dot(name, sizes, m):
 
 
 @pytest.mark.parametrize("impl", [
-    lambda a, b, s: gmm_cpu.tgmm_impl(a, b, s, block=16, tail=4),
+    lambda a, b, s: gmm_cpu.tgmm_impl(a, b, s, windows=(16, 8, 4)),
     lambda a, b, s: gmm_pallas_gpu.tgmm_impl(a, b, s, tiles=(16, 16, 16), interpret=True),
     lambda a, b, s: gmm_tpu.tgmm_impl(a, b, s, tiling=(16, 16, 16), interpret=True),
 ], ids=["cpu", "pallas_gpu", "megablox_tpu"])

@@ -14,7 +14,7 @@ D, M, E, S = 16, 8, 6, 12
 
 BACKENDS = {
     "cpu": "cpu",
-    "cpu_small_blocks": gmm_cpu.make_gmm(block=8, tail=4),
+    "cpu_small_blocks": gmm_cpu.make_gmm(windows=(8, 4)),
     "dense": "dense",
     "ragged_dot": "ragged_dot",
     "pallas_gpu_interpret": gmm_pallas_gpu.make_gmm((16, 16, 16), interpret=True),

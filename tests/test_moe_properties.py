@@ -14,7 +14,7 @@ from cmoe_jax.moe import ROUTER_KINDS, MoEFFN
 from cmoe_jax.moe.gmm import cpu as gmm_cpu
 from tests import moe_numpy
 
-BACKENDS = {"cpu": "cpu", "cpu_small_blocks": gmm_cpu.make_gmm(block=4, tail=2),
+BACKENDS = {"cpu": "cpu", "cpu_small_blocks": gmm_cpu.make_gmm(windows=(4, 2)),
             "dense": "dense", "ragged_dot": "ragged_dot"}
 # few examples: each new shape compiles, and the suite runs on two busy CPU cores
 SETTINGS = settings(max_examples=15, deadline=None, derandomize=True, print_blob=True)

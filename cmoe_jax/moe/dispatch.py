@@ -1,5 +1,11 @@
 """Token dispatch for routed experts: sort by expert, grouped matmuls, unsort, combine.
 
+Three ways to run the same (token, expert) pairs, chosen by `cmoe_jax.moe.modes`:
+`routed_experts` (sort, the general path), `gathered_experts` (few pairs: each reads its own
+expert's weights) and `dense_experts` (every expert on every token, the unchosen ones
+weighted zero: where most of the experts are active anyway, one wide product beats the
+sort).
+
 Static shapes and no capacity limit, so no token is ever dropped: the `T * k`
 (token, slot) pairs are stably sorted by expert id, their rows gathered into one `[T*k, d]`
 matrix grouped by expert, run through the experts' SwiGLU with three grouped matmuls, scaled
@@ -101,3 +107,21 @@ def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax
     y = jnp.einsum("tkd,tk->td", ys.astype(jnp.float32).reshape(num_tokens, top_k, -1),
                    gates.astype(jnp.float32))
     return y, jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
+
+
+def dense_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
+                  w_up: jax.Array, w_down: jax.Array, activation: str = "silu"
+                  ) -> tuple[jax.Array, jax.Array]:
+    """`routed_experts` as one wide GLU over all E experts: each hidden unit of expert e is
+    scaled by the token's gate for e (zero when e was not chosen) before the down
+    projection, so `down(sum_e g_e h_e) = sum_e g_e down(h_e)`. No sort, no gathers; costs
+    E/k times the routed products, which pays where k/E is large or tokens are few."""
+    num_tokens, _ = ids.shape
+    num_experts = w_gate.shape[0]
+    weight = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
+        jnp.arange(num_tokens)[:, None], ids].add(gates.astype(jnp.float32))
+    mm = lambda a, w: jnp.einsum("td,edm->tem", a, w, preferred_element_type=jnp.float32)
+    h = glu_activation(activation)(mm(x, w_gate)) * mm(x, w_up)           # [T, E, m] f32
+    h = (h * weight[:, :, None]).astype(x.dtype)
+    y = jnp.einsum("tem,emd->td", h, w_down, preferred_element_type=jnp.float32)
+    return y, jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32)

@@ -31,10 +31,10 @@ from flax import nnx
 from cmoe_jax.lora import factors, grouped_delta, project
 from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
-from cmoe_jax.moe.dispatch import GLUExperts, gathered_experts
+from cmoe_jax.moe.dispatch import GLUExperts, dense_experts, gathered_experts
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_experts, tokens_sharded
 from cmoe_jax.moe.gmm import get_gmm, resolve_backend
-from cmoe_jax.moe.modes import check_input, dispatch_mode, expert_parallel_active
+from cmoe_jax.moe.modes import DISPATCHES, check_input, dispatch_mode, expert_parallel_active
 from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
 from cmoe_jax.moe.router_outputs import router_logits, router_output
 from cmoe_jax.moe.routers import (ROUTER_KINDS, RouterKind, cmoe_route, linear_route, sum_route,
@@ -84,6 +84,9 @@ class MoEFFN(nnx.Module):
         entered with `with mesh:` warns).
       kernel_init: initializer `init(key, shape, dtype)` of every weight matrix, called with
         the 2-D `[in, out]` shape (stacked experts get one call each); default normal(0.02).
+      dispatch: how the routed experts run on one device: "auto" (default) picks at trace time
+        from the token count and shapes (`cmoe_jax.moe.modes`); "sort", "gather" or "dense"
+        force one path (same results; for benchmarks and tests).
       sow_router: sow each call's `RouterOutput` as `nnx.Intermediate` "router_outputs" (for
         a layer deep inside a model; `nnx.capture(model, nnx.Intermediate)(x)` returns them).
 
@@ -108,7 +111,8 @@ class MoEFFN(nnx.Module):
                  router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
                  expert_axis: str | None = DEFAULT_EXPERT_AXIS, num_prototypes: int = 0,
                  duplicate_gates: str = "sum", activation: str = "silu", shared_gated: bool = False,
-                 rngs: nnx.Rngs, kernel_init=None, sow_router: bool = False):
+                 rngs: nnx.Rngs, kernel_init=None, sow_router: bool = False,
+                 dispatch: str = "auto"):
         if router not in ROUTER_KINDS:
             raise ValueError(f"router must be one of {ROUTER_KINDS}, got {router!r}")
         if not 1 <= top_k <= num_experts:
@@ -122,6 +126,8 @@ class MoEFFN(nnx.Module):
                              f"{num_experts} must be positive, shared_width={shared_width} >= 0")
         if not callable(backend):
             resolve_backend(backend)  # fail early on a typo
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
         self.d_model, self.expert_width = d_model, expert_width
         self.num_experts, self.top_k, self.shared_width = num_experts, top_k, shared_width
         self.router, self.norm_topk_prob = router, norm_topk_prob
@@ -131,7 +137,7 @@ class MoEFFN(nnx.Module):
         self.activation = activation  # the GLU activation of every expert and router neuron
         # ConMoE (`cmoe_jax.moe.prototypes`): K stored prototypes behind the E router slots
         self.num_prototypes, self.duplicate_gates = num_prototypes, duplicate_gates
-        self.sow_router = sow_router
+        self.sow_router, self.dispatch = sow_router, dispatch
         param = make_param(rngs, param_dtype, kernel_init)
 
         d, m, e, s = d_model, expert_width, num_experts, shared_width
@@ -271,9 +277,11 @@ class MoEFFN(nnx.Module):
                                                             key, ab=ad[name]) if name in ad else None)
 
         mode = dispatch_mode(ids.size, weights[0].shape[0], self.expert_axis,
-                             adapters=bool(adapters), weight=self.expert_gate.get_value())
-        if mode == "gather":
-            return gathered_experts(x, ids, gates, *weights, activation=self.activation)
+                             adapters=bool(adapters), weight=self.expert_gate.get_value(),
+                             top_k=ids.shape[1], dispatch=self.dispatch)
+        if mode in ("gather", "dense"):
+            run = gathered_experts if mode == "gather" else dense_experts
+            return run(x, ids, gates, *weights, activation=self.activation)
         experts = GLUExperts(*weights, gmm, activation=self.activation)
         return routed_swiglu_experts(x, ids, gates, experts, expert_axis=self.expert_axis,
                                      adapters=adapters or None, make_lora=make_lora,

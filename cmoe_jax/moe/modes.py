@@ -1,13 +1,18 @@
 """Where a layer's routed experts run, decided in one place, and the layer's input checks.
 
-Three ways to run the (token, expert) pairs of one call:
+Four ways to run the (token, expert) pairs of one call:
 
 - "expert_parallel": the mesh set with `jax.set_mesh` has the layer's expert axis (size > 1):
   experts split over it, tokens exchanged by all-to-all (`cmoe_jax.moe.expert_parallel`);
 - "gather": few pairs (at most one per expert, e.g. one decoding step) and no adapters: each
   pair reads only its own expert's weights;
+- "dense": where sparsity cannot pay (`DenseWhen`): every expert on every token, the
+  unchosen ones weighted zero, as one wide product (`cmoe_jax.moe.dispatch.dense_experts`);
 - "sort": otherwise, tokens sorted by expert and run through grouped matmuls
   (`cmoe_jax.moe.dispatch`).
+
+The choice is static (token count, experts, top-k, platform), made at trace time; a layer's
+`dispatch` argument forces one of the one-device paths instead (benchmarks, tests).
 
 A mesh entered the old way (`with mesh:`) is not seen by `jax.get_abstract_mesh`, so a
 layer under it would silently run every expert on every device: that case warns.
@@ -15,13 +20,28 @@ layer under it would silently run every expert on every device: that case warns.
 from __future__ import annotations
 
 import warnings
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 DEFAULT_EXPERT_AXIS = "expert"
-Mode = Literal["expert_parallel", "gather", "sort"]
+Mode = Literal["expert_parallel", "gather", "dense", "sort"]
+DISPATCHES = ("auto", "sort", "gather", "dense")
+
+
+class DenseWhen(NamedTuple):
+    """When the dense path beats the sort on a platform (measured by benchmarks/moe_grid.py,
+    docs/results/performance.md): at most `rows_per_expert` (token, slot) pairs per expert
+    (the sort's fixed cost, a loop step per window, outweighs the skipped products), or a
+    token using at least `share` of the experts with at most `share_tokens` tokens."""
+
+    rows_per_expert: float = 0
+    share: float = 2.0
+    share_tokens: int = 0
+
+
+DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024)}
 
 
 class ExpertParallelWarning(UserWarning):
@@ -76,12 +96,24 @@ def expert_parallel_active(axis: str | None, weight=None) -> bool:
 
 
 def dispatch_mode(num_pairs: int, num_experts: int, expert_axis: str | None, *,
-                  adapters: bool = False, weight=None) -> Mode:
-    """How to run `num_pairs` (token, slot) pairs over `num_experts` experts (module doc)."""
+                  adapters: bool = False, weight=None, top_k: int = 1,
+                  dispatch: str = "auto") -> Mode:
+    """How to run `num_pairs` (token, slot) pairs of `top_k` slots a token over `num_experts`
+    experts (module doc); `dispatch` other than "auto" forces a one-device path (adapters
+    always sort: they ride on the grouped matmuls)."""
     if expert_parallel_active(expert_axis, weight):
         return "expert_parallel"
-    if not adapters and num_pairs <= num_experts:
+    if adapters:
+        return "sort"
+    if dispatch != "auto":
+        return dispatch
+    if num_pairs <= num_experts:
         return "gather"
+    when = DENSE_WHEN.get(jax.default_backend(), DenseWhen())
+    tokens = num_pairs // max(top_k, 1)
+    if (num_pairs <= when.rows_per_expert * num_experts
+            or (top_k / num_experts >= when.share and tokens <= when.share_tokens)):
+        return "dense"
     return "sort"
 
 

@@ -23,8 +23,7 @@ import jax.numpy as jnp
 
 from cmoe_jax.moe.gmm.vjp import differentiable_gmm, varying_axes
 
-BLOCK = 512  # rows per full window: large enough for an efficient dot, measured on 2 cores
-TAIL = 32    # rows per window for the remainder of a group
+WINDOWS = (512, 128, 32)  # rows per window, largest first: large enough for an efficient dot, measured on 2 cores
 
 
 def _dot(a, w, transpose_w):
@@ -52,33 +51,44 @@ def _bounds(group_sizes):
     return ends - group_sizes, group_sizes, ends
 
 
-def _windows(num_rows, group_sizes, block, tail, visit, carry, per_group=lambda e: None):
-    """Run `visit(g, rows, r0, keep, carry)` over every window of every group: `rows` static
-    (`block` or `tail`, at most `num_rows`), `r0` the window's first row, clamped so the
-    window fits, and `keep [rows]` bool, true for the rows of group `e` that no earlier
-    window of the group covered."""
+def _levels(num_rows: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The window sizes used for `num_rows` rows: each at most `num_rows`, no repeats."""
+    return tuple(dict.fromkeys(min(s, num_rows) for s in sizes))
+
+
+def _windows(num_rows, group_sizes, sizes, visit, carry, per_group=lambda e: e):
+    """Run `visit(per_group(e), rows, r0, keep, carry)` over every window of every group.
+
+    A group's rows are covered by windows of the `sizes` in turn (largest first: as many
+    whole windows of each as fit, the last size rounding up), so at most `sizes[-1] - 1`
+    rows are computed and dropped per group. One flat loop per size runs that size's windows
+    of all groups (an XLA:CPU loop step costs about as much as a small dot: nested loops
+    over groups and windows cost more than the products at small token counts). `rows` is
+    static, `r0` the window's first row, clamped so the window fits, and `keep [rows]` bool,
+    true for the rows of group `e` that no other window of the group covers."""
     if num_rows == 0:
         return carry
-    block, tail = min(block, num_rows), min(tail, num_rows)
-    starts, sizes, ends = _bounds(group_sizes)
+    levels = _levels(num_rows, sizes)
+    starts, lengths, ends = _bounds(group_sizes)
+    first, left = starts, lengths
+    for n, size in enumerate(levels):
+        count = left // size if n < len(levels) - 1 else (left + size - 1) // size
+        cum = jnp.cumsum(count)
 
-    def window(e, g, rows, first, i, carry):
-        want = first + i * rows                      # unclamped start
-        r0 = jnp.clip(want, 0, num_rows - rows)
-        idx = r0 + jnp.arange(rows)
-        return visit(g, rows, r0, (idx >= jnp.maximum(starts[e], want)) & (idx < ends[e]), carry)
+        def window(i, carry, size=size, first=first, count=count, cum=cum):
+            e = jnp.searchsorted(cum, i, side="right")
+            want = first[e] + (i - (cum[e] - count[e])) * size      # unclamped start
+            r0 = jnp.clip(want, 0, num_rows - size)
+            idx = r0 + jnp.arange(size)
+            keep = (idx >= jnp.maximum(starts[e], want)) & (idx < ends[e])
+            return visit(per_group(e), size, r0, keep, carry)
 
-    def group(e, carry):
-        g, full = per_group(e), sizes[e] // block
-        carry = jax.lax.fori_loop(0, full, lambda i, c: window(e, g, block, starts[e], i, c), carry)
-        s2 = starts[e] + full * block
-        rest = (ends[e] - s2 + tail - 1) // tail
-        return jax.lax.fori_loop(0, rest, lambda i, c: window(e, g, tail, s2, i, c), carry)
-
-    return jax.lax.fori_loop(0, group_sizes.shape[0], group, carry)
+        carry = jax.lax.fori_loop(0, cum[-1], window, carry)
+        first, left = first + count * size, jnp.maximum(left - count * size, 0)
+    return carry
 
 
-def gmm_impl(lhs, rhs, group_sizes, transpose_rhs=False, *, block=BLOCK, tail=TAIL):
+def gmm_impl(lhs, rhs, group_sizes, transpose_rhs=False, *, windows=WINDOWS):
     """out[rows of g] = lhs[rows of g] @ rhs[g] (rhs[g].T if transpose_rhs); other rows 0."""
     m = lhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -92,10 +102,10 @@ def gmm_impl(lhs, rhs, group_sizes, transpose_rhs=False, *, block=BLOCK, tail=TA
 
     out = _zeros((m, n), up or lhs.dtype, lhs, rhs, group_sizes)
     weight = lambda e: rhs[e].astype(up) if up else rhs[e]
-    return _windows(m, group_sizes, block, tail, visit, out, weight).astype(lhs.dtype)
+    return _windows(m, group_sizes, windows, visit, out, weight).astype(lhs.dtype)
 
 
-def tgmm_impl(lhs, rhs, group_sizes, *, block=BLOCK, tail=TAIL):
+def tgmm_impl(lhs, rhs, group_sizes, *, windows=WINDOWS):
     """out[g] = lhs[rows of g]^T @ rhs[rows of g]: [G, K, N] in float32 accumulation."""
     k, n = lhs.shape[1], rhs.shape[1]
     up = _compute_dtype(lhs, rhs)
@@ -110,14 +120,17 @@ def tgmm_impl(lhs, rhs, group_sizes, *, block=BLOCK, tail=TAIL):
         return out.at[e].add(y.astype(out.dtype))
 
     out = _zeros((group_sizes.shape[0], k, n), jnp.float32, lhs, rhs, group_sizes)
-    out = _windows(lhs.shape[0], group_sizes, block, tail, visit, out, per_group=lambda e: e)
+    out = _windows(lhs.shape[0], group_sizes, windows, visit, out)
     return out.astype(jnp.promote_types(lhs.dtype, rhs.dtype))
 
 
-def make_gmm(block: int = BLOCK, tail: int = TAIL):
-    """A differentiable CPU grouped matmul with the given row-window sizes."""
-    return differentiable_gmm(functools.partial(gmm_impl, block=block, tail=tail),
-                              functools.partial(tgmm_impl, block=block, tail=tail))
+def make_gmm(windows: tuple[int, ...] = WINDOWS):
+    """A differentiable CPU grouped matmul with the given row-window sizes (largest first)."""
+    windows = tuple(windows)
+    if not windows or any(w < 1 for w in windows) or list(windows) != sorted(windows, reverse=True):
+        raise ValueError(f"windows must be positive sizes, largest first, got {windows}")
+    return differentiable_gmm(functools.partial(gmm_impl, windows=windows),
+                              functools.partial(tgmm_impl, windows=windows))
 
 
 gmm = make_gmm()

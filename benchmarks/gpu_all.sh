@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every GPU check and the accelerator cells of the MoE grid in one run, sized for about
+# 7 minutes on one H100 (the grid stops starting cells when its time budget is spent):
+#
+#   bash benchmarks/gpu_all.sh [OUT_DIR]      # default out/gpu
+#
+# Writes OUT_DIR/device.txt, gpu_check.txt and grid.json (with grid.md and grid.png beside
+# it); exits non-zero when a check fails. PYTHON picks the interpreter (default python3).
+# The results go into docs/results/performance.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-out/gpu}
+py=${PYTHON:-python3}
+budget=${GRID_SECONDS:-270}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+  "$py" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+} | tee "$out/device.txt"
+timeout 150 "$py" benchmarks/gpu_check.py 2>&1 | tee "$out/gpu_check.txt"
+status=${PIPESTATUS[0]}
+# bf16 first (the accelerator's dtype), the largest shape first; ratios against cuBLAS
+timeout $((budget + 90)) "$py" benchmarks/moe_grid.py --dtype bf16 \
+    --shape 4096x11008 640x2048 576x1536 --paths auto sort dense gather sort@ragged_dot \
+    --time-budget "$budget" --out "$out/grid.json" 2>&1 | tee "$out/grid.txt"
+exit "$status"

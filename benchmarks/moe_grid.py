@@ -1,0 +1,207 @@
+"""The MoE FFN against the dense FFN it was cut from, over a grid of shapes, token counts,
+configurations and dtypes: each cell the ratio dense time / MoE time, both measured
+interleaved in one run, with its ideal ratio, the load average and the path the layer took.
+
+    python benchmarks/moe_grid.py                                   # the full grid (CPU: long)
+    python benchmarks/moe_grid.py --shape 576x1536 --tokens 16 4096 --paths auto sort dense
+    python benchmarks/moe_grid.py --out grid.json --time-budget 300 # stop starting cells at 300 s
+
+A cell: the dense SwiGLU FFN `d x d_h` and an `MoEFFN` made of the same neurons for the
+configuration SxAyEz (x shared experts as the shared MLP, z - x routed, y active a token,
+the CMoE router with `--router-neurons` representative neurons per expert, whose cost
+counts), random weights and inputs (the router's choices are random, roughly balanced).
+`--paths` names the layer's dispatch paths timed beside the dense FFN: "auto" (what the
+layer picks; the ratio column), "sort", "dense", "gather" (at most 64 pairs), each
+optionally "@backend" for the grouped matmul (e.g. "sort@ragged_dot"). The ideal ratio is
+z / (x + y). Rows are printed as they finish; `--out` gets the JSON (rewritten after every
+cell, so a cut run keeps what it measured), a markdown table and a PNG plot beside it.
+Ratios are withheld (`busy`) when the load average at a cell's start exceeds the cores.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import interleaved_times, load_average, machine_busy, machine_line  # noqa: E402
+
+SHAPES = ("576x1536", "640x2048", "4096x11008")
+TOKENS = (1, 16, 128, 4096)
+CONFIGS = ("S1A1E8", "S2A2E8", "S3A3E8", "S1A3E16")
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+GATHER_MAX_PAIRS = 64
+
+
+def parse_config(name: str) -> tuple[int, int, int]:
+    found = re.fullmatch(r"S(\d+)A(\d+)E(\d+)", name)
+    if not found:
+        raise SystemExit(f"error: bad configuration {name!r}: expected SxAyEz, e.g. S1A1E8")
+    return tuple(int(g) for g in found.groups())
+
+
+def build(shape: str, config: str, dtype, router_neurons: int, key):
+    """(dense weights, {path: MoEFFN}) over the same neurons."""
+    from flax import nnx
+
+    from cmoe_jax.moe import MoEFFN
+
+    d, dh = (int(v) for v in shape.split("x"))
+    s, a, z = parse_config(config)
+    if dh % z:
+        raise SystemExit(f"error: d_h={dh} does not split into {z} experts")
+    m = dh // z
+    k = jax.random.split(key, 5)
+    w = lambda kk, *sh: (jax.random.normal(kk, sh, jnp.float32) * 0.02).astype(dtype)  # noqa: E731
+    dense = (w(k[0], d, dh), w(k[1], d, dh), w(k[2], dh, d))
+    r = min(router_neurons, m)
+
+    def layer(path: str):
+        dispatch, _, backend = path.partition("@")
+        moe = MoEFFN(d, m, z - s, a, shared_width=s * m, router="cmoe", router_neurons=r,
+                     dtype=dtype, param_dtype=dtype, backend=backend or "auto", expert_axis=None,
+                     dispatch=dispatch, rngs=nnx.Rngs(0))
+        split = lambda wt, axis: jnp.moveaxis(wt.reshape(*wt.shape[:axis], z, m, *wt.shape[axis + 1:]), axis, 0)  # noqa: E731
+        gate, up, down = split(dense[0], 1), split(dense[1], 1), split(dense[2], 0)
+        moe.shared_gate[...] = gate[:s].transpose(1, 0, 2).reshape(d, s * m)
+        moe.shared_up[...] = up[:s].transpose(1, 0, 2).reshape(d, s * m)
+        moe.shared_down[...] = down[:s].reshape(s * m, d)
+        moe.expert_gate[...], moe.expert_up[...], moe.expert_down[...] = gate[s:], up[s:], down[s:]
+        moe.router_gate[...] = jax.random.normal(k[3], (d, (z - s) * r), jnp.float32).astype(dtype)
+        moe.router_up[...] = jax.random.normal(k[4], (d, (z - s) * r), jnp.float32).astype(dtype)
+        return moe
+    return dense, layer
+
+
+def swiglu(x, wg, wu, wd):
+    return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+
+
+def auto_path(tokens: int, config: str) -> str:
+    from cmoe_jax.moe.modes import dispatch_mode
+    s, a, z = parse_config(config)
+    return dispatch_mode(tokens * a, z - s, None, top_k=a)
+
+
+def run_cell(shape, tokens, config, dtype_name, paths, router_neurons, reps) -> dict:
+    from flax import nnx
+
+    load = load_average()
+    dtype = DTYPES[dtype_name]
+    s, a, z = parse_config(config)
+    dense, layer = build(shape, config, dtype, router_neurons, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (tokens, int(shape.split("x")[0])), jnp.float32).astype(dtype)
+    paths = [p for p in paths if not (p.startswith("gather") and tokens * a > GATHER_MAX_PAIRS)]
+    def pure(path):  # split once: nnx.jit would walk the module's graph on every call
+        graphdef, state = nnx.split(layer(path))
+        return jax.jit(lambda st, x: nnx.merge(graphdef, st)(x, return_load=True)), state
+
+    sides = [(jax.jit(swiglu), (x, *dense))] + [(f, (st, x)) for f, st in map(pure, paths)]
+    calls = [lambda f=f, xs=xs: jax.block_until_ready(f(*xs)) for f, xs in sides]
+    t0 = time.perf_counter()
+    for call in calls:
+        call()  # compile
+    once = (time.perf_counter() - t0) / len(calls)
+    t0 = time.perf_counter()
+    for call in calls:
+        call()
+    per_round = time.perf_counter() - t0
+    n = max(reps, min(50, int(2.0 / max(per_round, 1e-6))))
+    times = [statistics.median(ts) for ts in interleaved_times(calls, n, warmup=0)]
+    counts = jax.device_get(sides[1][0](*sides[1][1])[1])
+    t_dense, t_paths = times[0], dict(zip(paths, times[1:]))
+    busy = machine_busy(load)
+    moe_path = "auto" if "auto" in t_paths else paths[0]
+    return dict(shape=shape, tokens=tokens, config=config, dtype=dtype_name,
+                dense_s=t_dense, moe_s=t_paths, auto_path=auto_path(tokens, config),
+                ratio=None if busy else t_dense / t_paths[moe_path],
+                best=min(t_paths, key=t_paths.get), ideal=z / (s + a), load=load, busy=busy,
+                max_over_mean_load=float(counts.max() / max(counts.mean(), 1e-9)), reps=n,
+                compile_s=once)
+
+
+def row(c: dict) -> str:
+    ms = lambda t: f"{t * 1e3:.3g}"  # noqa: E731
+    ratio = "busy" if c["ratio"] is None else f"{c['ratio']:.2f}x"
+    others = ", ".join(f"{p} {c['dense_s'] / t:.2f}x" for p, t in c["moe_s"].items() if p != "auto")
+    flag = " **" if c["ratio"] is not None and c["ratio"] < 1.0 and c["ideal"] >= 4 / 3 else ""
+    return (f"| {c['shape']} | {c['tokens']} | {c['config']} | {c['dtype']} | {ms(c['dense_s'])} | "
+            f"{ms(c['moe_s'].get('auto', min(c['moe_s'].values())))} ({c['auto_path']}) | "
+            f"{ratio}{flag} | {c['ideal']:.2f}x | {others} | {c['load']:.2f} |")
+
+
+HEADER = ("| shape | tokens | config | dtype | dense ms | MoE ms (path) | dense/MoE | ideal | "
+          "other paths (dense/MoE) | load |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def plot(cells: list[dict], png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({c["shape"] for c in cells}, key=lambda s: int(s.split("x")[0]))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for (config, dt), group in itertools.groupby(
+                sorted((c for c in cells if c["shape"] == shape and c["ratio"]),
+                       key=lambda c: (c["config"], c["dtype"], c["tokens"])),
+                key=lambda c: (c["config"], c["dtype"])):
+            group = list(group)
+            ax.plot([c["tokens"] for c in group], [c["ratio"] for c in group], "o-" if dt == "fp32" else "s--",
+                    label=f"{config} {dt}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(xscale="log", title=shape, xlabel="tokens", ylabel="dense time / MoE time")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", nargs="+", default=list(SHAPES), help="d_model x d_h, e.g. 576x1536")
+    p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    p.add_argument("--config", nargs="+", default=list(CONFIGS))
+    p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--paths", nargs="+", default=["auto", "sort", "dense"],
+                   help="dispatch paths timed, 'auto' first for the ratio; 'path@backend' picks the gmm")
+    p.add_argument("--router-neurons", type=int, default=16)
+    p.add_argument("--reps", type=int, default=3, help="at least this many interleaved rounds")
+    p.add_argument("--time-budget", type=float, default=0, help="seconds: start no cell after (0: none)")
+    p.add_argument("--out", type=Path, help="JSON results (a .md table and a .png plot beside it)")
+    args = p.parse_args(argv)
+    for c in args.config:
+        parse_config(c)
+    print(f"# {machine_line()}; load average {load_average():.2f} at start", flush=True)
+    meta = dict(machine=machine_line(), date=date.today().isoformat(), argv=sys.argv[1:])
+    cells, start = [], time.perf_counter()
+    print(HEADER, flush=True)
+    for dt, shape, tokens, config in itertools.product(args.dtype, args.shape, args.tokens, args.config):
+        if args.time_budget and time.perf_counter() - start > args.time_budget:
+            print(f"# time budget {args.time_budget:.0f} s spent: cells left out", flush=True)
+            break
+        cells.append(run_cell(shape, tokens, config, dt, args.paths, args.router_neurons, args.reps))
+        print(row(cells[-1]), flush=True)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(dict(meta, cells=cells), indent=1))
+    if args.out and cells:
+        args.out.with_suffix(".md").write_text(f"{meta['machine']}, {meta['date']}\n\n{HEADER}\n"
+                                               + "\n".join(map(row, cells)) + "\n")
+        plot(cells, args.out.with_suffix(".png"))
+    print(f"# load average {load_average():.2f} at end, {time.perf_counter() - start:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
