@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
   "$py" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 } | tee "$out/device.txt"
-timeout 150 "$py" benchmarks/gpu_check.py 2>&1 | tee "$out/gpu_check.txt"
+timeout "${CHECK_SECONDS:-240}" "$py" benchmarks/gpu_check.py 2>&1 | tee "$out/gpu_check.txt"
 status=${PIPESTATUS[0]}
 # bf16 first (the accelerator's dtype), the largest shape first; ratios against cuBLAS
 timeout $((budget + 90)) "$py" benchmarks/moe_grid.py --dtype bf16 \

@@ -45,7 +45,9 @@ class GLUExperts:
     `lora(name, rows, group_sizes)`, optional, adds a low-rank delta to the projection `name`
     ("gate", "up" or "down") of the sorted rows (or returns None for none): LoRA adapters
     stacked per expert run through the same grouped matmuls (`cmoe_jax.train`);
-    `activation` a `cmoe_jax.moe.activations` name."""
+    `activation` a `cmoe_jax.moe.activations` name; `glu(x, src, w_gate, w_up, sizes, act)`,
+    optional, a backend's fused gather + gate + up + activation (`cmoe_jax.moe.gmm.get_glu`),
+    used when there are no adapters."""
 
     w_gate: jax.Array
     w_up: jax.Array
@@ -53,6 +55,7 @@ class GLUExperts:
     gmm: Callable
     lora: Callable | None = None
     activation: str = "silu"
+    glu: Callable | None = None
 
     @property
     def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -67,7 +70,12 @@ def routed_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, expert
     """
     num_tokens, top_k = expert_ids.shape
     d = plan(expert_ids, experts.w_gate.shape[0])
-    ys = expert_swiglu(x[d.order // top_k], d.group_sizes, experts)
+    if experts.glu is not None and experts.lora is None:
+        h = experts.glu(x, d.order // top_k, experts.w_gate, experts.w_up, d.group_sizes,
+                        glu_activation(experts.activation))
+        ys = experts.gmm(h, experts.w_down, d.group_sizes)
+    else:
+        ys = expert_swiglu(x[d.order // top_k], d.group_sizes, experts)
     return combine(ys[d.inverse], gates), d.group_sizes
 
 

@@ -33,7 +33,7 @@ from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.dispatch import GLUExperts, dense_experts, gathered_experts
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_experts, tokens_sharded
-from cmoe_jax.moe.gmm import get_gmm, resolve_backend
+from cmoe_jax.moe.gmm import get_glu, get_gmm, resolve_backend
 from cmoe_jax.moe.modes import DISPATCHES, check_input, dispatch_mode, expert_parallel_active
 from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
 from cmoe_jax.moe.router_outputs import router_logits, router_output
@@ -282,7 +282,7 @@ class MoEFFN(nnx.Module):
         if mode in ("gather", "dense"):
             run = gathered_experts if mode == "gather" else dense_experts
             return run(x, ids, gates, *weights, activation=self.activation)
-        experts = GLUExperts(*weights, gmm, activation=self.activation)
+        experts = GLUExperts(*weights, gmm, activation=self.activation, glu=get_glu(self.backend))
         return routed_swiglu_experts(x, ids, gates, experts, expert_axis=self.expert_axis,
                                      adapters=adapters or None, make_lora=make_lora,
                                      expert_parallel=mode == "expert_parallel")

@@ -41,7 +41,8 @@ class DenseWhen(NamedTuple):
     share_tokens: int = 0
 
 
-DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024)}
+DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024),
+              "gpu": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30)}
 
 
 class ExpertParallelWarning(UserWarning):

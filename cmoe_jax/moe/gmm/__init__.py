@@ -113,6 +113,16 @@ def get_gmm(backend: str | Callable = "auto") -> Callable:
     return fn
 
 
+def get_glu(backend: str | Callable = "auto") -> Callable | None:
+    """The backend's fused `glu(x, src, w_gate, w_up, group_sizes, activation)` (gather the
+    rows `x[src]`, both projections and the activation in one pass), or None where the
+    backend has none (the dispatch then runs the grouped matmuls one by one)."""
+    if callable(backend) or resolve_backend(backend) != "cpu":
+        return None
+    from cmoe_jax.moe.gmm.cpu import glu
+    return glu
+
+
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
         transpose_rhs: bool = False) -> jax.Array:
     """Grouped matmul: `lhs [M, K]`, `rhs [G, K, N]`, `group_sizes [G]` int -> `[M, N]`."""

@@ -76,7 +76,7 @@ def _windows(num_rows, group_sizes, sizes, visit, carry, per_group=lambda e: e):
         cum = jnp.cumsum(count)
 
         def window(i, carry, size=size, first=first, count=count, cum=cum):
-            e = jnp.searchsorted(cum, i, side="right")
+            e = jnp.searchsorted(cum, i, side="right", method="compare_all")  # no inner loop
             want = first[e] + (i - (cum[e] - count[e])) * size      # unclamped start
             r0 = jnp.clip(want, 0, num_rows - size)
             idx = r0 + jnp.arange(size)
@@ -135,3 +135,50 @@ def make_gmm(windows: tuple[int, ...] = WINDOWS):
 
 gmm = make_gmm()
 gmm.__doc__ = "Differentiable CPU grouped matmul: `gmm(lhs [M,K], rhs [G,K,N], group_sizes [G]) -> [M,N]`."
+
+
+def glu_impl(x, src, w_gate, w_up, group_sizes, activation, *, windows=WINDOWS):
+    """`act(x[src] @ w_gate[g]) * (x[src] @ w_up[g])` per group `g` of rows, `[M, m]`: the
+    gather of the token rows, both projections and the activation in one pass over each
+    window (a quarter of the routed experts' time at SmolLM2's width went into writing and
+    re-reading the gathered rows and the two projections). Rows past the groups are 0."""
+    up = _compute_dtype(x, w_gate)
+    a = x.astype(up) if up else x
+    m, n = src.shape[0], w_gate.shape[2]
+
+    def visit(e, rows, r0, keep, out):
+        tok = jnp.take(a, jax.lax.dynamic_slice_in_dim(src, r0, rows), axis=0)
+        proj = lambda w: _dot(tok, w[e].astype(up) if up else w[e], False).astype(x.dtype)  # noqa: E731
+        h = (activation(proj(w_gate)) * proj(w_up)).astype(out.dtype)
+        h = jnp.where(keep[:, None], h, jax.lax.dynamic_slice_in_dim(out, r0, rows))
+        return jax.lax.dynamic_update_slice_in_dim(out, h, r0, 0)
+
+    out = _zeros((m, n), up or x.dtype, x, w_gate, group_sizes)
+    return _windows(m, group_sizes, windows, visit, out).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def glu(x, src, w_gate, w_up, group_sizes, activation):
+    """Differentiable `glu_impl`; the backward pass recomputes the unfused form (gather,
+    two grouped matmuls, activation) and differentiates that."""
+    return glu_impl(x, src, w_gate, w_up, group_sizes, activation)
+
+
+def _glu_reference(x, src, w_gate, w_up, group_sizes, activation):
+    rows = x[src]
+    return (activation(gmm(rows, w_gate, group_sizes)) * gmm(rows, w_up, group_sizes)).astype(x.dtype)
+
+
+def _glu_fwd(x, src, w_gate, w_up, group_sizes, activation):
+    return glu_impl(x, src, w_gate, w_up, group_sizes, activation), (x, src, w_gate, w_up, group_sizes)
+
+
+def _glu_bwd(activation, res, ct):
+    x, src, w_gate, w_up, group_sizes = res
+    _, vjp = jax.vjp(lambda x, wg, wu: _glu_reference(x, src, wg, wu, group_sizes, activation),
+                     x, w_gate, w_up)
+    dx, dg, du = vjp(ct)
+    return dx, None, dg, du, None
+
+
+glu.defvjp(_glu_fwd, _glu_bwd)
