@@ -15,7 +15,8 @@ layer picks; the ratio column), "sort", "dense", "gather" (at most 64 pairs), ea
 optionally "@backend" for the grouped matmul (e.g. "sort@ragged_dot"). The ideal ratio is
 z / (x + y). Rows are printed as they finish; `--out` gets the JSON (rewritten after every
 cell, so a cut run keeps what it measured), a markdown table and a PNG plot beside it.
-Ratios are withheld (`busy`) when the load average at a cell's start exceeds the cores.
+Ratios are withheld (`busy`) when the load average at the run's start exceeds the cores;
+each row's load column is the load at the cell's start (this run's own threads included).
 """
 from __future__ import annotations
 
@@ -93,10 +94,10 @@ def auto_path(tokens: int, config: str) -> str:
     return dispatch_mode(tokens * a, z - s, None, top_k=a)
 
 
-def run_cell(shape, tokens, config, dtype_name, paths, router_neurons, reps) -> dict:
+def run_cell(shape, tokens, config, dtype_name, paths, router_neurons, reps, load_at_start) -> dict:
     from flax import nnx
 
-    load = load_average()
+    load = load_average()  # includes this run's own threads after the first cell
     dtype = DTYPES[dtype_name]
     s, a, z = parse_config(config)
     dense, layer = build(shape, config, dtype, router_neurons, jax.random.key(0))
@@ -120,7 +121,7 @@ def run_cell(shape, tokens, config, dtype_name, paths, router_neurons, reps) -> 
     times = [statistics.median(ts) for ts in interleaved_times(calls, n, warmup=0)]
     counts = jax.device_get(sides[1][0](*sides[1][1])[1])
     t_dense, t_paths = times[0], dict(zip(paths, times[1:]))
-    busy = machine_busy(load)
+    busy = machine_busy(load_at_start)
     moe_path = "auto" if "auto" in t_paths else paths[0]
     return dict(shape=shape, tokens=tokens, config=config, dtype=dtype_name,
                 dense_s=t_dense, moe_s=t_paths, auto_path=auto_path(tokens, config),
@@ -182,15 +183,18 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     for c in args.config:
         parse_config(c)
-    print(f"# {machine_line()}; load average {load_average():.2f} at start", flush=True)
-    meta = dict(machine=machine_line(), date=date.today().isoformat(), argv=sys.argv[1:])
+    load_at_start = load_average()
+    print(f"# {machine_line()}; load average {load_at_start:.2f} at start", flush=True)
+    meta = dict(machine=machine_line(), date=date.today().isoformat(), argv=sys.argv[1:],
+                load_at_start=load_at_start)
     cells, start = [], time.perf_counter()
     print(HEADER, flush=True)
     for dt, shape, tokens, config in itertools.product(args.dtype, args.shape, args.tokens, args.config):
         if args.time_budget and time.perf_counter() - start > args.time_budget:
             print(f"# time budget {args.time_budget:.0f} s spent: cells left out", flush=True)
             break
-        cells.append(run_cell(shape, tokens, config, dt, args.paths, args.router_neurons, args.reps))
+        cells.append(run_cell(shape, tokens, config, dt, args.paths, args.router_neurons, args.reps,
+                              load_at_start))
         print(row(cells[-1]), flush=True)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)

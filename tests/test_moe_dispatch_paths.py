@@ -57,9 +57,10 @@ def test_dense_path_sums_repeated_experts_like_the_sort():
 
 def test_auto_follows_the_platform_rule(monkeypatch):
     monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
-                        DenseWhen(rows_per_expert=4, share=0.5, share_tokens=100))
+                        DenseWhen(rows_per_expert=4, share=0.5, share_tokens=100, gather_share=0.5))
     mode = lambda tokens, k, e, **kw: dispatch_mode(tokens * k, e, None, top_k=k, **kw)  # noqa: E731
-    assert mode(3, 2, 6) == "gather"                     # pairs <= experts
+    assert mode(1, 2, 6) == "gather"                     # pairs <= experts x gather_share
+    assert mode(2, 2, 6) == "dense"                      # above it: weights read once
     assert mode(12, 2, 6) == "dense"                     # 4 rows per expert
     assert mode(13, 2, 6) == "sort"                      # more rows, share 1/3
     assert mode(100, 3, 6) == "dense" and mode(101, 3, 6) == "sort"  # share 1/2, tokens bound

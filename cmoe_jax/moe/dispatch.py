@@ -128,8 +128,11 @@ def dense_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax.Ar
     num_experts = w_gate.shape[0]
     weight = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
         jnp.arange(num_tokens)[:, None], ids].add(gates.astype(jnp.float32))
-    mm = lambda a, w: jnp.einsum("td,edm->tem", a, w, preferred_element_type=jnp.float32)
-    h = glu_activation(activation)(mm(x, w_gate)) * mm(x, w_up)           # [T, E, m] f32
-    h = (h * weight[:, :, None]).astype(x.dtype)
-    y = jnp.einsum("tem,emd->td", h, w_down, preferred_element_type=jnp.float32)
+    # batched over experts with the tokens broadcast: "td,edm" would transpose (copy) every
+    # expert's weights first, which at few tokens costs more than the products
+    xs = jnp.broadcast_to(x, (num_experts,) + x.shape)
+    mm = lambda w: jnp.einsum("etd,edm->etm", xs, w, preferred_element_type=jnp.float32)  # noqa: E731
+    h = glu_activation(activation)(mm(w_gate)) * mm(w_up)                 # [E, T, m] f32
+    h = (h * weight.T[:, :, None]).astype(x.dtype)
+    y = jnp.einsum("etm,emd->td", h, w_down, preferred_element_type=jnp.float32)
     return y, jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32)

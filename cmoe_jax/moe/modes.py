@@ -31,17 +31,20 @@ DISPATCHES = ("auto", "sort", "gather", "dense")
 
 
 class DenseWhen(NamedTuple):
-    """When the dense path beats the sort on a platform (measured by benchmarks/moe_grid.py,
-    docs/results/performance.md): at most `rows_per_expert` (token, slot) pairs per expert
-    (the sort's fixed cost, a loop step per window, outweighs the skipped products), or a
-    token using at least `share` of the experts with at most `share_tokens` tokens."""
+    """When the dense path beats the others on a platform (measured by
+    benchmarks/moe_grid.py, docs/results/performance.md): at most `rows_per_expert`
+    (token, slot) pairs per expert (the sort's fixed cost, a loop step per window, outweighs
+    the skipped products), or a token using at least `share` of the experts with at most
+    `share_tokens` tokens. The gather path runs below `gather_share` pairs per expert: it
+    copies each pair's expert weights, which on CPU costs a second pass over them."""
 
     rows_per_expert: float = 0
     share: float = 2.0
     share_tokens: int = 0
+    gather_share: float = 1.0
 
 
-DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024),
+DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.5),
               "gpu": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30)}
 
 
@@ -108,9 +111,9 @@ def dispatch_mode(num_pairs: int, num_experts: int, expert_axis: str | None, *,
         return "sort"
     if dispatch != "auto":
         return dispatch
-    if num_pairs <= num_experts:
-        return "gather"
     when = DENSE_WHEN.get(jax.default_backend(), DenseWhen())
+    if num_pairs <= num_experts * when.gather_share:
+        return "gather"
     tokens = num_pairs // max(top_k, 1)
     if (num_pairs <= when.rows_per_expert * num_experts
             or (top_k / num_experts >= when.share and tokens <= when.share_tokens)):
