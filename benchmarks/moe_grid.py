@@ -6,7 +6,8 @@ interleaved in one run, with its ideal ratio, the load average and the path the 
     python benchmarks/moe_grid.py --shape 576x1536 --tokens 16 4096 --paths auto sort dense
     python benchmarks/moe_grid.py --out grid.json --time-budget 300 # stop starting cells at 300 s
 
-A cell: the dense SwiGLU FFN `d x d_h` and an `MoEFFN` made of the same neurons for the
+A cell: the dense SwiGLU FFN `d x d_h` (in bf16 the faster of plain and float32-accumulating
+dots) and an `MoEFFN` made of the same neurons for the
 configuration SxAyEz (x shared experts as the shared MLP, z - x routed, y active a token,
 the CMoE router with `--router-neurons` representative neurons per expert, whose cost
 counts), random weights and inputs (the router's choices are random, roughly balanced).
@@ -85,7 +86,16 @@ def build(shape: str, config: str, dtype, router_neurons: int, key):
 
 
 def swiglu(x, wg, wu, wd):
+    """The dense FFN as the models compute it (`cmoe_jax.models.layers.SwiGLU`)."""
     return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+
+
+def swiglu_f32_acc(x, wg, wu, wd):
+    """The same with float32 accumulation: in bf16 on CPU XLA's plain bf16 dot is slower
+    than one accumulating in float32, which the MoE paths use; the ratio is against the
+    faster of the two, so a bf16 ratio never credits the MoE with a slow baseline."""
+    mm = lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.float32).astype(a.dtype)  # noqa: E731
+    return mm(jax.nn.silu(mm(x, wg)) * mm(x, wu), wd)
 
 
 def auto_path(tokens: int, config: str) -> str:
@@ -107,7 +117,9 @@ def run_cell(shape, tokens, config, dtype_name, paths, router_neurons, reps, loa
         graphdef, state = nnx.split(layer(path))
         return jax.jit(lambda st, x: nnx.merge(graphdef, st)(x, return_load=True)), state
 
-    sides = [(jax.jit(swiglu), (x, *dense))] + [(f, (st, x)) for f, st in map(pure, paths)]
+    baselines = [swiglu] + ([swiglu_f32_acc] if dtype != jnp.float32 else [])
+    sides = ([(jax.jit(f), (x, *dense)) for f in baselines]
+             + [(f, (st, x)) for f, st in map(pure, paths)])
     calls = [lambda f=f, xs=xs: jax.block_until_ready(f(*xs)) for f, xs in sides]
     t0 = time.perf_counter()
     for call in calls:
@@ -119,12 +131,13 @@ def run_cell(shape, tokens, config, dtype_name, paths, router_neurons, reps, loa
     per_round = time.perf_counter() - t0
     n = max(reps, min(50, int(2.0 / max(per_round, 1e-6))))
     times = [statistics.median(ts) for ts in interleaved_times(calls, n, warmup=0)]
-    counts = jax.device_get(sides[1][0](*sides[1][1])[1])
-    t_dense, t_paths = times[0], dict(zip(paths, times[1:]))
+    first_moe = sides[len(baselines)]
+    counts = jax.device_get(first_moe[0](*first_moe[1])[1])
+    t_dense, t_paths = min(times[:len(baselines)]), dict(zip(paths, times[len(baselines):]))
     busy = machine_busy(load_at_start)
     moe_path = "auto" if "auto" in t_paths else paths[0]
     return dict(shape=shape, tokens=tokens, config=config, dtype=dtype_name,
-                dense_s=t_dense, moe_s=t_paths, auto_path=auto_path(tokens, config),
+                dense_s=t_dense, dense_plain_s=times[0], moe_s=t_paths, auto_path=auto_path(tokens, config),
                 ratio=None if busy else t_dense / t_paths[moe_path],
                 best=min(t_paths, key=t_paths.get), ideal=z / (s + a), load=load, busy=busy,
                 max_over_mean_load=float(counts.max() / max(counts.mean(), 1e-9)), reps=n,

@@ -58,8 +58,9 @@ def _dropout(module, name: str, x, key):
 
 
 def project(module: nnx.Module, name: str, x: jax.Array, w: jax.Array, key=None) -> jax.Array:
-    """`x @ w`, plus `scale * drop(x) @ A @ B` when weight `name` has an adapter."""
-    y = x @ w
+    """`x @ w`, plus `scale * drop(x) @ A @ B` when weight `name` has an adapter. Products
+    accumulate in float32 (in bf16 on CPU a plain bf16 dot is about 1.5x slower)."""
+    y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.result_type(x, w))
     ab = factors(module, name)
     if ab is None:
         return y
