@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check and the accelerator cells of the MoE grid in one run, within 8 minutes on
 # one H100 or H200: the checks get at most CHECK_SECONDS (180), the grid starts no cell after
-# GRID_SECONDS (240); on an H200 the checks took 2.5 minutes and the grid covered 35 of its
-# 48 bf16 cells in 4.5:
+# GRID_SECONDS (240); on an H200 150 s of checks reached all but the last one, and 270 s
+# of grid covered 35 of its 48 bf16 cells:
 #
 #   bash benchmarks/gpu_all.sh [OUT_DIR]      # default out/gpu
 #
