@@ -4,8 +4,8 @@ Four ways to run the (token, expert) pairs of one call:
 
 - "expert_parallel": the mesh set with `jax.set_mesh` has the layer's expert axis (size > 1):
   experts split over it, tokens exchanged by all-to-all (`cmoe_jax.moe.expert_parallel`);
-- "gather": few pairs (at most one per expert, e.g. one decoding step) and no adapters: each
-  pair reads only its own expert's weights;
+- "gather": very few pairs (below `DenseWhen.gather_share` per expert, e.g. one decoding
+  step) and no adapters: each pair reads only its own expert's weights;
 - "dense": where sparsity cannot pay (`DenseWhen`): every expert on every token, the
   unchosen ones weighted zero, as one wide product (`cmoe_jax.moe.dispatch.dense_experts`);
 - "sort": otherwise, tokens sorted by expert and run through grouped matmuls
