@@ -87,6 +87,13 @@ def spec_for(axes: tuple, shape: tuple, mesh: Mesh) -> P:
     return P(*spec)
 
 
+def declared_axes(module) -> dict:
+    """A module's logical axes by variable name: its `variable_axes()` where the variables
+    depend on its settings (an MoE layer's router), else its class's `LOGICAL_AXES`."""
+    own = getattr(module, "variable_axes", None)
+    return own() if callable(own) else getattr(type(module), "LOGICAL_AXES", {})
+
+
 def logical_axes(model: nnx.Module) -> dict[tuple, tuple]:
     """{state path: logical axes} of every variable of `model` (concrete or abstract)."""
     modules, variables = {}, []
@@ -98,7 +105,7 @@ def logical_axes(model: nnx.Module) -> dict[tuple, tuple]:
     out = {}
     for path in variables:
         owner = modules.get(path[:-1])
-        declared = getattr(type(owner), "LOGICAL_AXES", {})
+        declared = declared_axes(owner)
         axes = declared.get(path[-1]) or adapter_axes(str(path[-1]), declared)
         if axes is None:
             raise ShardingError(f"variable {'/'.join(map(str, path))} of "

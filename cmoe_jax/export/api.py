@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 
 from cmoe_jax.checkpoint import write_json_atomic
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.export.hf_config import REMOTE_CODE, ExportError, hf_config, keeps_original_architecture
+from cmoe_jax.export.hf_config import (REMOTE_CODE, ExportError, hf_config, keeps_original_architecture,
+                                      remote_code)
 from cmoe_jax.export.hf_weights import hf_tensors
 from cmoe_jax.export.verify import compare_with_transformers, require_match, verification_windows
 from cmoe_jax.jobs import Job, JobRun, Outcome, RunOptions, SourceModel, fault_point, file_digest, run_job
@@ -188,7 +189,7 @@ def _export(run: JobRun, settings: ExportSettings, config_json: dict, windows) -
                           {"metadata": {"total_size": total}, "weight_map": weight_map})
     write_json_atomic(final / "config.json", config_json)
     if not keeps_original_architecture(cfg):
-        shutil.copy(Path(__file__).parent / "hf_remote" / REMOTE_CODE, final / REMOTE_CODE)
+        (final / REMOTE_CODE).write_text(remote_code(cfg))
     if lm.tokenizer is not None:
         lm.tokenizer.hf.save_pretrained(str(final))
     record = {"source_model": run.source.name, "format": settings.fmt,

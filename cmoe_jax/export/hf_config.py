@@ -10,11 +10,14 @@ remote code written beside the weights.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from pathlib import Path
 
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import ModelConfig
 from cmoe_jax.models.families import FAMILIES, family
 from cmoe_jax.moe.activations import to_hf_name
+from cmoe_jax.moe.routers import ROUTERS, Routing
 
 REMOTE_CODE = "modeling_cmoe.py"
 
@@ -47,20 +50,35 @@ _MOE_FIELDS = ("num_experts", "top_k", "expert_width", "shared_width", "router",
                "norm_topk_prob", "router_neurons", "sub_experts", "sub_shared", "sub_top_k",
                "sub_router_neurons", "num_prototypes", "prototype_owner", "duplicate_gates",
                "shared_gated")
-_ROUTERS = ("cmoe", "linear", "sum", "topsum")
 
 
-def _moe_layer(spec) -> dict | None:
+def _moe_layer(spec, d_model: int) -> dict | None:
+    """One `moe_layers` entry: the spec's fields, and its router's arrays as
+    `router_params` (role -> [name, shape, init]) so the remote code declares them."""
     if spec is None:
         return None
     d = dataclasses.asdict(spec)
     defaults = {f.name: f.default for f in dataclasses.fields(spec)}
     other = [k for k in d if k not in _MOE_FIELDS and d[k] != defaults[k]]
-    if other or spec.router not in _ROUTERS:
+    unit = ROUTERS.get(spec.router)
+    if other or unit is None or unit.torch_route is None:
         raise ExportError(f"MoE layers with {', '.join(other) or 'router ' + spec.router!s} have "
-                          "no transformers form yet (remote code covers the cmoe, linear, topsum and "
-                          "sum routers, hierarchical and ConMoE layers, with an optional shared MLP)")
-    return {k: d[k] for k in _MOE_FIELDS}
+                          "no transformers form yet (remote code covers the routers with a "
+                          "torch_route, hierarchical and ConMoE layers, with an optional shared MLP)")
+    routing = Routing(spec.num_experts, spec.top_k, spec.norm_topk_prob, neurons=spec.router_neurons)
+    top = spec.sub_experts > 0
+    params = {role: [p.attr(top), list(p.shape), p.init] for role, p in unit.params(d_model, routing).items()}
+    return {**{k: d[k] for k in _MOE_FIELDS}, "router_params": params}
+
+
+def remote_code(cfg: ModelConfig) -> str:
+    """`modeling_cmoe.py` for `cfg`: the module beside this one plus the torch routing of
+    each router kind its layers use (`Router.torch_route`, registered in `ROUTES`)."""
+    text = (Path(__file__).parent / "hf_remote" / REMOTE_CODE).read_text()
+    for kind in sorted({s.router for s in cfg.moe_layers if s is not None}):
+        fn = ROUTERS[kind].torch_route
+        text += f"\n\n{inspect.getsource(fn)}\n\nROUTES[{kind!r}] = {fn.__name__}\n"
+    return text
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -85,7 +103,7 @@ def hf_config(cfg: ModelConfig) -> dict:
                           f"(remote code covers carved {', '.join(remote)} models)")
     name = unit.remote
     out.update(model_type=f"cmoe_{cfg.model_type}", architectures=[f"{name}ForCausalLM"],
-               moe_layers=[_moe_layer(s) for s in cfg.moe_layers],
+               moe_layers=[_moe_layer(s, cfg.hidden_size) for s in cfg.moe_layers],
                auto_map={"AutoConfig": f"modeling_cmoe.{name}Config",
                          "AutoModelForCausalLM": f"modeling_cmoe.{name}ForCausalLM"})
     return out

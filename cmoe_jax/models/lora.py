@@ -51,9 +51,11 @@ def delta(adapter: dict, scale: float) -> jax.Array:
 
 
 def trains_router(mlp) -> bool:
-    """A layer with CMoE gate scales u and balancing bias b: a CMoE layer, or a hierarchical
-    one (its sub-routers' u, b; its top-level router stays as converted)."""
-    return getattr(mlp, "router", None) == "cmoe" or getattr(mlp, "sub_experts", 0) > 0
+    """A layer with gate scales u and balancing bias b (`u`, `router_bias`): one whose router
+    unit trains them (`Router.trained`, the cmoe router's), or a hierarchical one (its
+    sub-routers' u, b; its top-level router stays as converted)."""
+    unit = getattr(mlp, "router_unit", None)
+    return bool(unit is not None and unit.trained) or getattr(mlp, "sub_experts", 0) > 0
 
 
 def router_params(model) -> tuple[dict, dict]:

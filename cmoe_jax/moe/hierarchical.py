@@ -36,11 +36,10 @@ from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.dispatch import plan
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, tokens_sharded
 from cmoe_jax.moe.gmm import get_gmm
-from cmoe_jax.moe.layer import MoEFFN, make_param
+from cmoe_jax.moe.layer import MoEFFN, make_param, make_router_params, masked
 from cmoe_jax.moe.modes import check_input, dispatch_mode
-from cmoe_jax.moe.router_outputs import router_logits
 from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
-from cmoe_jax.moe.routers import cmoe_route, linear_route
+from cmoe_jax.moe.routers import Routing, get_router
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +116,7 @@ class HierMoEFFN(MoEFFN):
     # bias stay per layer, since each layer trains and balances its own
     TABLE_NAMES = ("expert_gate", "expert_up", "expert_down", "sub_gate", "sub_up")
 
-    LOGICAL_AXES = dict(MoEFFN.LOGICAL_AXES, top_gate=("embed", "router"), top_up=("embed", "router"),
-                        top_u=("router",), top_bias=("router",),
+    LOGICAL_AXES = dict(MoEFFN.LOGICAL_AXES,
                         sub_gate=("expert", "embed", "router"), sub_up=("expert", "embed", "router"),
                         u=("expert", "router"), router_bias=("expert", "router"))
 
@@ -129,8 +127,8 @@ class HierMoEFFN(MoEFFN):
                  backend="auto", expert_axis: str | None = DEFAULT_EXPERT_AXIS,
                  num_prototypes: int = 0, duplicate_gates: str = "sum", activation: str = "silu",
                  shared_gated: bool = False, rngs: nnx.Rngs, kernel_init=None, sow_router: bool = False):
-        if router not in ("linear", "cmoe"):
-            raise ValueError(f"hierarchical top-level router must be linear or cmoe, got {router!r}")
+        unit = get_router(router)  # the top level's
+        unit.check(Routing(num_experts, top_k, norm_topk_prob, activation, router_neurons))
         n_routed = sub_experts - sub_shared
         if not (0 <= sub_shared < sub_experts and 1 <= sub_top_k <= n_routed):
             raise ValueError(f"sub-plan S{sub_shared}A{sub_top_k}E{sub_experts} is invalid")
@@ -157,12 +155,7 @@ class HierMoEFFN(MoEFFN):
             self.expert_down = param(rows, expert_width, d)
             self.num_experts = rows
 
-        if router == "linear":
-            self.router_kernel = param(d, n)
-        else:
-            self.top_gate, self.top_up = param(d, n * router_neurons), param(d, n * router_neurons)
-            self.top_u = nnx.Param(jnp.zeros((n,), param_dtype))
-            self.top_bias = RouterBias(jnp.zeros((n,), jnp.float32))
+        make_router_params(self, unit.params(d, self.top_routing), param, param_dtype, top_level=True)
         cols = n_routed * sub_router_neurons
         families = num_prototypes or n
         self.sub_gate, self.sub_up = param(families, d, cols), param(families, d, cols)
@@ -201,14 +194,22 @@ class HierMoEFFN(MoEFFN):
         """The unchanged top-level choice: expert ids int32 `[T, k]` and weights w `[T, k]`
         (`keep`, bool `[N]`: slots not kept are never chosen)."""
         top = self._top_arrays() if top is None else top
-        if self.router == "linear":
-            return linear_route(x, *top, self.top_top_k, self.norm_topk_prob, keep=keep)
-        return cmoe_route(x, *top, self.top_top_k, keep=keep, activation=self.activation)
+        return self.router_unit.route(x, top, self.top_routing, keep=keep)
 
-    def _top_arrays(self) -> tuple:
-        if self.router == "linear":
-            return (self.router_kernel[...],)
-        return (self.top_gate[...], self.top_up[...], self.top_u[...], self.top_bias[...])
+    @property
+    def top_routing(self) -> Routing:
+        return Routing(self.top_experts, self.top_top_k, self.norm_topk_prob, self.activation,
+                       self.router_neurons)
+
+    def _top_arrays(self) -> dict:
+        """role -> the top-level router's arrays (its units' `top_name`s)."""
+        return {role: getattr(self, p.attr(top_level=True))[...]
+                for role, p in self.router_unit.params(self.d_model, self.top_routing).items()}
+
+    def variable_axes(self) -> dict:
+        """Logical axes of every variable: the class's, and the top-level router's."""
+        return dict(self.LOGICAL_AXES, **{p.attr(top_level=True): p.axes for p in
+                                          self.router_unit.params(self.d_model, self.top_routing).values()})
 
     def forward(self, x: jax.Array, key=None):
         """`MoEFFN.forward`; the loads are the routed sub-experts' `[N, N'_r]`."""
@@ -220,15 +221,18 @@ class HierMoEFFN(MoEFFN):
     def empty_load(self) -> jax.Array:
         return jnp.zeros((self.u.shape[0], self.sub_experts - self.sub_shared), jnp.int32)
 
+    def router_scores(self, x: jax.Array) -> jax.Array:
+        """The top-level router's float32 logits `[T, N]` (pruned slots -inf)."""
+        keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
+        return masked(self.router_unit, x, self._top_arrays(), self.top_routing, keep)
+
     def router_logits(self, x: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The top-level router's logits `[T, N]` and chosen slots `[T, k]` (`ids`, the
         flattened sub-expert choice, is not what the top-level losses need)."""
-        keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
-        logits = router_logits(self.router, x, self._top_arrays(), self.top_experts, keep,
-                               self.activation)
         if x.shape[0] == 0:
-            return logits, jnp.zeros((0, self.top_top_k), jnp.int32)
-        return logits, self.top_route(x, keep=keep)[0]
+            return self.router_scores(x), jnp.zeros((0, self.top_top_k), jnp.int32)
+        keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
+        return self.router_scores(x), self.top_route(x, keep=keep)[0]
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:
         """Balance every sub-router against its own mean load (`counts [N, N'_r]`)."""
@@ -241,8 +245,9 @@ def flops_per_token(d: int, spec) -> dict:
     host shared MLP. For a hierarchical spec the sub-routers of the k selected experts count."""
     ffn = lambda width: 3 * 2 * d * width
     out = {"shared": ffn(spec.shared_width) if spec.shared_width else 0}
-    top_cols = spec.num_experts * (spec.router_neurons if spec.router == "cmoe" else 1)
-    out["router"] = (2 if spec.router == "cmoe" else 1) * 2 * d * top_cols
+    routing = Routing(spec.num_experts, spec.top_k, spec.norm_topk_prob, neurons=spec.router_neurons)
+    out["router"] = sum(2 * p.shape[0] * p.shape[1] for p in get_router(spec.router).params(d, routing).values()
+                        if len(p.shape) == 2)
     if getattr(spec, "sub_experts", 0):
         active = spec.top_k * (spec.sub_shared + spec.sub_top_k)
         sub_cols = (spec.sub_experts - spec.sub_shared) * spec.sub_router_neurons

@@ -36,9 +36,8 @@ from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_expe
 from cmoe_jax.moe.gmm import get_glu, get_gmm, resolve_backend
 from cmoe_jax.moe.modes import DISPATCHES, check_input, dispatch_mode, expert_parallel_active
 from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
-from cmoe_jax.moe.router_outputs import router_logits, router_output
-from cmoe_jax.moe.routers import (ROUTER_KINDS, RouterKind, cmoe_route, linear_route, sum_route,
-                                   topsum_route)
+from cmoe_jax.moe.router_outputs import router_output
+from cmoe_jax.moe.routers import Router, RouterKind, Routing, get_router
 
 _init = nnx.initializers.normal(0.02)
 
@@ -56,6 +55,26 @@ def make_param(rngs: nnx.Rngs, dtype, kernel_init=None):
         keys = jax.random.split(key, shape[0])
         return nnx.Param(jax.vmap(lambda k: kernel_init(k, shape[1:], dtype))(keys))
     return param
+
+
+def make_router_params(layer, params: dict, param, param_dtype, top_level: bool = False) -> None:
+    """Create a router's arrays (`Router.params`) on `layer`, in declaration order."""
+    for p in params.values():
+        if p.init == "zeros":
+            value = nnx.Param(jnp.zeros(p.shape, param_dtype))
+        elif p.init == "bias":
+            value = RouterBias(jnp.zeros(p.shape, jnp.float32))
+        else:
+            value = param(*p.shape)
+        setattr(layer, p.attr(top_level), value)
+
+
+def masked(unit: Router, x, arrays: dict, routing: Routing, keep=None) -> jax.Array:
+    """A router's float32 logits `[T, E]` (-inf for pruned slots; `[0, E]` for no tokens)."""
+    if x.shape[0] == 0:
+        return jnp.zeros((0, routing.num_experts), jnp.float32)
+    logits = unit.logits(x.astype(jnp.float32), arrays, routing)
+    return logits if keep is None else jnp.where(keep, logits, -jnp.inf)
 
 
 class MoEFFN(nnx.Module):
@@ -100,9 +119,7 @@ class MoEFFN(nnx.Module):
     LOGICAL_AXES = {
         "shared_gate": ("embed", "mlp"), "shared_up": ("embed", "mlp"), "shared_down": ("mlp", "embed"),
         "expert_gate": ("expert", "embed", "mlp"), "expert_up": ("expert", "embed", "mlp"),
-        "expert_down": ("expert", "mlp", "embed"), "router_kernel": ("embed", "router"),
-        "router_gate": ("embed", "router"), "router_up": ("embed", "router"),
-        "u": ("router",), "router_bias": ("router",), "slot_map": ("router",),
+        "expert_down": ("expert", "mlp", "embed"), "slot_map": ("router",),
         "shared_gate_kernel": ("embed", None)}
     TABLE_NAMES = TABLE_NAMES  # what a cross-layer ConMoE scope shares
 
@@ -113,14 +130,10 @@ class MoEFFN(nnx.Module):
                  duplicate_gates: str = "sum", activation: str = "silu", shared_gated: bool = False,
                  rngs: nnx.Rngs, kernel_init=None, sow_router: bool = False,
                  dispatch: str = "auto"):
-        if router not in ROUTER_KINDS:
-            raise ValueError(f"router must be one of {ROUTER_KINDS}, got {router!r}")
+        unit = get_router(router)
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
-        if router == "sum" and top_k != num_experts:
-            raise ValueError(f"router='sum' activates every expert: top_k must be {num_experts}")
-        if router_neurons < 1:
-            raise ValueError(f"router_neurons={router_neurons} must be at least 1")
+        unit.check(Routing(num_experts, top_k, norm_topk_prob, activation, router_neurons))
         if min(d_model, expert_width, num_experts) < 1 or shared_width < 0:
             raise ValueError(f"d_model={d_model}, expert_width={expert_width} and num_experts="
                              f"{num_experts} must be positive, shared_width={shared_width} >= 0")
@@ -151,14 +164,7 @@ class MoEFFN(nnx.Module):
             self.slot_map = SlotMap(jnp.arange(e, dtype=jnp.int32) % num_prototypes)
             e = num_prototypes
         self.expert_gate, self.expert_up, self.expert_down = param(e, d, m), param(e, d, m), param(e, m, d)
-        e = num_experts
-        if router in ("linear", "topsum"):
-            self.router_kernel = param(d, e)
-        elif router == "cmoe":
-            r = router_neurons
-            self.router_gate, self.router_up = param(d, e * r), param(d, e * r)
-            self.u = nnx.Param(jnp.zeros((e,), param_dtype))
-            self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32))
+        make_router_params(self, unit.params(d, self.routing), param, param_dtype)
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Expert ids int32 `[T, k]` and float32 gates `[T, k]` for tokens `x [T, d]`.
@@ -171,35 +177,46 @@ class MoEFFN(nnx.Module):
         check_input(x, self.d_model, type(self).__name__)
         arrays = self._router_arrays()
         if self.num_prototypes > 0:  # pruned slots (map -1) are never selected
-            arrays = arrays + (self.slot_map[...] >= 0,)
+            arrays = dict(arrays, keep=self.slot_map[...] >= 0)
         if self._expert_parallel():
             return tokens_sharded(self._route, x, arrays)
         return self._route(x, arrays)
 
-    def _router_arrays(self) -> tuple:
-        if self.router in ("linear", "topsum"):
-            return (self.router_kernel[...],)
-        if self.router == "cmoe":
-            return (self.router_gate[...], self.router_up[...], self.u[...], self.router_bias[...])
-        return ()
+    @property
+    def router_unit(self) -> Router:
+        """The router kind's unit (`cmoe_jax.moe.routers`)."""
+        return get_router(self.router)
+
+    @property
+    def routing(self) -> Routing:
+        return Routing(self.num_experts, self.top_k, self.norm_topk_prob, self.activation,
+                       self.router_neurons)
+
+    def variable_axes(self) -> dict:
+        """Logical axes of every variable: the class's, and the router unit's."""
+        return dict(self.LOGICAL_AXES, **{p.name: p.axes for p in
+                                          self.router_unit.params(self.d_model, self.routing).values()})
+
+    def _router_arrays(self) -> dict:
+        """role -> the router's arrays (`Router.params`)."""
+        return {role: getattr(self, p.name)[...]
+                for role, p in self.router_unit.params(self.d_model, self.routing).items()}
+
+    def router_scores(self, x: jax.Array) -> jax.Array:
+        """float32 `[T, E]`: what the router ranks for tokens `x [T, d]` (its logits; pruned
+        slots -inf)."""
+        keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
+        return masked(self.router_unit, x, self._router_arrays(), self.routing, keep)
 
     def router_logits(self, x: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """float32 router logits `[T, E]` of tokens `x [T, d]` (`RouterOutput.logits`) and the
         router slots `[T, k]` chosen there (`ids`, what `forward` returned)."""
-        keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
-        return (router_logits(self.router, x, self._router_arrays(), self.num_experts, keep,
-                              self.activation), ids)
+        return self.router_scores(x), ids
 
     def _route(self, x, arrays):
-        keep = arrays[-1] if self.num_prototypes > 0 else None
-        arrays = arrays[:-1] if self.num_prototypes > 0 else arrays
-        if self.router == "linear":
-            return linear_route(x, *arrays, self.top_k, self.norm_topk_prob, keep=keep)
-        if self.router == "cmoe":
-            return cmoe_route(x, *arrays, self.top_k, keep=keep, activation=self.activation)
-        if self.router == "topsum":
-            return topsum_route(x, *arrays, self.top_k, keep=keep)
-        return sum_route(x.shape[0], self.num_experts)
+        arrays = dict(arrays)
+        keep = arrays.pop("keep", None)
+        return self.router_unit.route(x, arrays, self.routing, keep=keep)
 
     def _expert_parallel(self) -> bool:
         return expert_parallel_active(self.expert_axis, self.expert_gate.get_value())
@@ -289,7 +306,7 @@ class MoEFFN(nnx.Module):
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:
         """CMoE load balancing step in place: `b += gamma * sign(mean(counts) - counts)`."""
-        if self.router != "cmoe":
-            raise ValueError(f"only the cmoe router has a balancing bias (router={self.router!r})")
+        if "bias" not in self.router_unit.trained:
+            raise ValueError(f"router {self.router!r} has no balancing bias (the cmoe router has one)")
         self.router_bias[...] = update_router_bias(self.router_bias, counts, gamma)
 

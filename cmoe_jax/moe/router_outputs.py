@@ -17,8 +17,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cmoe_jax.moe.routers import cmoe_scores
-
 
 class RouterOutput(NamedTuple):
     """What the router did for one call (leading token dims `...` as the input's)."""
@@ -28,23 +26,6 @@ class RouterOutput(NamedTuple):
     load: jax.Array      # int32 [E] (token, slot) pairs routed to each expert
     aux_loss: jax.Array  # float32 [] Switch load-balancing loss
     z_loss: jax.Array    # float32 [] router z-loss
-
-
-def router_logits(router: str, x: jax.Array, arrays: tuple, num_experts: int, keep=None,
-                  activation: str = "silu"):
-    """float32 `[T, E]` logits of a router kind ("linear"/"topsum": `x W_r`; "cmoe": the
-    representative neurons' summed |h|, h = act(x W_gate^R) * (x W_up^R); "sum": zeros) for
-    tokens `x [T, d]`."""
-    x = x.astype(jnp.float32)
-    if x.shape[0] == 0:
-        return jnp.zeros((0, num_experts), jnp.float32)
-    if router in ("linear", "topsum"):
-        logits = x @ arrays[0].astype(jnp.float32)
-    elif router == "cmoe":
-        logits = cmoe_scores(x, arrays[0], arrays[1], num_experts, activation)
-    else:
-        logits = jnp.zeros((x.shape[0], num_experts), jnp.float32)
-    return logits if keep is None else jnp.where(keep, logits, -jnp.inf)
 
 
 def router_output(logits: jax.Array, ids: jax.Array, lead_shape: tuple) -> RouterOutput:

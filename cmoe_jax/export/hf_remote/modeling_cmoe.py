@@ -20,32 +20,9 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llam
 from transformers.activations import ACT2FN
 
 NEG = float("-inf")
-
-
-def linear_route(x, kernel, k, norm=False, keep=None, gated=True):
-    """Top-k of softmax(x W) (renormalised when `norm`); `gated` False: top-k of the logits,
-    gates 1 ("topsum"). `keep` [E] bool: the other slots are never chosen (pruned)."""
-    logits = x @ kernel.float()
-    if keep is not None:
-        logits = logits.masked_fill(~keep, NEG)
-    if not gated:
-        ids = torch.topk(logits, k, dim=-1).indices
-        return ids, torch.ones(ids.shape, device=x.device)
-    gates, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
-    return ids, (gates / gates.sum(-1, keepdim=True) if norm else gates)
-
-
-def cmoe_route(act, x, gate, up, u, bias, k, keep=None):
-    """CMoE's router: scores |act(x G) * (x U)| summed over each expert's neurons, p =
-    softmax, experts = top-k of p + bias, gates 1 + p u."""
-    h = torch.abs(act(x @ gate.float()) * (x @ up.float()))
-    scores = h.reshape(x.shape[0], u.shape[0], -1).sum(-1)
-    if keep is not None:
-        scores = scores.masked_fill(~keep, NEG)
-    probs = torch.softmax(scores, dim=-1)
-    key = probs + bias.float()
-    ids = torch.topk(key if keep is None else key.masked_fill(~keep, NEG), k, dim=-1).indices
-    return ids, 1.0 + probs.gather(-1, ids) * u.float()[ids]
+# router kind -> its torch routing `f(torch, act, x, p, k, norm, keep) -> (ids, gates)`: the
+# export writes each router's function (`cmoe_jax.moe.routers`) at the end of this file
+ROUTES = {}
 
 
 def to_prototypes(ids, gates, slot_map, rule):
@@ -72,7 +49,7 @@ def to_prototypes(ids, gates, slot_map, rule):
 class MoEMLP(nn.Module):
     """`shared(x) [* sigmoid(x W_sg)] + sum over the chosen experts of gate * expert(x)`.
 
-    Routers ("cmoe", "linear", "topsum", "sum") as in `cmoe_jax.moe.routers`; every GLU uses
+    Routers as in `cmoe_jax.moe.routers` (their functions in `ROUTES`); every GLU uses
     the family's activation `act`. ConMoE (`num_prototypes` K): the router keeps its slots,
     `slot_map` sends them to the K stored experts (`to_prototypes`); a layer of a cross-layer
     scope reads its `owner`'s table. Hierarchical CMoE (`sub_experts` N'): each chosen expert
@@ -84,7 +61,8 @@ class MoEMLP(nn.Module):
     def __init__(self, hidden_size, num_experts, top_k, expert_width, shared_width=0,
                  router="cmoe", norm_topk_prob=False, router_neurons=1, sub_experts=0,
                  sub_shared=0, sub_top_k=0, sub_router_neurons=1, num_prototypes=0,
-                 duplicate_gates="sum", shared_gated=False, act="silu", owner=None, **_):
+                 duplicate_gates="sum", shared_gated=False, act="silu", owner=None,
+                 router_params=None, **_):
         super().__init__()
         self.act = ACT2FN[act]
         d, m, n, s = hidden_size, expert_width, num_experts, shared_width
@@ -106,14 +84,10 @@ class MoEMLP(nn.Module):
         if owner is None:
             self.expert_gate, self.expert_up = new(rows, d, m), new(rows, d, m)
             self.expert_down = new(rows, m, d)
-        top = "top_" if sub_experts else "router_"  # the top-level cmoe router's names
-        if router == "cmoe":
-            setattr(self, top + "gate", new(d, n * router_neurons))
-            setattr(self, top + "up", new(d, n * router_neurons))
-            setattr(self, "top_u" if sub_experts else "u", new(n))
-            setattr(self, "top_bias" if sub_experts else "router_bias", fixed(n))
-        elif router in ("linear", "topsum"):
-            self.router_kernel = new(d, n)
+        # the (top-level) router's arrays: role -> [name, shape, init] (`RouterParam`)
+        self.router_params = {role: name for role, (name, _, _) in (router_params or {}).items()}
+        for name, shape, init in (router_params or {}).values():
+            setattr(self, name, (fixed if init == "bias" else new)(*shape))
         if sub_experts:
             routed = sub_experts - sub_shared
             if owner is None:
@@ -127,17 +101,8 @@ class MoEMLP(nn.Module):
 
     def top_route(self, x, keep):
         """The top-level choice over the router's slots: (ids [T, k], float32 gates [T, k])."""
-        if self.router == "sum":
-            ids = torch.arange(self.num_experts, device=x.device).expand(x.shape[0], -1)
-            return ids, torch.ones(ids.shape, device=x.device)
-        if self.router in ("linear", "topsum"):
-            return linear_route(x, self.router_kernel, self.top_k, self.norm_topk_prob, keep,
-                                gated=self.router == "linear")
-        if self.sub_experts:
-            return cmoe_route(self.act, x, self.top_gate, self.top_up, self.top_u, self.top_bias,
-                              self.top_k, keep)
-        return cmoe_route(self.act, x, self.router_gate, self.router_up, self.u, self.router_bias,
-                          self.top_k, keep)
+        p = {role: getattr(self, name) for role, name in self.router_params.items()}
+        return ROUTES[self.router](torch, self.act, x, p, self.top_k, self.norm_topk_prob, keep)
 
     def route(self, x):
         """(expert rows [T, j], float32 gates [T, j]) of tokens x [T, d]."""

@@ -27,7 +27,6 @@ from flax import nnx
 from cmoe_jax.moe import MoEFFN
 from cmoe_jax.moe.hierarchical import sub_route
 from cmoe_jax.moe.activations import glu_activation
-from cmoe_jax.moe.routers import cmoe_scores
 from cmoe_jax.profiling.layer_pass import (
     LayerInput,
     calibration_mesh,
@@ -53,16 +52,8 @@ class LayerStats:
 
 
 def router_logits(ffn, x):
-    """float32 `[T, E]`: the scores the router ranks (linear logits or CMoE |h| scores)."""
-
-    if ffn.router == "linear":
-        return x.astype(jnp.float32) @ ffn.router_kernel[...].astype(jnp.float32)
-    if ffn.router == "cmoe" and is_hierarchical(ffn):
-        return cmoe_scores(x, ffn.top_gate[...], ffn.top_up[...], ffn.top_experts, ffn.activation)
-    if ffn.router == "cmoe":
-        return cmoe_scores(x, ffn.router_gate[...], ffn.router_up[...], ffn.num_experts,
-                           ffn.activation)
-    return jnp.ones((x.shape[0], ffn.num_experts), jnp.float32)
+    """float32 `[T, E]`: the scores the router ranks (its unit's logits; pruned slots -inf)."""
+    return ffn.router_scores(x)
 
 
 def is_hierarchical(ffn) -> bool:

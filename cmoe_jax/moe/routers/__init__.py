@@ -1,0 +1,44 @@
+"""Routers: which `top_k` experts each token uses and with what gate weight.
+
+Each kind is a `Router` unit in its own module (`base.py` says what a unit holds), found
+by name in `ROUTERS`:
+
+- "linear" (Qwen3-MoE, Mixtral, ExpertWeaver): softmax gates over `x @ W_r`;
+- "cmoe" (CMoE): the experts' representative neurons, balancing bias, gates `1 + s' u`;
+- "topsum" (ExpertWeaver, training-free): top-k of `x @ W_r`, gates 1;
+- "sum": every expert, gates 1 (the dense FFN split into experts).
+
+A new kind: a module with its `Router` subclass, and one line below (or
+`register_router(MyRouter())` from user code). Guide: docs/guides/adding-a-router.md.
+"""
+from __future__ import annotations
+
+from cmoe_jax.moe.routers.base import Router, RouterParam, Routing
+from cmoe_jax.moe.routers.cmoe import CmoeRouter, cmoe_route, cmoe_scores
+from cmoe_jax.moe.routers.linear import LinearRouter, linear_route
+from cmoe_jax.moe.routers.sum import SumRouter, sum_route
+from cmoe_jax.moe.routers.topsum import TopSumRouter, topsum_route
+
+ROUTERS: dict[str, Router] = {r.name: r for r in (CmoeRouter(), LinearRouter(), SumRouter(), TopSumRouter())}
+ROUTER_KINDS = tuple(ROUTERS)  # the built-in kinds
+RouterKind = str  # a name in ROUTERS
+
+
+def register_router(unit: Router) -> Router:
+    """Make `unit` available by its name to `MoEFFN(router=...)`, configs and the export."""
+    if not isinstance(unit, Router):
+        raise TypeError(f"{unit!r} is not a cmoe_jax.moe.routers.Router")
+    ROUTERS[unit.name] = unit
+    return unit
+
+
+def get_router(name: str) -> Router:
+    """The unit of router kind `name` (ValueError naming the known kinds otherwise)."""
+    if name not in ROUTERS:
+        raise ValueError(f"router must be one of {tuple(ROUTERS)}, got {name!r}")
+    return ROUTERS[name]
+
+
+__all__ = ["Router", "RouterParam", "Routing", "ROUTERS", "ROUTER_KINDS", "RouterKind",
+           "register_router", "get_router", "cmoe_route", "cmoe_scores", "linear_route",
+           "sum_route", "topsum_route"]

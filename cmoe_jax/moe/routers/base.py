@@ -1,0 +1,75 @@
+"""What a router kind is: the unit every MoE layer, the calibration passes and the export
+read, so a new kind is one module and one registry line (`cmoe_jax.moe.routers`).
+
+A router is stateless: it declares its parameters (`RouterParam`, created and held by the
+layer under their own names, so checkpoints name them as before), and turns tokens plus
+those arrays into expert ids and gates. All routers work in float32 on flattened tokens
+`x [T, d]` and return `(expert_ids int32 [T, k], gates float32 [T, k])`.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Callable, ClassVar
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterParam:
+    """One router array: its layer attribute `name` (its name as a hierarchical layer's
+    top-level router: `top_name`), `shape`, logical `axes`, and how it starts: "normal"
+    (drawn like every weight), "zeros" (a trainable scale that starts off) or "bias" (a
+    `RouterBias`: state that balancing moves, never the optimiser)."""
+
+    name: str
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: str = "normal"
+    top_name: str | None = None
+
+    def attr(self, top_level: bool = False) -> str:
+        return (self.top_name or self.name) if top_level else self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """What a router needs besides its arrays: the experts it scores, how many it picks, the
+    linear router's renormalisation and the GLU activation of representative-neuron routers."""
+
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool = False
+    activation: str = "silu"
+    neurons: int = 1  # representative neurons per expert (cmoe)
+
+
+class Router(abc.ABC):
+    """A router kind. Subclasses set `name` and define `params`, `route` and `logits`;
+    `torch_route` is the same routing for the exported transformers model: a module-level
+    function `f(torch, act, x, p, k, norm, keep)` (torch passed in, so this package never
+    imports it) whose source the export writes into the remote code."""
+
+    name: ClassVar[str]
+    # trained beside LoRA adapters: the roles of gate scales `u` and selection bias
+    trained: ClassVar[tuple[str, ...]] = ()
+    # the gates depend on the router's parameters (a fresh layer learns its routing)
+    learned_gates: ClassVar[bool] = True
+    torch_route: ClassVar[Callable | None] = None
+
+    def check(self, routing: Routing) -> None:
+        """Raise ValueError for a `routing` this kind cannot serve."""
+
+    @abc.abstractmethod
+    def params(self, d_model: int, routing: Routing) -> dict[str, RouterParam]:
+        """role -> the array it needs, for `d_model`-wide tokens."""
+
+    @abc.abstractmethod
+    def route(self, x: jax.Array, p: dict, routing: Routing, keep=None):
+        """(ids int32 `[T, k]`, gates float32 `[T, k]`) of tokens `x [T, d]`; `p` role ->
+        array; `keep` (bool `[E]`, optional): experts not kept are never chosen (pruned)."""
+
+    @abc.abstractmethod
+    def logits(self, x: jax.Array, p: dict, routing: Routing) -> jax.Array:
+        """float32 `[T, E]` scores before the softmax (`RouterOutput.logits`, ConMoE's
+        calibration statistics)."""

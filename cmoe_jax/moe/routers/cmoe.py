@@ -1,0 +1,80 @@
+"""The "cmoe" router (CMoE paper, sec. 3.2-3.3): the representative neurons of the experts.
+
+`s = |act(x W_gate^R) * (x W_up^R)|`, `s' = softmax(s)`; with r router neurons per expert
+(columns expert-major, `[d, E*r]`) an expert's score is the sum of its r neurons' `|h|`.
+Experts are chosen by `top_k(s' + b)` with the non-trainable balancing bias `b`, and
+weighted by `g = 1 + s' * u` with the trainable scales `u` (zero at conversion, so the
+experts are then summed unweighted, as in the training-free model).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from cmoe_jax.moe.activations import glu_activation
+from cmoe_jax.moe.routers.base import Router, RouterParam
+
+
+def cmoe_scores(x, router_gate, router_up, num_experts: int | None = None, activation: str = "silu"):
+    """s = |act(x W_gate^R) * (x W_up^R)| in float32, summed over each expert's r router
+    neurons (`router_gate/router_up [d, E*r]`, expert-major): scores `[T, E]`; act is the
+    model's GLU activation (`cmoe_jax.moe.activations`)."""
+    x = x.astype(jnp.float32)
+    s = jnp.abs(glu_activation(activation)(x @ router_gate.astype(jnp.float32))
+                * (x @ router_up.astype(jnp.float32)))
+    num_experts = num_experts or s.shape[-1]
+    if s.shape[-1] % num_experts:
+        raise ValueError(f"{s.shape[-1]} router neurons do not split over {num_experts} experts")
+    return s.reshape(*s.shape[:-1], num_experts, -1).sum(-1)
+
+
+def cmoe_route(x, router_gate, router_up, u, bias, top_k: int, keep=None, activation: str = "silu"):
+    """`keep` (bool `[E]`, optional): experts not kept get score -inf (pruned)."""
+    scores = cmoe_scores(x, router_gate, router_up, u.shape[0], activation)
+    if keep is not None:
+        scores = jnp.where(keep, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    # the bias only steers selection and is never trained
+    key = probs + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    if keep is not None:
+        key = jnp.where(keep, key, -jnp.inf)
+    _, ids = jax.lax.top_k(key, top_k)
+    picked = jnp.take_along_axis(probs, ids, axis=-1)
+    gates = 1.0 + picked * u.astype(jnp.float32)[ids]
+    return ids.astype(jnp.int32), gates
+
+
+def torch_cmoe_route(torch, act, x, p, k, norm, keep):
+    u = p["u"].float()
+    h = torch.abs(act(x @ p["gate"].float()) * (x @ p["up"].float()))
+    scores = h.reshape(x.shape[0], u.shape[0], -1).sum(-1)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    key = probs + p["bias"].float()
+    ids = torch.topk(key if keep is None else key.masked_fill(~keep, float("-inf")), k, dim=-1).indices
+    return ids, 1.0 + probs.gather(-1, ids) * u[ids]
+
+
+class CmoeRouter(Router):
+    name = "cmoe"
+    trained = ("u", "bias")
+    torch_route = torch_cmoe_route
+
+    def check(self, routing):
+        if routing.neurons < 1:
+            raise ValueError(f"router_neurons={routing.neurons} must be at least 1")
+
+    def params(self, d_model, routing):
+        cols, e = routing.num_experts * routing.neurons, routing.num_experts
+        return {"gate": RouterParam("router_gate", (d_model, cols), ("embed", "router"), top_name="top_gate"),
+                "up": RouterParam("router_up", (d_model, cols), ("embed", "router"), top_name="top_up"),
+                "u": RouterParam("u", (e,), ("router",), "zeros", top_name="top_u"),
+                "bias": RouterParam("router_bias", (e,), ("router",), "bias", top_name="top_bias")}
+
+    def route(self, x, p, routing, keep=None):
+        return cmoe_route(x, p["gate"], p["up"], p["u"], p["bias"], routing.top_k, keep=keep,
+                          activation=routing.activation)
+
+    def logits(self, x, p, routing):
+        return cmoe_scores(x, p["gate"], p["up"], routing.num_experts, routing.activation)
