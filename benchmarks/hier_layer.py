@@ -53,7 +53,7 @@ def main() -> None:
     n, d, d_e, k = args.experts, args.d_model, args.expert_width, args.top_k
     t0 = time.perf_counter()
     dtype = jnp.dtype(args.dtype)
-    src = nnx.eval_shape(lambda: MoEFFN(d, d_e, n, k, router="linear", norm_topk_prob=True,
+    src = nnx.eval_shape(lambda: MoEFFN(d_model=d, expert_width=d_e, num_experts=n, top_k=k, router="linear", norm_topk_prob=True,
                                         dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
     for name, shape in (("expert_gate", (n, d, d_e)), ("expert_up", (n, d, d_e)),

@@ -70,7 +70,7 @@ def build(shape: str, config: str, dtype, router_neurons: int, key):
 
     def layer(path: str):
         dispatch, _, backend = path.partition("@")
-        moe = MoEFFN(d, m, z - s, a, shared_width=s * m, router="cmoe", router_neurons=r,
+        moe = MoEFFN(d_model=d, expert_width=m, num_experts=z - s, top_k=a, shared_width=s * m, router="cmoe", router_neurons=r,
                      dtype=dtype, param_dtype=dtype, backend=backend or "auto", expert_axis=None,
                      dispatch=dispatch, rngs=nnx.Rngs(0))
         split = lambda wt, axis: jnp.moveaxis(wt.reshape(*wt.shape[:axis], z, m, *wt.shape[axis + 1:]), axis, 0)  # noqa: E731

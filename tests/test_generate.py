@@ -86,10 +86,10 @@ def test_gathered_experts_equal_the_sort_dispatch(dtype):
 def test_moe_layer_one_token_at_a_time_equals_all_at_once(layer):
     """Single tokens take the few-token path; 32 tokens at once take the sort dispatch."""
     if layer == "hier":
-        moe = HierMoEFFN(16, 4, 4, 2, sub_experts=4, sub_shared=1, sub_top_k=1, shared_width=8,
+        moe = HierMoEFFN(d_model=16, expert_width=4, num_experts=4, top_k=2, sub_experts=4, sub_shared=1, sub_top_k=1, shared_width=8,
                          router="cmoe", rngs=nnx.Rngs(0))
     else:
-        moe = MoEFFN(16, 8, 8, 2, shared_width=8 if layer == "cmoe" else 0, router=layer,
+        moe = MoEFFN(d_model=16, expert_width=8, num_experts=8, top_k=2, shared_width=8 if layer == "cmoe" else 0, router=layer,
                      rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.PRNGKey(1), (32, 16))
     together, load = moe(x, return_load=True)

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent('''
 
     def check(router, backend):
         top_k = 8 if router == "sum" else 2
-        layer = MoEFFN(d, 16, 8, top_k, shared_width=16, router=router, backend=backend,
+        layer = MoEFFN(d_model=d, expert_width=16, num_experts=8, top_k=top_k, shared_width=16, router=router, backend=backend,
                        rngs=nnx.Rngs(0))
         if router == "cmoe":
             layer.u[...] = jnp.linspace(-1.0, 1.0, 8)

@@ -33,7 +33,7 @@ def softmax(z):
 
 
 def make(router, top_k, norm=False, shared=S, backend="cpu", seed=0, dtype=jnp.float32):
-    layer = MoEFFN(D, M, E, top_k, shared_width=shared, router=router, norm_topk_prob=norm,
+    layer = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=top_k, shared_width=shared, router=router, norm_topk_prob=norm,
                    backend=backend, dtype=dtype, rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed + 10)
     # larger weights than the init so experts and routing differ clearly
@@ -208,7 +208,7 @@ def test_bias_changes_selection_not_gates():
 
 
 def test_parameter_kinds_and_shapes():
-    layer = MoEFFN(D, M, E, 2, shared_width=S, router="cmoe", param_dtype=jnp.bfloat16,
+    layer = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, shared_width=S, router="cmoe", param_dtype=jnp.bfloat16,
                    rngs=nnx.Rngs(0))
     assert isinstance(layer.router_bias, RouterBias) and not isinstance(layer.router_bias, nnx.Param)
     shapes = {k: v.shape for k, v in nnx.to_pure_dict(nnx.state(layer, nnx.Param)).items()}
@@ -217,9 +217,9 @@ def test_parameter_kinds_and_shapes():
                       "router_gate": (D, E), "router_up": (D, E), "u": (E,)}
     assert layer.expert_gate[...].dtype == jnp.bfloat16
     assert float(jnp.abs(layer.u[...]).max()) == 0 and float(jnp.abs(layer.router_bias[...]).max()) == 0
-    lin = MoEFFN(D, M, E, 2, router="linear", rngs=nnx.Rngs(0))
+    lin = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, router="linear", rngs=nnx.Rngs(0))
     assert lin.router_kernel.shape == (D, E) and not hasattr(lin, "shared_gate")
-    assert not hasattr(MoEFFN(D, M, E, E, router="sum", rngs=nnx.Rngs(0)), "router_kernel")
+    assert not hasattr(MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=E, router="sum", rngs=nnx.Rngs(0)), "router_kernel")
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -231,7 +231,7 @@ def test_parameter_kinds_and_shapes():
 def test_invalid_configurations(kwargs, match):
     args = dict(router="linear", top_k=2) | kwargs
     with pytest.raises(ValueError, match=match):
-        MoEFFN(D, M, E, args.pop("top_k"), rngs=nnx.Rngs(0), **args)
+        MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=args.pop("top_k"), rngs=nnx.Rngs(0), **args)
 
 
 def test_bf16_close_to_fp32():

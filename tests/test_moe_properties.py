@@ -36,7 +36,7 @@ def layers(draw):
 
 
 def build(c):
-    layer = MoEFFN(c["d"], c["expert_width"], c["num_experts"], c["top_k"],
+    layer = MoEFFN(d_model=c["d"], expert_width=c["expert_width"], num_experts=c["num_experts"], top_k=c["top_k"],
                    shared_width=c["shared_width"], router=c["router"], norm_topk_prob=c["norm"],
                    router_neurons=c["router_neurons"], backend=BACKENDS[c["backend"]],
                    rngs=nnx.Rngs(c["seed"] % 7))

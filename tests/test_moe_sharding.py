@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent('''
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     backend, router = sys.argv[1], sys.argv[2]
     top_k = 8 if router == "sum" else 2
-    layer = MoEFFN(32, 16, 8, top_k, shared_width=16, router=router, backend=backend,
+    layer = MoEFFN(d_model=32, expert_width=16, num_experts=8, top_k=top_k, shared_width=16, router=router, backend=backend,
                    rngs=nnx.Rngs(0))
     if router == "cmoe":
         layer.u[...] = jnp.linspace(-1.0, 1.0, 8)

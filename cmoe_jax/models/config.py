@@ -15,7 +15,7 @@ import numpy as np
 
 from cmoe_jax.errors import UnsupportedModelError
 from cmoe_jax.models.families import FAMILIES, family
-from cmoe_jax.models.ffn_spec import FFNSpec
+from cmoe_jax.moe.spec import FFNSpec
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 

@@ -27,21 +27,9 @@ def make_ffn(cfg: ModelConfig, spec: FFNSpec | None, *, dtype, rngs: nnx.Rngs) -
     if spec is None:
         return SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
                       activation=cfg.activation)
-    if spec.sub_experts:  # hierarchical CMoE: experts carved into sub-experts
-        return HierMoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts, spec.top_k,
-                          sub_experts=spec.sub_experts, sub_shared=spec.sub_shared,
-                          sub_top_k=spec.sub_top_k, sub_router_neurons=spec.sub_router_neurons,
-                          shared_width=spec.shared_width, router=spec.router,
-                          norm_topk_prob=spec.norm_topk_prob, router_neurons=spec.router_neurons,
-                          dtype=dtype, param_dtype=dtype, num_prototypes=spec.num_prototypes,
-                          duplicate_gates=spec.duplicate_gates, activation=cfg.activation,
-                          shared_gated=spec.shared_gated, rngs=rngs)
-    return MoEFFN(cfg.hidden_size, spec.expert_width, spec.num_experts, spec.top_k,
-                  shared_width=spec.shared_width, router=spec.router,
-                  norm_topk_prob=spec.norm_topk_prob, router_neurons=spec.router_neurons,
-                  dtype=dtype, param_dtype=dtype, num_prototypes=spec.num_prototypes,
-                  duplicate_gates=spec.duplicate_gates, activation=cfg.activation,
-                  shared_gated=spec.shared_gated, rngs=rngs)
+    layer = HierMoEFFN if spec.sub_experts else MoEFFN  # hierarchical: experts carved into sub-experts
+    return layer(spec, d_model=cfg.hidden_size, activation=cfg.activation, dtype=dtype,
+                 param_dtype=dtype, rngs=rngs)
 
 
 def filled_ffn(cfg: ModelConfig, spec: FFNSpec | None, values: MutableMapping[str, np.ndarray],

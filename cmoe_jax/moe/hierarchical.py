@@ -36,10 +36,12 @@ from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.dispatch import plan
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, tokens_sharded
 from cmoe_jax.moe.gmm import get_gmm
-from cmoe_jax.moe.layer import MoEFFN, make_param, make_router_params, masked
+from cmoe_jax.moe.layer import MoEFFN
 from cmoe_jax.moe.modes import check_input, dispatch_mode
 from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
-from cmoe_jax.moe.routers import Routing, get_router
+from cmoe_jax.moe.params import make_param, make_router_params
+from cmoe_jax.moe.routers import Routing, get_router, router_logits
+from cmoe_jax.moe.spec import FFNSpec, spec_with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +100,8 @@ class HierMoEFFN(MoEFFN):
     """Hierarchical CMoE layer (see the module docstring).
 
     Args beyond `MoEFFN`'s: `num_experts` N and `top_k` k are the top level's;
-    `expert_width` is the sub-expert width m'; `router` ("linear" or "cmoe") and
-    `router_neurons` describe the top-level router; `sub_experts` N', `sub_shared` N'_s,
+    `expert_width` is the sub-expert width m'; `router` (a kind of `cmoe_jax.moe.routers`:
+    conversions make "linear" or "cmoe") and `router_neurons` describe the top-level router; `sub_experts` N', `sub_shared` N'_s,
     `sub_top_k` N'_k and `sub_router_neurons` r the sub-level.
 
     Parameters: `expert_gate/expert_up [N*N', d, m']`, `expert_down [N*N', m', d]`; the host
@@ -120,24 +122,27 @@ class HierMoEFFN(MoEFFN):
                         sub_gate=("expert", "embed", "router"), sub_up=("expert", "embed", "router"),
                         u=("expert", "router"), router_bias=("expert", "router"))
 
-    def __init__(self, d_model: int, expert_width: int, num_experts: int, top_k: int, *,
-                 sub_experts: int, sub_shared: int, sub_top_k: int, sub_router_neurons: int = 1,
-                 shared_width: int = 0, router: str = "linear", norm_topk_prob: bool = False,
-                 router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32,
-                 backend="auto", expert_axis: str | None = DEFAULT_EXPERT_AXIS,
-                 num_prototypes: int = 0, duplicate_gates: str = "sum", activation: str = "silu",
-                 shared_gated: bool = False, rngs: nnx.Rngs, kernel_init=None, sow_router: bool = False):
+    def __init__(self, spec: FFNSpec | None = None, *, d_model: int, rngs: nnx.Rngs,
+                 activation: str = "silu", dtype=jnp.float32, param_dtype=jnp.float32,
+                 backend="auto", expert_axis: str | None = DEFAULT_EXPERT_AXIS, kernel_init=None,
+                 sow_router: bool = False, dispatch: str = "auto", **fields):
+        spec = spec_with(spec, fields, type(self).__name__)
+        router, norm_topk_prob, router_neurons = spec.router, spec.norm_topk_prob, spec.router_neurons
+        num_experts, top_k, sub_experts = spec.num_experts, spec.top_k, spec.sub_experts
+        sub_shared, sub_top_k, num_prototypes = spec.sub_shared, spec.sub_top_k, spec.num_prototypes
+        expert_width, sub_router_neurons = spec.expert_width, spec.sub_router_neurons
         unit = get_router(router)  # the top level's
         unit.check(Routing(num_experts, top_k, norm_topk_prob, activation, router_neurons))
         n_routed = sub_experts - sub_shared
-        if not (0 <= sub_shared < sub_experts and 1 <= sub_top_k <= n_routed):
+        if not (sub_experts > 0 and 0 <= sub_shared < sub_experts and 1 <= sub_top_k <= n_routed):
             raise ValueError(f"sub-plan S{sub_shared}A{sub_top_k}E{sub_experts} is invalid")
-        super().__init__(d_model, expert_width, num_experts * sub_experts, top_k * (sub_shared + sub_top_k),
-                         shared_width=shared_width, router="cmoe",
-                         router_neurons=1, dtype=dtype, param_dtype=param_dtype, backend=backend,
-                         expert_axis=expert_axis, activation=activation,
-                         shared_gated=shared_gated, rngs=rngs, kernel_init=kernel_init,
-                         sow_router=sow_router)
+        # the base builds the host shared MLP, the stacked sub-experts and a flat cmoe router
+        flat = FFNSpec(num_experts * sub_experts, top_k * (sub_shared + sub_top_k), expert_width,
+                       spec.shared_width, "cmoe", shared_gated=spec.shared_gated)
+        super().__init__(flat, d_model=d_model, rngs=rngs, activation=activation, dtype=dtype,
+                         param_dtype=param_dtype, backend=backend, expert_axis=expert_axis,
+                         kernel_init=kernel_init, sow_router=sow_router, dispatch=dispatch)
+        self.spec = spec
         # the base built a flat cmoe router over all sub-experts: replace it by the two levels
         del self.router_gate, self.router_up
         self.router, self.norm_topk_prob, self.router_neurons = router, norm_topk_prob, router_neurons
@@ -147,7 +152,7 @@ class HierMoEFFN(MoEFFN):
         d, n = d_model, num_experts
 
         param = make_param(rngs, param_dtype, kernel_init)
-        self.num_prototypes, self.duplicate_gates = num_prototypes, duplicate_gates
+        self.num_prototypes, self.duplicate_gates = num_prototypes, spec.duplicate_gates
         if num_prototypes > 0:  # K stored families behind the N top-level slots
             self.slot_map = SlotMap(jnp.arange(n, dtype=jnp.int32) % num_prototypes)
             rows = num_prototypes * sub_experts
@@ -224,7 +229,7 @@ class HierMoEFFN(MoEFFN):
     def router_scores(self, x: jax.Array) -> jax.Array:
         """The top-level router's float32 logits `[T, N]` (pruned slots -inf)."""
         keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
-        return masked(self.router_unit, x, self._top_arrays(), self.top_routing, keep)
+        return router_logits(self.router_unit, x, self._top_arrays(), self.top_routing, keep)
 
     def router_logits(self, x: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The top-level router's logits `[T, N]` and chosen slots `[T, k]` (`ids`, the

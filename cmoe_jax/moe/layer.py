@@ -30,58 +30,26 @@ from flax import nnx
 
 from cmoe_jax.lora import factors, grouped_delta, project
 from cmoe_jax.moe.activations import glu_activation
-from cmoe_jax.moe.balance import RouterBias, update_router_bias
+from cmoe_jax.moe.balance import update_router_bias
 from cmoe_jax.moe.dispatch import GLUExperts, dense_experts, gathered_experts
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_experts, tokens_sharded
 from cmoe_jax.moe.gmm import get_glu, get_gmm, resolve_backend
 from cmoe_jax.moe.modes import DISPATCHES, check_input, dispatch_mode, expert_parallel_active
 from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
 from cmoe_jax.moe.router_outputs import router_output
-from cmoe_jax.moe.routers import Router, RouterKind, Routing, get_router
-
-_init = nnx.initializers.normal(0.02)
-
-
-def make_param(rngs: nnx.Rngs, dtype, kernel_init=None):
-    """`param(*shape) -> nnx.Param`: the default init draws the whole tensor at once (as
-    checkpoints were made with); a user's `kernel_init` sees 2-D `[in, out]` matrices, one
-    call per stacked expert, so fan-in scaled inits (lecun, he) get the right fans."""
-    def param(*shape):
-        key = rngs.params()
-        if kernel_init is None:
-            return nnx.Param(_init(key, shape, dtype))
-        if len(shape) == 2:
-            return nnx.Param(kernel_init(key, shape, dtype))
-        keys = jax.random.split(key, shape[0])
-        return nnx.Param(jax.vmap(lambda k: kernel_init(k, shape[1:], dtype))(keys))
-    return param
-
-
-def make_router_params(layer, params: dict, param, param_dtype, top_level: bool = False) -> None:
-    """Create a router's arrays (`Router.params`) on `layer`, in declaration order."""
-    for p in params.values():
-        if p.init == "zeros":
-            value = nnx.Param(jnp.zeros(p.shape, param_dtype))
-        elif p.init == "bias":
-            value = RouterBias(jnp.zeros(p.shape, jnp.float32))
-        else:
-            value = param(*p.shape)
-        setattr(layer, p.attr(top_level), value)
-
-
-def masked(unit: Router, x, arrays: dict, routing: Routing, keep=None) -> jax.Array:
-    """A router's float32 logits `[T, E]` (-inf for pruned slots; `[0, E]` for no tokens)."""
-    if x.shape[0] == 0:
-        return jnp.zeros((0, routing.num_experts), jnp.float32)
-    logits = unit.logits(x.astype(jnp.float32), arrays, routing)
-    return logits if keep is None else jnp.where(keep, logits, -jnp.inf)
-
+from cmoe_jax.moe.params import make_param, make_router_params
+from cmoe_jax.moe.routers import Router, Routing, get_router, router_logits
+from cmoe_jax.moe.spec import FFNSpec, spec_with
 
 class MoEFFN(nnx.Module):
     """MoE FFN: `shared(x) + sum_{e in top_k(x)} g_e(x) * expert_e(x)`, x `[..., d_model]`.
 
+    Built from one `FFNSpec` (`spec`, passed whole, as models build their layers) or from its
+    fields given as keywords (`MoEFFN(d_model=64, expert_width=32, num_experts=8, top_k=2,
+    rngs=...)`); keywords given with a spec replace its fields.
+
     Args:
-      d_model: model width d.
+      spec: the layer's shape and routing (`cmoe_jax.moe.spec.FFNSpec`); its fields:
       expert_width: width m of each routed expert's SwiGLU.
       num_experts: number E of routed experts.
       top_k: routed experts per token (`== num_experts` for `router="sum"`).
@@ -92,6 +60,11 @@ class MoEFFN(nnx.Module):
         for converted models, whose router weights are carved, not trained.
       norm_topk_prob: linear router only: renormalise the k gates to sum 1 (Mixtral).
       router_neurons: cmoe router only: neurons r scoring each expert (their |h| summed).
+      num_prototypes, duplicate_gates, shared_gated: ConMoE's prototype table and Qwen2-MoE's
+        gated shared MLP (see `FFNSpec`).
+    The layer's own settings:
+      d_model: model width d.
+      activation: the GLU activation of every expert and router neuron ("silu" default).
       dtype: compute dtype of the FFN (routing always runs in float32).
       param_dtype: storage dtype of the parameters.
       backend: grouped-matmul backend, "auto" picks per platform (`cmoe_jax.moe.gmm`), or a
@@ -123,13 +96,14 @@ class MoEFFN(nnx.Module):
         "shared_gate_kernel": ("embed", None)}
     TABLE_NAMES = TABLE_NAMES  # what a cross-layer ConMoE scope shares
 
-    def __init__(self, d_model: int, expert_width: int, num_experts: int, top_k: int, *,
-                 shared_width: int = 0, router: RouterKind = "linear", norm_topk_prob: bool = False,
-                 router_neurons: int = 1, dtype=jnp.float32, param_dtype=jnp.float32, backend="auto",
-                 expert_axis: str | None = DEFAULT_EXPERT_AXIS, num_prototypes: int = 0,
-                 duplicate_gates: str = "sum", activation: str = "silu", shared_gated: bool = False,
-                 rngs: nnx.Rngs, kernel_init=None, sow_router: bool = False,
-                 dispatch: str = "auto"):
+    def __init__(self, spec: FFNSpec | None = None, *, d_model: int, rngs: nnx.Rngs,
+                 activation: str = "silu", dtype=jnp.float32, param_dtype=jnp.float32,
+                 backend="auto", expert_axis: str | None = DEFAULT_EXPERT_AXIS, kernel_init=None,
+                 sow_router: bool = False, dispatch: str = "auto", **fields):
+        spec = spec_with(spec, fields, type(self).__name__)
+        expert_width, num_experts, top_k = spec.expert_width, spec.num_experts, spec.top_k
+        shared_width, router, norm_topk_prob = spec.shared_width, spec.router, spec.norm_topk_prob
+        router_neurons, num_prototypes = spec.router_neurons, spec.num_prototypes
         unit = get_router(router)
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
@@ -149,15 +123,16 @@ class MoEFFN(nnx.Module):
         self.expert_axis = expert_axis
         self.activation = activation  # the GLU activation of every expert and router neuron
         # ConMoE (`cmoe_jax.moe.prototypes`): K stored prototypes behind the E router slots
-        self.num_prototypes, self.duplicate_gates = num_prototypes, duplicate_gates
+        self.num_prototypes, self.duplicate_gates = num_prototypes, spec.duplicate_gates
         self.sow_router, self.dispatch = sow_router, dispatch
+        self.spec = spec  # the layer's shape, as given
         param = make_param(rngs, param_dtype, kernel_init)
 
         d, m, e, s = d_model, expert_width, num_experts, shared_width
         if s > 0:
             self.shared_gate, self.shared_up, self.shared_down = param(d, s), param(d, s), param(s, d)
         # Qwen2-MoE: the shared MLP's output times sigmoid(x W_sg), `shared_gate_kernel [d, 1]`
-        self.shared_gated = shared_gated and s > 0
+        self.shared_gated = spec.shared_gated and s > 0
         if self.shared_gated:
             self.shared_gate_kernel = param(d, 1)
         if num_prototypes > 0:
@@ -206,7 +181,7 @@ class MoEFFN(nnx.Module):
         """float32 `[T, E]`: what the router ranks for tokens `x [T, d]` (its logits; pruned
         slots -inf)."""
         keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
-        return masked(self.router_unit, x, self._router_arrays(), self.routing, keep)
+        return router_logits(self.router_unit, x, self._router_arrays(), self.routing, keep)
 
     def router_logits(self, x: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """float32 router logits `[T, E]` of tokens `x [T, d]` (`RouterOutput.logits`) and the

@@ -4,7 +4,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from cmoe_jax.models.families.base import GGUF_EXPERTS, Family, gguf_experts
-from cmoe_jax.models.ffn_spec import FFNSpec
+from cmoe_jax.moe.spec import FFNSpec
 
 
 def _parse(get) -> dict:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from cmoe_jax.models.families.base import GGUF_EXPERTS, Family, gguf_experts
-from cmoe_jax.models.ffn_spec import FFNSpec
+from cmoe_jax.moe.spec import FFNSpec
 
 
 def _qwen2(get) -> dict:

@@ -1,4 +1,5 @@
-"""The shape of one MoE FFN layer, as configs and family units describe it."""
+"""The shape of one MoE FFN layer, as configs and family units describe it and as
+`MoEFFN` / `HierMoEFFN` are built from it (passed whole)."""
 from __future__ import annotations
 
 import dataclasses
@@ -38,3 +39,18 @@ class FFNSpec:
     duplicate_gates: str = "sum"
     # Qwen2-MoE: the shared MLP's output is scaled by sigmoid(x W_sg), W_sg [d, 1]
     shared_gated: bool = False
+
+
+def spec_with(spec: FFNSpec | None, fields: dict, owner: str = "MoEFFN") -> FFNSpec:
+    """`spec` with `fields` replaced, or a spec of `fields` alone (`MoEFFN(d_model=..,
+    expert_width=.., num_experts=.., top_k=.., ...)`); a name that is no field is an error."""
+    known = {f.name for f in dataclasses.fields(FFNSpec)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TypeError(f"{owner} got unknown arguments {unknown}; its layer fields are {sorted(known)}")
+    if spec is None:
+        missing = [f for f in ("expert_width", "num_experts", "top_k") if f not in fields]
+        if missing:
+            raise TypeError(f"{owner} needs a spec or the fields {missing}")
+        return FFNSpec(**fields)
+    return dataclasses.replace(spec, **fields)
