@@ -301,7 +301,7 @@ def _cli_flags(module: str) -> str:
 def test_job_scripts_parse_and_use_real_flags(script):
     import re
 
-    path = ROOT / "convert" / script
+    path = ROOT / "scripts" / "recipes" / "convert" / script
     subprocess.run(["bash", "-n", str(path)], check=True, timeout=30)
     text = path.read_text().replace("\\\n", " ")
     commands = re.findall(r"-m cmoe_jax\.(\w+)([^\n]*)", text)

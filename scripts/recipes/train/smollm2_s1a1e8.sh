@@ -8,7 +8,7 @@
 # (measured here: 1 x 2048 tokens took 36-41 s a step, 2 x 512 takes ~6 s, 3x more tokens/s).
 # Rerun with RESUME=--resume to continue an interrupted (or time-limited) run.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 PY="${VENV:-.venv}/bin/python"   # VENV=DIR picks the environment
 DATA=${DATA:-../shared/data/wikitext-2}
 MODEL=${MODEL:-runs/smollm2/S1A1E8}

@@ -6,7 +6,7 @@
 # multi-process form that multi-host GPU clusters use (there, give every host the first
 # host's address and its own JAX_PROCESS_ID range). Needs `pip install -e '.[cuda]'`.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 PY="${VENV:-.venv}/bin/python"   # VENV=DIR picks the environment
 MODEL=${MODEL:-meta-llama/Llama-2-7b-hf}
 CONFIG=${CONFIG:-S3A3E16}

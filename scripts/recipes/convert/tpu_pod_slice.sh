@@ -2,7 +2,7 @@
 # CMoE conversion as a multi-process job on a TPU pod slice (one process per host), then
 # perplexity of the result over the same processes. Run this script on EVERY host of the
 # slice at once, e.g.
-#   gcloud compute tpus tpu-vm ssh NAME --worker=all --command="cd cmoe_jax && bash convert/tpu_pod_slice.sh"
+#   gcloud compute tpus tpu-vm ssh NAME --worker=all --command="cd cmoe_jax && bash scripts/recipes/convert/tpu_pod_slice.sh"
 # JAX detects the coordinator, process count and id on a pod (CMOE_DISTRIBUTED=auto); set
 # JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID instead to name them yourself.
 # Each process calibrates on its share of the --calib-samples windows (at least one per
@@ -11,7 +11,7 @@
 # path on every host (a shared filesystem, e.g. an NFS or gcsfuse mount); MODEL a directory
 # there or a Hub id. Needs `pip install -e '.[tpu]'` on every host.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 PY="${VENV:-.venv}/bin/python"   # VENV=DIR picks the environment
 export CMOE_DISTRIBUTED=${CMOE_DISTRIBUTED:-auto}
 MODEL=${MODEL:-meta-llama/Llama-2-7b-hf}

@@ -5,7 +5,7 @@
 # accelerator host: batches are split over every local device ("data" axis), --mesh DxM adds
 # tensor parallelism. MODEL is a converted model directory (python -m cmoe_jax.convert ...).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 PY="${VENV:-.venv}/bin/python"   # VENV=DIR picks the environment
 MODEL=${MODEL:?set MODEL to a converted model directory}
 "$PY" -m cmoe_jax.train --model "$MODEL" --dataset wikitext2 --split train \

@@ -4,7 +4,7 @@
 # land in runs/smollm2/<CONFIG>/, their perplexity beside them in runs/smollm2/<CONFIG>.ppl.json
 # (a job never writes inside its input). DATA holds WikiText-2's valid.txt and test.txt.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 PY="${VENV:-.venv}/bin/python"   # VENV=DIR picks the environment
 DATA=${DATA:-../shared/data/wikitext-2}
 for CONFIG in ${CONFIGS:-S3A3E8 S2A2E16 S1A1E8}; do

@@ -3,7 +3,7 @@
 # papers: Llama-2-7B, S3A3E16 (25% activation), 8 x 2048 WikiText-2 calibration tokens.
 # MODEL may be a local directory or a Hub id; calibration data comes from `datasets`.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 PY="${VENV:-.venv}/bin/python"   # VENV=DIR picks the environment
 MODEL=${MODEL:-meta-llama/Llama-2-7b-hf}
 "$PY" -m cmoe_jax.convert --model "$MODEL" --config "${CONFIG:-S3A3E16}" \
