@@ -25,6 +25,10 @@ class MissingDependencyError(CmoeError):
     """An optional dependency is not installed; the message names the extra that brings it."""
 
 
+class TrainError(CmoeError):
+    """Bad fine-tuning input: unknown LoRA targets, a mismatched resume directory, short data."""
+
+
 def require(module: str, extra: str, purpose: str):
     """Import an optional dependency, or raise a one-line error naming the extra to install."""
     try:

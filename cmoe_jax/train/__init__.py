@@ -9,6 +9,7 @@ model, run by its own forward; `cmoe_jax.models.lora`), `lora_loss` / `lora_logi
 step); `distill_objective` / `kd_tile` (distillation from the dense teacher, `--distill`)
 and `layerwise_recover` (layer-wise reconstruction of the converted FFNs, `--recover layerwise`).
 """
+from cmoe_jax.errors import TrainError
 from cmoe_jax.models.lora import AdapterSet, adapted_run, merge_adapters, router_params, with_adapters
 from cmoe_jax.sharding import make_mesh
 from cmoe_jax.train.api import finetune
@@ -22,7 +23,6 @@ from cmoe_jax.train.teacher import SharedTeacher
 from cmoe_jax.train.lora import (
     DEFAULT_TARGETS,
     LoRAConfig,
-    TrainError,
     adapted_weights,
     init_adapters,
     lora_hidden,

@@ -17,9 +17,9 @@ import orbax.checkpoint as ocp
 
 from cmoe_jax import distributed
 from cmoe_jax.checkpoint import write_json_atomic
+from cmoe_jax.errors import TrainError
 from cmoe_jax.orbax_io import orbax_writes
 from cmoe_jax.state_digests import array_digests, check_digests
-from cmoe_jax.train.lora import TrainError
 
 RUN_CONFIG = "run_config.json"
 STATE_DIGESTS = "state_digests"  # the meta key of a step's arrays' checksums

@@ -6,7 +6,7 @@ import numpy as np
 
 from cmoe_jax.cli_args import STEP_MAX
 from cmoe_jax.data import calibration_windows
-from cmoe_jax.train.lora import TrainError
+from cmoe_jax.errors import TrainError
 
 
 def training_windows(tokens, samples: int, seqlen: int, seed: int, name: str = "the dataset",

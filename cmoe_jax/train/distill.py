@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cmoe_jax.errors import TrainError
 from cmoe_jax.models.lora import AdapterSet, adapted_run
-from cmoe_jax.train.lora import LoRAConfig, TrainError
+from cmoe_jax.train.lora import LoRAConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,15 +15,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from cmoe_jax.errors import CmoeError
+from cmoe_jax.errors import TrainError
 from cmoe_jax.models.decoder import chunked_nll
 from cmoe_jax.models.lora import AdapterSet, adapted_run
 from cmoe_jax.models.stack import STACKED, each_layer
 from cmoe_jax.sharding import logical_axes, spec_for
-
-
-class TrainError(CmoeError):
-    """Bad fine-tuning input: unknown LoRA targets, a mismatched resume directory, short data."""
 
 
 # every weight an adapter can be attached to, by module

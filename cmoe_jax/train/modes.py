@@ -13,11 +13,11 @@ import dataclasses
 import shutil
 from pathlib import Path
 
+from cmoe_jax.errors import TrainError
 from cmoe_jax.jobs import SourceModel, fault_point
 from cmoe_jax.train.distill import DistillConfig
 from cmoe_jax.train.settings import TrainSettings
 from cmoe_jax.train.layerwise import RecoverConfig
-from cmoe_jax.train.lora import TrainError
 from cmoe_jax.train.teacher import open_teacher, teacher_identity, teacher_name
 
 RECOVER_DIR = "recover"  # the layer-wise adapters, in the staging directory and the output

@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from cmoe_jax import distributed
+from cmoe_jax.errors import TrainError
 from cmoe_jax.jobs import SourceModel, fault_point
 from cmoe_jax.train.checkpoint import RunCheckpoints, lora_saved, lora_state, save_adapters
-from cmoe_jax.train.lora import TrainError, adapted_weights
+from cmoe_jax.train.lora import adapted_weights
 from cmoe_jax.train.modes import RecoveryModes
 from cmoe_jax.train.settings import TrainSettings
 

@@ -18,9 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cmoe_jax.checkpoint import MANIFEST
-from cmoe_jax.errors import CmoeError
+from cmoe_jax.errors import CmoeError, TrainError
 from cmoe_jax.jobs import SourceModel
-from cmoe_jax.train.lora import TrainError
 
 
 def teacher_name(student_path: Path, student: str, teacher: str | None) -> str:
