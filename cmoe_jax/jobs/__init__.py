@@ -1,12 +1,13 @@
 """Job staging written once: the output lock, `OUT.partial`, resume bookkeeping with a
 verified fingerprint, atomic publish, outputs kept apart from inputs and inputs watched for
-change, the job's source model, fault injection, and the one skeleton every job runs
-(`run_job`; a registered method through `run_method`)."""
-from cmoe_jax.jobs.faults import FAULT_ENV, fault_point
+change, the job's source model, the fault hook (`cmoe_jax.faults`), and the one skeleton
+every job runs (`run_job`; a registered method through `run_method`)."""
+from cmoe_jax.faults import FAULT_ENV, fault_point
 from cmoe_jax.jobs.fingerprint import ResumeMismatchError, fingerprint
+from cmoe_jax.jobs.fingerprint import content_digest as file_digest  # a file's digest, as exports name it
 from cmoe_jax.jobs.output import OutputExistsError, OutputDir, check_output_free
 from cmoe_jax.jobs.lock import OutputBusyError, OutputLock, lock_path
-from cmoe_jax.jobs.progress import LayerLog, file_digest
+from cmoe_jax.jobs.progress import LayerLog
 from cmoe_jax.jobs.source import SourceModel, MissingTokenizerError
 from cmoe_jax.jobs.staging import OWNER, Staging, StagingError
 from cmoe_jax.jobs.skeleton import Interrupted, Job, JobRun, Outcome, RunOptions, run_job

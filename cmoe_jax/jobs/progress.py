@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from cmoe_jax.checkpoint import write_bytes_atomic, write_json_atomic
-from cmoe_jax.jobs.faults import fault_point
-from cmoe_jax.jobs.fingerprint import content_digest as file_digest  # noqa: F401 (shards' digests)
+from cmoe_jax.faults import fault_point
 
 
 class LayerLog:

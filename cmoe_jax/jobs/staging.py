@@ -27,7 +27,7 @@ from pathlib import Path
 
 from cmoe_jax.checkpoint import MANIFEST, readers_excluded, remove_write_leftovers, staging_dir, write_json_atomic
 from cmoe_jax.errors import CheckpointError, CmoeError
-from cmoe_jax.jobs.faults import fault_point
+from cmoe_jax.faults import fault_point
 from cmoe_jax.jobs.fingerprint import ResumeMismatchError, check_same
 from cmoe_jax.jobs.lock import OutputLock
 
