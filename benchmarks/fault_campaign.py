@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVER = r"""
 import importlib, json, os, sys, time, traceback
 MODULES = ("cmoe_jax.convert.cli", "cmoe_jax.compress.cli", "cmoe_jax.export.cli",
-           "cmoe_jax.train.cli", "cmoe_jax.downcycle", "cmoe_jax.convert.api", "cmoe_jax.compress.api",
+           "cmoe_jax.train.cli", "cmoe_jax.downcycle.cli", "cmoe_jax.convert.api", "cmoe_jax.compress.api",
            "cmoe_jax.export.api", "cmoe_jax.train.api")
 for m in MODULES:
     importlib.import_module(m)   # imports only: JAX's backend starts in each child
@@ -245,7 +245,7 @@ def jobs(inputs: dict, converted: Path) -> dict[str, Job]:
                               "--kd-temperature", "2", "--kd-weight", "0.5", "--hidden-weight", "0.5",
                               "--recover", "layerwise", "--recover-samples", "2", "--recover-steps",
                               "5"]),
-        "downcycle": Job("downcycle", "cmoe_jax.downcycle",
+        "downcycle": Job("downcycle", "cmoe_jax.downcycle.cli",
                          ["--model", d, "--data-path", a, "--experts", "8", "--active", "4",
                           "--shared-experts", "1", "--calib-tasks", "4", "--steps", "4", "--batch-size", "2",
                           "--seqlen", "16", "--save-every", "1", "--layers", "1"]),

@@ -22,7 +22,7 @@ COMMANDS = {
     "train": ("cmoe_jax.train.cli", "LoRA fine-tuning of a dense or converted model"),
     "compress": ("cmoe_jax.compress.cli", "shrink an MoE's expert pool (ConMoE or a baseline)"),
     "export": ("cmoe_jax.export.cli", "write a Hugging Face directory transformers can load"),
-    "downcycle": ("cmoe_jax.downcycle", "weave a dense model into an MoE and train all of it"),
+    "downcycle": ("cmoe_jax.downcycle.cli", "weave a dense model into an MoE and train all of it"),
     "demo": ("cmoe_jax.demo", "dense vs CMoE perplexity of the embedded SmolLM2-135M"),
     "generate": ("cmoe_jax.generate.cli", "generate text with a dense or converted model"),
     "lmeval": ("cmoe_jax.eval.lmeval", "lm-evaluation-harness with the cmoe_jax backend (extra: lmeval)"),

@@ -28,7 +28,7 @@ from cmoe_jax.generate import main as generate_main
 from cmoe_jax.jobs import OutputLock
 from cmoe_jax.loading import load_model
 from cmoe_jax.train.cli import main as train_main
-from cmoe_jax.downcycle.job import main as downcycle_main
+from cmoe_jax.downcycle.cli import main as downcycle_main
 from tests.conftest import save_tiny_tokenizer, tiny_hf_model, write_random_text
 from tests.test_expertweaver import _articles
 

@@ -20,7 +20,7 @@ from cmoe_jax.eval import cli as eval_cli
 from cmoe_jax.export import cli as export_cli
 from cmoe_jax.generate import cli as generate_cli
 from cmoe_jax.train import cli as train_cli
-from cmoe_jax.downcycle import job as downcycle_cli
+from cmoe_jax.downcycle import cli as downcycle_cli
 
 # the values a probe throws at a numeric flag: type limits, just past them, and non-numbers
 LIMITS = ["0", "-1", "1.5", "", "abc", "0x10", "1e23", "1e308", "1e309", "-1e309", "nan", "inf", "-inf",

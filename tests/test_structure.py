@@ -22,7 +22,8 @@ LAYERS = [
     {"methods", "generate"},  # generate: the KV-cache engine and its CLI, which eval's tasks use
     {"jobs"},  # job staging, lock, resume and publish: used by every output-writing job
     {"convert", "train", "eval", "export", "compress"},
-    {"demo", "__init__", "downcycle", "commands"},
+    {"downcycle"},  # a job like those below it, on the training package's state, checkpoints and loop
+    {"demo", "__init__", "commands"},
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
 

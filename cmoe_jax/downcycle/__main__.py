@@ -1,5 +1,5 @@
 import sys
 
-from cmoe_jax.downcycle.job import main
+from cmoe_jax.downcycle.cli import main
 
 sys.exit(main())

@@ -5,7 +5,8 @@ calibration tasks from WikiText articles or a task-diverse mix of pseudo-task fo
 from cmoe_jax.methods.expertweaver.calib_tasks import arc_text, task_windows, wikitext_articles
 from cmoe_jax.methods.expertweaver.task_mix import FORMATS, diverse_task_windows, format_counts, pseudo_tasks
 from cmoe_jax.methods.expertweaver.convert import WeaveConfig, layer_spec, validate, weave_model, woven_slices
-from cmoe_jax.methods.expertweaver.downcycle import downcycle_loss, downcycle_optimizer, randomize_experts
+from cmoe_jax.methods.expertweaver.downcycle_objective import (downcycle_loss, downcycle_optimizer,
+                                                              randomize_experts)
 from cmoe_jax.methods.expertweaver.weave import WovenLayer, gate_profiles, weave_layer
 from cmoe_jax.methods.expertweaver.job import (DEFAULT_TASKS, DIVERSE_NEEDS_ARC, MIXES, TaskCalibration,
                                                WeaverSettings, WeaverSteps, calibration_tasks)

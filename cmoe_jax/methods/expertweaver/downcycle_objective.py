@@ -6,8 +6,8 @@ layer f_i is the share of the step's (token, slot) routing choices that picked e
 probabilities are recomputed from each layer's captured FFN input, so `MoEFFN` is untouched.
 
 Every parameter (embeddings, attention, norms, experts, routers) is trained with AdamW
-(warm-up then cosine to 10%, as the paper's CPT): `downcycle_optimizer`. The run itself (train
-state, checkpoints, the step loop) is the training package's (`cmoe_jax.train.downcycle`).
+(warm-up then cosine to 10%, as the paper's CPT): `downcycle_optimizer`. The job that runs it
+is `cmoe_jax.downcycle` (on the training package's train state, checkpoints and step loop).
 """
 from __future__ import annotations
 
