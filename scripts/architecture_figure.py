@@ -33,8 +33,8 @@ ROLE = {
     "checkpoint": "converted format", "profiling": "markers, layer pass",
     "carving": "assignment, K-means", "loading": "checkpoints in", "methods": "cmoe, hierarchical,\nexpertweaver, conmoe",
     "jobs": "lock, staging,\nresume, publish", "convert": "job + CLI", "compress": "job + CLI",
-    "train": "jobs + CLI\n(LoRA, downcycle)", "eval": "job + CLI", "export": "job + CLI", "demo": "README table",
-    "__init__": "public API", "downcycle": "entry point", "generate": "KV-cache decoding\n+ CLI",
+    "train": "job + CLI (LoRA);\ntrain state, step loop", "eval": "job + CLI", "export": "job + CLI", "demo": "README table",
+    "__init__": "public API", "downcycle": "job + CLI", "generate": "KV-cache decoding\n+ CLI",
     "commands": "cmoe-jax", "atomic_files": "whole-file writes", "orbax_io": "Orbax errors\nas one line",
     "state_digests": "saved arrays'\nchecksums",
 }
@@ -70,7 +70,7 @@ def draw_layers(data: dict, out: Path) -> None:
         (x0, y0), (x1, y1) = where[src], where[dst]
         ax.add_patch(FancyArrowPatch((x0, y0 - 0.28), (x1, y1 + 0.28), arrowstyle="-|>",
                                      mutation_scale=7, lw=0.5, color="#7a8ca0", alpha=0.55, zorder=1))
-    top = len(layers) - 2  # the two top layers are entry points: jobs with their command lines
+    top = len(layers) - 3  # the jobs with their command lines (downcycle on train's), and the entry points
     for part, (x, y) in where.items():
         color = "#e3f1dc" if y >= top else "#dbe9f6" if part in ("moe", "models", "methods", "jobs") else "#f3f3f3"
         box(ax, x, y, part if part != "__init__" else "cmoe_jax", ROLE.get(part, ""), color)
