@@ -65,7 +65,7 @@ def build(kind: str, args):
     from cmoe_jax.models import Decoder, ModelConfig
 
     cfg = ModelConfig(model_type="llama", vocab_size=args.vocab, hidden_size=576, intermediate_size=1536,
-                      num_layers=args.layers, num_heads=9, num_kv_heads=3, head_dim=64,
+                      num_layers=args.layers, num_heads=9, num_kv_heads=3, head_dim=64, activation="silu",
                       max_position_embeddings=2048, tie_word_embeddings=True)
     cc = ConvertConfig(plan=None)
     plans = layer_plans(kind, args.layers)

@@ -88,7 +88,7 @@ def layer_floor(model: str, plan, samples: int, seqlen: int, repeats: int) -> No
 SHAPES = {  # Hugging Face config values (meta-llama/Llama-2-7b-hf)
     "llama2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096,
                       intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32,
-                      head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=4096),
+                      head_dim=128, activation="silu", rms_norm_eps=1e-5, max_position_embeddings=4096),
 }
 
 

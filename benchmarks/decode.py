@@ -35,11 +35,11 @@ from benchmarks.harness import interleaved_times, load_average, machine_busy, ma
 
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2"
 SHAPES = {"llama2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                            num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5,
+                            num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, activation="silu", rms_norm_eps=1e-5,
                             max_position_embeddings=4096),
           # a smoke test of the random-weight mode on any machine
           "tiny": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=256,
-                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024)}
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, activation="silu", max_position_embeddings=1024)}
 PLANS = ("S1A1E8", "S3A3E8")
 
 

@@ -94,7 +94,7 @@ def main() -> int:
         x = jax.random.normal(jax.random.key(1), (4, 256, 256))
         outs = {}
         for backend in ("pallas_gpu", "ragged_dot"):
-            layer = MoEFFN(d_model=256, expert_width=128, num_experts=8, top_k=2, shared_width=128, backend=backend, rngs=nnx.Rngs(0))
+            layer = MoEFFN(d_model=256, expert_width=128, num_experts=8, top_k=2, shared_width=128, backend=backend, activation="silu", rngs=nnx.Rngs(0))
             with jax.default_matmul_precision("highest"):  # the rest of the layer in IEEE fp32 too
                 outs[backend] = nnx.jit(lambda m, x: m(x))(layer, x)
         e = rel_err(outs["pallas_gpu"], outs["ragged_dot"])
@@ -115,7 +115,7 @@ def main() -> int:
         for path, backend in (("sort", "ragged_dot"), ("sort", "pallas_gpu"), ("dense", "auto"),
                               ("gather", "auto"), ("auto", "auto")):
             layer = MoEFFN(d_model=256, expert_width=128, num_experts=8, top_k=2, shared_width=128, router="cmoe", router_neurons=8,
-                           backend=backend, dispatch=path, rngs=nnx.Rngs(0))
+                           backend=backend, dispatch=path, activation="silu", rngs=nnx.Rngs(0))
             with jax.default_matmul_precision("highest"):
                 y = nnx.jit(lambda m, x: m(x))(layer, x)
                 g = nnx.jit(nnx.grad(loss))(layer, x)

@@ -54,7 +54,7 @@ def main() -> None:
     t0 = time.perf_counter()
     dtype = jnp.dtype(args.dtype)
     src = nnx.eval_shape(lambda: MoEFFN(d_model=d, expert_width=d_e, num_experts=n, top_k=k, router="linear", norm_topk_prob=True,
-                                        dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+                                        dtype=dtype, param_dtype=dtype, activation="silu", rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
     for name, shape in (("expert_gate", (n, d, d_e)), ("expert_up", (n, d, d_e)),
                         ("expert_down", (n, d_e, d)), ("router_kernel", (d, n))):
@@ -81,7 +81,7 @@ def main() -> None:
     weights = {k_: getattr(src, k_)[...] for k_ in ("expert_gate", "expert_up", "expert_down")}
     t_route = time.perf_counter() - t0
     t0 = time.perf_counter()
-    carved, records = carve_moe_layer(xs, top_ids, weights, cc, min_tokens=32)
+    carved, records = carve_moe_layer(xs, top_ids, weights, cc, min_tokens=32, activation="silu")
     t_carve = time.perf_counter() - t0
     for k_ in weights:  # the source experts are not needed any more: free them before building
         setattr(src, k_, nnx.Param(jnp.zeros((1,), dtype)))

@@ -77,7 +77,7 @@ def swiglu(x, wg, wu, wd):
 def router_scores(x, router, num_experts: int):
     """CMoE representative-neuron scores for a (gate, up) pair, linear logits for a matrix."""
     if isinstance(router, tuple):
-        return cmoe_scores(x, *router, num_experts)
+        return cmoe_scores(x, *router, num_experts, activation="silu")
     return x.astype(jnp.float32) @ router
 
 
@@ -85,7 +85,7 @@ def make_moe(top_k: int, gmm, num_experts: int):
     def moe(x, shared, experts, router, offsets):
         logits = router_scores(x, router, num_experts) + offsets
         gates, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
-        routed, counts = routed_experts(x, ids.astype(jnp.int32), gates, GLUExperts(*experts, gmm))
+        routed, counts = routed_experts(x, ids.astype(jnp.int32), gates, GLUExperts(*experts, gmm, "silu"))
         return (swiglu(x, *shared).astype(jnp.float32) + routed).astype(x.dtype), counts
     return jax.jit(moe)
 

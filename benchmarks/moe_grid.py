@@ -72,7 +72,7 @@ def build(shape: str, config: str, dtype, router_neurons: int, key):
         dispatch, _, backend = path.partition("@")
         moe = MoEFFN(d_model=d, expert_width=m, num_experts=z - s, top_k=a, shared_width=s * m, router="cmoe", router_neurons=r,
                      dtype=dtype, param_dtype=dtype, backend=backend or "auto", expert_axis=None,
-                     dispatch=dispatch, rngs=nnx.Rngs(0))
+                     dispatch=dispatch, activation="silu", rngs=nnx.Rngs(0))
         split = lambda wt, axis: jnp.moveaxis(wt.reshape(*wt.shape[:axis], z, m, *wt.shape[axis + 1:]), axis, 0)  # noqa: E731
         gate, up, down = split(dense[0], 1), split(dense[1], 1), split(dense[2], 0)
         moe.shared_gate[...] = gate[:s].transpose(1, 0, 2).reshape(d, s * m)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from cmoe_jax.checkpoint import write_json_atomic
+from cmoe_jax.atomic_files import write_json_atomic
 from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data_path, add_model, add_output_json,
                                add_seed, add_seqlen, add_windows, check_writable_file, command_main)
 from cmoe_jax.convert import ConvertSettings, convert
@@ -141,7 +141,7 @@ def run(args) -> list[dict]:
     dense = load_model(args.model, progress=False)
     tokens = load_text_tokens("wikitext2", dense.tokenizer, split="test", data_path=test_path)
     windows = text_windows(tokens, args.seqlen, max_windows=args.max_windows,
-                           bos=window_bos(dense.config.model_type, dense.tokenizer))
+                           bos=window_bos(dense.config, dense.tokenizer))
     rows = []
     r = perplexity(dense.model, windows)
     rows.append({"model": "dense", "ppl": r["ppl"], "convert_s": None, "tokens_per_s": r["tokens_per_s"]})

@@ -24,7 +24,7 @@ class TinyMoELM(nnx.Module):
         self.embed = nnx.Embed(vocab, d, rngs=rngs)
         self.norm1, self.norm2 = nnx.RMSNorm(d, rngs=rngs), nnx.RMSNorm(d, rngs=rngs)
         # 8 experts of width 32, 2 active per token, one always-on shared MLP of width 32
-        self.moe = MoEFFN(d_model=d, expert_width=32, num_experts=8, top_k=2, shared_width=32, rngs=rngs,
+        self.moe = MoEFFN(d_model=d, expert_width=32, num_experts=8, top_k=2, shared_width=32, activation="silu", rngs=rngs,
                           kernel_init=nnx.initializers.lecun_normal())
 
     def __call__(self, tokens):

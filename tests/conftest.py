@@ -67,6 +67,10 @@ def tiny_hf_model(family: str, **overrides):
     elif family == "mistral":  # a window shorter than the test sequences
         common.setdefault("sliding_window", 7)
         cfg, cls = tf.MistralConfig(**common), tf.MistralForCausalLM
+    elif family == "phi3":  # fused qkv_proj and gate_up_proj; a window shorter than the tests
+        common.setdefault("sliding_window", 9)
+        cfg = tf.Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
+        cls = tf.Phi3ForCausalLM
     elif family == "gemma3_text":  # local, local, global layers; windows shorter than the tests
         common.update(num_hidden_layers=overrides.get("num_hidden_layers", 3))
         common.setdefault("sliding_window", 6)

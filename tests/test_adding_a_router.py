@@ -41,7 +41,7 @@ def toy(tmp_path_factory):
 
 def test_the_toy_routes_as_recomputed(toy):
     layer = MoEFFN(d_model=16, expert_width=8, num_experts=6, top_k=2, router="cosine",
-                   rngs=nnx.Rngs(1))
+                   activation="silu", rngs=nnx.Rngs(1))
     x = np.random.default_rng(0).normal(size=(10, 16)).astype(np.float32)
     ids, gates = layer.route(jnp.asarray(x))
     w = np.asarray(layer.router_kernel[...])

@@ -144,7 +144,7 @@ def test_pruned_and_shared_slots_against_numpy(router, rule):
     the direct formula: masked router, top-k, gates merged per prototype by the duplicate
     rule, sum of g * prototype(x)."""
     layer = MoEFFN(d_model=16, expert_width=8, num_experts=5, top_k=3, shared_width=8, router=router, norm_topk_prob=router == "linear",
-                   router_neurons=2, num_prototypes=3, duplicate_gates=rule, rngs=nnx.Rngs(3))
+                   router_neurons=2, num_prototypes=3, duplicate_gates=rule, activation="silu", rngs=nnx.Rngs(3))
     slot_map = np.array([2, -1, 0, 2, 1], np.int32)
     layer.slot_map[...] = jnp.asarray(slot_map)
     if router == "cmoe":

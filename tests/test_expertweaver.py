@@ -35,7 +35,7 @@ def test_gate_profiles_are_mean_abs_swish_per_sample():
     x, w = rng.normal(size=(3, 5, 4)), rng.normal(size=(4, 6))
     g = x @ w
     want = np.abs(g / (1 + np.exp(-g))).mean(axis=1).T
-    np.testing.assert_allclose(np.asarray(gate_profiles(x, w)), want, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(gate_profiles(x, w, "silu")), want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("assignment", ["greedy", "exact"])

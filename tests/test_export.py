@@ -68,7 +68,7 @@ def test_carved_model_exports_with_remote_code(save_tiny, tmp_path, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2", "qwen3_moe_norm", "mixtral",
-                                    "mistral", "gemma3_text", "olmoe", "qwen2_moe"])
+                                    "mistral", "gemma3_text", "olmoe", "qwen2_moe", "phi3"])
 def test_dense_and_sparse_families_export_to_their_own_architecture(save_tiny, tmp_path, family):
     _, path = save_tiny(family)
     ours = np.asarray(load_model(str(path), progress=False).model(TOKENS))
@@ -77,6 +77,24 @@ def test_dense_and_sparse_families_export_to_their_own_architecture(save_tiny, t
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert "auto_map" not in config
     np.testing.assert_allclose(exported_logits(tmp_path / "hf"), ours, atol=1e-4)
+
+
+def test_fused_tensors_are_written_whole_and_read_back(save_tiny, tmp_path):
+    """Phi-3 keeps q/k/v and gate/up in one tensor each: the export writes them fused, with
+    the same bytes as the source checkpoint, even when its shards split a layer's parts."""
+    from safetensors.numpy import load_file
+
+    _, path = save_tiny("phi3")
+    export(str(path), ExportSettings(calib_samples=0, max_shard_mb=0.01), out=tmp_path / "hf", progress=False)
+    ours = {}
+    for shard in (tmp_path / "hf").glob("*.safetensors"):
+        ours.update(load_file(shard))
+    source = load_file(next(path.glob("*.safetensors")))
+    assert "model.layers.1.self_attn.qkv_proj.weight" in ours and "model.layers.1.mlp.gate_up_proj.weight" in ours
+    assert not any(".q_proj." in name or ".gate_proj." in name for name in ours)
+    assert sorted(ours) == sorted(source)
+    for name, array in source.items():
+        np.testing.assert_array_equal(ours[name], array, err_msg=name)
 
 
 def test_sharded_export_resumes_to_the_same_files(save_tiny, tmp_path):

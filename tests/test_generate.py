@@ -75,8 +75,8 @@ def test_gathered_experts_equal_the_sort_dispatch(dtype):
     x = jnp.asarray(rng.normal(size=(t, d)), dtype)
     ids = jnp.asarray([[1, 4], [4, 0], [1, 5]], jnp.int32)
     gates = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
-    y, counts = gathered_experts(x, ids, gates, *w)
-    ref, sizes = routed_experts(x, ids, gates, GLUExperts(*w, get_gmm("dense")))
+    y, counts = gathered_experts(x, ids, gates, *w, "silu")
+    ref, sizes = routed_experts(x, ids, gates, GLUExperts(*w, get_gmm("dense"), "silu"))
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=2e-2 if dtype == jnp.bfloat16 else 1e-5,
                                atol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
     np.testing.assert_array_equal(counts, sizes)
@@ -87,10 +87,10 @@ def test_moe_layer_one_token_at_a_time_equals_all_at_once(layer):
     """Single tokens take the few-token path; 32 tokens at once take the sort dispatch."""
     if layer == "hier":
         moe = HierMoEFFN(d_model=16, expert_width=4, num_experts=4, top_k=2, sub_experts=4, sub_shared=1, sub_top_k=1, shared_width=8,
-                         router="cmoe", rngs=nnx.Rngs(0))
+                         router="cmoe", activation="silu", rngs=nnx.Rngs(0))
     else:
         moe = MoEFFN(d_model=16, expert_width=8, num_experts=8, top_k=2, shared_width=8 if layer == "cmoe" else 0, router=layer,
-                     rngs=nnx.Rngs(0))
+                     activation="silu", rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.PRNGKey(1), (32, 16))
     together, load = moe(x, return_load=True)
     single = [moe(x[i:i + 1], return_load=True) for i in range(32)]

@@ -84,7 +84,7 @@ def _loop_reference(layer: HierMoEFFN, x):
 @pytest.mark.parametrize("router", ["linear", "cmoe"])
 def test_flattened_dispatch_equals_per_expert_loop(router):
     layer = HierMoEFFN(d_model=16, expert_width=4, num_experts=4, top_k=2, sub_experts=4, sub_shared=1, sub_top_k=2, sub_router_neurons=2,
-                       router=router, rngs=nnx.Rngs(3))
+                       router=router, activation="silu", rngs=nnx.Rngs(3))
     layer.u[...] = jax.random.normal(jax.random.key(1), layer.u[...].shape)
     layer.router_bias[...] = 0.01 * jax.random.normal(jax.random.key(2), layer.router_bias[...].shape)
     x = jax.random.normal(jax.random.key(0), (24, 16))

@@ -18,7 +18,7 @@ from cmoe_jax.train import AdapterSet, LoRAConfig, init_adapters, lora_loss, rou
 from conftest import dense_and_converted
 
 CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
-                  num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+                  num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, activation="silu", max_position_embeddings=64)
 QWEN_MOE = {"model_type": "qwen3_moe", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
             "moe_intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,

@@ -26,7 +26,7 @@ def fresh_choice():
 def test_a_backend_this_platform_cannot_run_falls_back_with_a_warning(name):
     with pytest.warns(BackendFallbackWarning, match=rf"{name}.*needs a .PU.*using 'cpu'"):
         assert resolve_backend(name) == "cpu"
-    layer = MoEFFN(d_model=8, expert_width=4, num_experts=4, top_k=2, backend=name, rngs=nnx.Rngs(0))  # runs instead of raising
+    layer = MoEFFN(d_model=8, expert_width=4, num_experts=4, top_k=2, backend=name, activation="silu", rngs=nnx.Rngs(0))  # runs instead of raising
     assert layer(jnp.ones((6, 8))).shape == (6, 8)
 
 
@@ -62,6 +62,6 @@ def test_tokamax_equals_the_cpu_backend():
     loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b, sizes)))
     for g_tok, g_cpu in zip(jax.grad(loss(tok), (0, 1))(lhs, rhs), jax.grad(loss(cpu), (0, 1))(lhs, rhs)):
         np.testing.assert_allclose(g_tok, g_cpu, rtol=1e-4, atol=1e-5)
-    layers = {b: MoEFFN(d_model=8, expert_width=6, num_experts=4, top_k=2, shared_width=4, backend=b, rngs=nnx.Rngs(1)) for b in ("tokamax", "cpu")}
+    layers = {b: MoEFFN(d_model=8, expert_width=6, num_experts=4, top_k=2, shared_width=4, backend=b, activation="silu", rngs=nnx.Rngs(1)) for b in ("tokamax", "cpu")}
     x = jnp.asarray(rng.normal(size=(3, 7, 8)), jnp.float32)
     np.testing.assert_allclose(layers["tokamax"](x), layers["cpu"](x), rtol=1e-5, atol=1e-5)

@@ -18,7 +18,7 @@ def test_moves_towards_mean_load():
 
 
 def test_accepts_layer_and_variable_and_update_bias_in_place():
-    layer = MoEFFN(d_model=8, expert_width=4, num_experts=4, top_k=1, router="cmoe", rngs=nnx.Rngs(0))
+    layer = MoEFFN(d_model=8, expert_width=4, num_experts=4, top_k=1, router="cmoe", activation="silu", rngs=nnx.Rngs(0))
     counts = jnp.array([7, 1, 0, 0], jnp.int32)
     from_layer = update_router_bias(layer, counts, 0.5)
     from_var = update_router_bias(layer.router_bias, counts, 0.5)
@@ -29,7 +29,7 @@ def test_accepts_layer_and_variable_and_update_bias_in_place():
     np.testing.assert_array_equal(np.asarray(layer.router_bias[...]), [-0.5, 0.5, 0.5, 0.5])
     assert isinstance(layer.router_bias, RouterBias)
     with pytest.raises(ValueError, match="cmoe router"):
-        MoEFFN(d_model=8, expert_width=4, num_experts=4, top_k=1, router="linear", rngs=nnx.Rngs(0)).update_bias(counts, 0.1)
+        MoEFFN(d_model=8, expert_width=4, num_experts=4, top_k=1, router="linear", activation="silu", rngs=nnx.Rngs(0)).update_bias(counts, 0.1)
 
 
 def test_jittable_and_outside_the_gradient():
@@ -43,7 +43,7 @@ def test_jittable_and_outside_the_gradient():
 def test_balancing_loop_spreads_skewed_routing():
     """Routing that sends every token to one expert is spread out by repeated bias updates."""
     e, n = 4, 256
-    layer = MoEFFN(d_model=8, expert_width=4, num_experts=e, top_k=1, router="cmoe", rngs=nnx.Rngs(0))
+    layer = MoEFFN(d_model=8, expert_width=4, num_experts=e, top_k=1, router="cmoe", activation="silu", rngs=nnx.Rngs(0))
     layer.router_gate[...] = layer.router_gate[...] * 50.0  # scores that differ per token
     layer.router_up[...] = layer.router_up[...] * 50.0
     layer.router_bias[...] = jnp.zeros((e,)).at[0].set(1.0)  # everything on expert 0

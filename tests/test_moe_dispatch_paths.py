@@ -17,7 +17,7 @@ PATHS = ("sort", "gather", "dense", "auto")
 def layer(path, backend="auto", router="cmoe", **kw):
     kw = dict(dict(d_model=32, expert_width=16, num_experts=6, top_k=2, shared_width=16), **kw)
     return MoEFFN(**kw, router=router, router_neurons=4 if router == "cmoe" else 1,
-                  backend=backend, dispatch=path, expert_axis=None, rngs=nnx.Rngs(3))
+                  backend=backend, dispatch=path, expert_axis=None, activation="silu", rngs=nnx.Rngs(3))
 
 
 def loss(model, x):
@@ -48,7 +48,7 @@ def test_dense_path_sums_repeated_experts_like_the_sort():
     w = [jax.random.normal(kk, s) for kk, s in zip(k[1:], [(3, 8, 4), (3, 8, 4), (3, 4, 8)])]
     ids = jnp.array([[0, 0], [1, 2], [2, 2], [0, 1], [1, 1]], jnp.int32)
     gates = jnp.linspace(0.5, 1.5, 10).reshape(5, 2)
-    y, counts = dense_experts(x, ids, gates, *w)
+    y, counts = dense_experts(x, ids, gates, *w, "silu")
     h = lambda e, v: (jax.nn.silu(v @ w[0][e]) * (v @ w[1][e])) @ w[2][e]  # noqa: E731
     want = jnp.stack([sum(gates[t, s] * h(ids[t, s], x[t]) for s in range(2)) for t in range(5)])
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
@@ -78,7 +78,7 @@ def test_unknown_dispatch_is_refused():
 def test_dense_path_lowers_for_accelerators(platform):
     """Value and gradients of the dense path at Llama-2-7B S3A3E8 expert shapes."""
     def f(x, ids, gates, wg, wu, wd):
-        return jnp.sum(dense_experts(x, ids, gates, wg, wu, wd)[0] ** 2)
+        return jnp.sum(dense_experts(x, ids, gates, wg, wu, wd, "silu")[0] ** 2)
 
     s = jax.ShapeDtypeStruct
     args = (s((16, 4096), jnp.bfloat16), s((16, 3), jnp.int32), s((16, 3), jnp.float32),

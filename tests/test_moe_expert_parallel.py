@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent('''
     def check(router, backend):
         top_k = 8 if router == "sum" else 2
         layer = MoEFFN(d_model=d, expert_width=16, num_experts=8, top_k=top_k, shared_width=16, router=router, backend=backend,
-                       rngs=nnx.Rngs(0))
+                       activation="silu", rngs=nnx.Rngs(0))
         if router == "cmoe":
             layer.u[...] = jnp.linspace(-1.0, 1.0, 8)
         x = jax.random.normal(jax.random.PRNGKey(1), (8, 16, d))
@@ -80,7 +80,7 @@ SCRIPT = textwrap.dedent('''
             return lora
 
         def loss(weights, adapters, x):
-            out, counts = routed_swiglu_experts(x, ids, gates, GLUExperts(*weights, gmm),
+            out, counts = routed_swiglu_experts(x, ids, gates, GLUExperts(*weights, gmm, "silu"),
                                                 adapters=adapters, make_lora=make_lora)
             return jnp.sum(jnp.sin(out)), counts
 

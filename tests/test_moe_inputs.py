@@ -25,10 +25,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def layer_of(kind, backend="cpu", **kw):
     if kind == "hier":
         return HierMoEFFN(d_model=D, expert_width=4, num_experts=4, top_k=2, sub_experts=4, sub_shared=1, sub_top_k=2, shared_width=8,
-                          backend=backend, rngs=nnx.Rngs(0), **kw)
+                          backend=backend, activation="silu", rngs=nnx.Rngs(0), **kw)
     router, top_k = kind
     return MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=top_k, shared_width=8, router=router, backend=backend,
-                  rngs=nnx.Rngs(0), **kw)
+                  activation="silu", rngs=nnx.Rngs(0), **kw)
 
 
 KINDS = [("linear", 2), ("cmoe", 2), ("topsum", 3), ("sum", E), "hier"]
@@ -152,10 +152,10 @@ def test_losses_train_the_router():
 def test_the_default_router_trains_from_scratch_and_a_fresh_cmoe_router_does_not():
     x = jax.random.normal(jax.random.PRNGKey(6), (16, D))
     loss = lambda m: jnp.sum(m(x) ** 2)
-    fresh = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, rngs=nnx.Rngs(0))
+    fresh = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, activation="silu", rngs=nnx.Rngs(0))
     assert fresh.router == "linear"
     assert np.abs(np.asarray(nnx.grad(loss)(fresh)["router_kernel"][...])).max() > 0
-    cmoe = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, router="cmoe", rngs=nnx.Rngs(0))  # u = 0: gates are 1
+    cmoe = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, router="cmoe", activation="silu", rngs=nnx.Rngs(0))  # u = 0: gates are 1
     g = nnx.grad(loss)(cmoe)
     assert np.abs(np.asarray(g["router_gate"][...])).max() == 0
     assert np.abs(np.asarray(g["u"][...])).max() > 0  # ... until u moves
@@ -168,10 +168,10 @@ def test_kernel_init_sees_each_matrix_in_its_in_out_shape():
         shapes.append(tuple(shape))
         return jnp.full(shape, shape[0], dtype) + jax.random.normal(key, shape, dtype) * 0
 
-    layer = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, shared_width=8, kernel_init=init, rngs=nnx.Rngs(0))
+    layer = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, shared_width=8, kernel_init=init, activation="silu", rngs=nnx.Rngs(0))
     assert set(shapes) == {(D, 8), (8, D), (D, M), (M, D), (D, E)}
     assert float(layer.expert_gate[...][3, 0, 0]) == D and float(layer.expert_down[...][1, 0, 0]) == M
-    lecun = MoEFFN(d_model=64, expert_width=32, num_experts=4, top_k=2, kernel_init=nnx.initializers.lecun_normal(), rngs=nnx.Rngs(0))
+    lecun = MoEFFN(d_model=64, expert_width=32, num_experts=4, top_k=2, kernel_init=nnx.initializers.lecun_normal(), activation="silu", rngs=nnx.Rngs(0))
     std = float(jnp.std(lecun.expert_gate[...]))
     assert abs(std - 64 ** -0.5) < 0.15 * 64 ** -0.5, std  # fan-in d, not d * E
 
@@ -215,7 +215,7 @@ def test_checks_hold_expert_parallel_and_an_unset_mesh_warns():
         from cmoe_jax.moe import MoEFFN, ExpertParallelWarning
         from jax.sharding import Mesh
         mesh = Mesh(np.array(jax.devices()), ("expert",))
-        layer = MoEFFN(d_model=16, expert_width=8, num_experts=4, top_k=2, shared_width=8, rngs=nnx.Rngs(0))
+        layer = MoEFFN(d_model=16, expert_width=8, num_experts=4, top_k=2, shared_width=8, activation="silu", rngs=nnx.Rngs(0))
         x = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
         want = layer(x)
         xs = jax.device_put(x, NamedSharding(mesh, P("expert")))
@@ -241,7 +241,7 @@ def test_checks_hold_expert_parallel_and_an_unset_mesh_warns():
             warnings.simplefilter("always")
             layer(x)
         assert any(issubclass(i.category, ExpertParallelWarning) for i in w)
-        quiet = MoEFFN(d_model=16, expert_width=8, num_experts=4, top_k=2, expert_axis=None, rngs=nnx.Rngs(0))
+        quiet = MoEFFN(d_model=16, expert_width=8, num_experts=4, top_k=2, expert_axis=None, activation="silu", rngs=nnx.Rngs(0))
         with warnings.catch_warnings():
             warnings.simplefilter("error", ExpertParallelWarning)
             with mesh:

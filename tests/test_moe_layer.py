@@ -34,7 +34,7 @@ def softmax(z):
 
 def make(router, top_k, norm=False, shared=S, backend="cpu", seed=0, dtype=jnp.float32):
     layer = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=top_k, shared_width=shared, router=router, norm_topk_prob=norm,
-                   backend=backend, dtype=dtype, rngs=nnx.Rngs(seed))
+                   backend=backend, dtype=dtype, activation="silu", rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed + 10)
     # larger weights than the init so experts and routing differ clearly
     for name in ("expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up",
@@ -209,7 +209,7 @@ def test_bias_changes_selection_not_gates():
 
 def test_parameter_kinds_and_shapes():
     layer = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, shared_width=S, router="cmoe", param_dtype=jnp.bfloat16,
-                   rngs=nnx.Rngs(0))
+                   activation="silu", rngs=nnx.Rngs(0))
     assert isinstance(layer.router_bias, RouterBias) and not isinstance(layer.router_bias, nnx.Param)
     shapes = {k: v.shape for k, v in nnx.to_pure_dict(nnx.state(layer, nnx.Param)).items()}
     assert shapes == {"shared_gate": (D, S), "shared_up": (D, S), "shared_down": (S, D),
@@ -217,9 +217,9 @@ def test_parameter_kinds_and_shapes():
                       "router_gate": (D, E), "router_up": (D, E), "u": (E,)}
     assert layer.expert_gate[...].dtype == jnp.bfloat16
     assert float(jnp.abs(layer.u[...]).max()) == 0 and float(jnp.abs(layer.router_bias[...]).max()) == 0
-    lin = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, router="linear", rngs=nnx.Rngs(0))
+    lin = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, router="linear", activation="silu", rngs=nnx.Rngs(0))
     assert lin.router_kernel.shape == (D, E) and not hasattr(lin, "shared_gate")
-    assert not hasattr(MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=E, router="sum", rngs=nnx.Rngs(0)), "router_kernel")
+    assert not hasattr(MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=E, router="sum", activation="silu", rngs=nnx.Rngs(0)), "router_kernel")
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -231,7 +231,14 @@ def test_parameter_kinds_and_shapes():
 def test_invalid_configurations(kwargs, match):
     args = dict(router="linear", top_k=2) | kwargs
     with pytest.raises(ValueError, match=match):
-        MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=args.pop("top_k"), rngs=nnx.Rngs(0), **args)
+        MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=args.pop("top_k"), activation="silu", rngs=nnx.Rngs(0),
+               **args)
+
+
+def test_activation_is_required():
+    """No silent default: a layer built for a Gemma model must not quietly run SiLU."""
+    with pytest.raises(TypeError, match="activation"):
+        MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, rngs=nnx.Rngs(0))
 
 
 def test_bf16_close_to_fp32():

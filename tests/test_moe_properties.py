@@ -39,7 +39,7 @@ def build(c):
     layer = MoEFFN(d_model=c["d"], expert_width=c["expert_width"], num_experts=c["num_experts"], top_k=c["top_k"],
                    shared_width=c["shared_width"], router=c["router"], norm_topk_prob=c["norm"],
                    router_neurons=c["router_neurons"], backend=BACKENDS[c["backend"]],
-                   rngs=nnx.Rngs(c["seed"] % 7))
+                   activation="silu", rngs=nnx.Rngs(c["seed"] % 7))
     rng = np.random.default_rng(c["seed"])
     for _, var in nnx.to_flat_state(nnx.state(layer, nnx.Param)):  # distinct routing
         var.set_value(jnp.asarray(rng.normal(size=var.shape) * 0.5, jnp.float32))

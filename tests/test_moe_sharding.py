@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent('''
     backend, router = sys.argv[1], sys.argv[2]
     top_k = 8 if router == "sum" else 2
     layer = MoEFFN(d_model=32, expert_width=16, num_experts=8, top_k=top_k, shared_width=16, router=router, backend=backend,
-                   rngs=nnx.Rngs(0))
+                   activation="silu", rngs=nnx.Rngs(0))
     if router == "cmoe":
         layer.u[...] = jnp.linspace(-1.0, 1.0, 8)
     x = jax.random.normal(jax.random.PRNGKey(1), (4, 16, 32))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from cmoe_jax.loading import load_model
 
-DENSE = ["llama", "llama3", "llama_tied", "qwen2", "qwen3", "mistral", "gemma3_text"]
+DENSE = ["llama", "llama3", "llama_tied", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3"]
 SPARSE = ["qwen3_moe", "qwen3_moe_norm", "mixtral", "olmoe", "qwen2_moe"]
 
 

@@ -10,7 +10,7 @@ from cmoe_jax.models import Decoder, ModelConfig
 from cmoe_jax.sharding import ShardingError, logical_axes, make_mesh, shardings_of, spec_for
 
 DENSE = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=64,
-                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, activation="silu",
                     max_position_embeddings=64, attention_bias=True, tie_word_embeddings=False)
 MOE = ModelConfig.from_hf({"model_type": "qwen3_moe", "vocab_size": 96, "hidden_size": 32,
                            "intermediate_size": 64, "moe_intermediate_size": 16,

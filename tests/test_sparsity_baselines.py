@@ -39,7 +39,7 @@ def test_abstopk_glu_keeps_the_k_largest_gate_magnitudes_per_token():
 
 
 def test_abstopk_layer_is_a_drop_in_swiglu():
-    mlp = SwiGLU(8, 12, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    mlp = SwiGLU(8, 12, dtype=jnp.float32, activation="silu", rngs=nnx.Rngs(0))
     sparse = AbsTopkGLU(mlp, 5)
     want = abstopk_glu(X, mlp.gate[...], mlp.up[...], mlp.down[...], 5)
     np.testing.assert_allclose(np.asarray(sparse(jnp.asarray(X, jnp.float32))), np.asarray(want), rtol=1e-5)
@@ -67,7 +67,7 @@ def test_wanda_prunes_lowest_weight_times_input_norm_per_output():
 
 
 def test_prune_ffn_wanda_uses_each_matrix_input():
-    mlp = SwiGLU(8, 12, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    mlp = SwiGLU(8, 12, dtype=jnp.float32, activation="silu", rngs=nnx.Rngs(0))
     wg, wu, wd = (np.asarray(p[...]) for p in (mlp.gate, mlp.up, mlp.down))
     x = RNG.normal(size=(2, 5, 8)).astype(np.float32)
     prune_ffn(mlp, 0.5, "wanda", jnp.asarray(x))

@@ -26,7 +26,7 @@ from conftest import dense_and_converted, save_tiny_tokenizer, write_random_text
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
-                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, activation="silu", max_position_embeddings=128)
 
 
 @pytest.fixture(scope="module")

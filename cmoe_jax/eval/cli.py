@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from cmoe_jax import distributed
-from cmoe_jax.checkpoint import write_json_atomic
+from cmoe_jax.atomic_files import write_json_atomic
 from cmoe_jax.cli_args import (Parser, add_data, add_model, add_output_json, add_progress,
                                add_seqlen, add_windows, check_writable_file, command_main,
                                positive_int)
@@ -89,7 +89,7 @@ def run(args) -> dict:
                               source=args.source)
     windows = eval_windows(tokens, args.dataset, args.seqlen, args.max_windows,
                            name=f"{args.dataset} ({args.data_path or split})",
-                           bos=window_bos(cfg.model_type, tokenizer))
+                           bos=window_bos(cfg, tokenizer))
     lm = source.load(dtype=getattr(jnp, args.dtype), progress=not args.no_progress)
     result = perplexity(lm.model, windows, batch_size=args.batch_size, progress=not args.no_progress)
     return {"model": args.model, "dataset": args.dataset, "split": split, "data_path": args.data_path,
@@ -116,7 +116,7 @@ def run_task(args) -> dict:
     source = _checked_source(args)
     tokenizer = source.tokenizer
     lm = source.load(dtype=getattr(jnp, args.dtype), progress=not args.no_progress)
-    bos = window_bos(lm.config.model_type, tokenizer)  # lm-eval's add_bos_token, per family
+    bos = window_bos(lm.config, tokenizer)  # lm-eval's add_bos_token, per family
     encode = tokenizer.encode if bos is None else (lambda text: [bos, *tokenizer.encode(text)])
     result = evaluate_task(lm.model, encode, task, docs, batch_size=args.batch_size or 32,
                            progress=not args.no_progress)

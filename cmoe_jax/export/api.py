@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.numpy import save
 from tqdm.auto import tqdm
 
-from cmoe_jax.checkpoint import write_json_atomic
+from cmoe_jax.atomic_files import write_json_atomic
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.export.hf_config import (REMOTE_CODE, ExportError, hf_config, keeps_original_architecture,
                                       remote_code)
@@ -61,7 +61,7 @@ def _write_shard(cfg, values: dict, paths, file: Path, tmp: Path) -> dict:
     rename it to `file`; returns {tensor name: file name}."""
     tensors = {}
     for path in paths:
-        for name, array in hf_tensors(cfg, path, np.asarray(values[path], np.float32)):
+        for name, array in hf_tensors(cfg, path, values):
             tensors[name] = np.ascontiguousarray(array)
     data = memoryview(save(tensors, metadata={"format": "pt"}))
     with open(tmp, "wb") as f:

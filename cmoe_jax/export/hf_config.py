@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.models import ModelConfig
-from cmoe_jax.models.families import FAMILIES, family
+from cmoe_jax.models.families import FAMILIES
 from cmoe_jax.moe.activations import to_hf_name
 from cmoe_jax.moe.routers import ROUTERS, Routing
 
@@ -42,7 +42,7 @@ def keeps_original_architecture(cfg: ModelConfig) -> bool:
     hierarchical layer (sub-experts) or a ConMoE one (prototype table behind the slots)."""
     specs = [s for s in cfg.moe_layers if s is not None]
     plain = all(s.sub_experts == 0 and s.num_prototypes == 0 for s in specs)
-    return not specs or (plain and family(cfg.model_type).own_moe(cfg, specs))
+    return not specs or (plain and cfg.family.own_moe(cfg, specs))
 
 
 # FFNSpec fields the remote code's MoEMLP understands; any other field must keep its default
@@ -52,7 +52,7 @@ _MOE_FIELDS = ("num_experts", "top_k", "expert_width", "shared_width", "router",
                "shared_gated")
 
 
-def _moe_layer(spec, d_model: int) -> dict | None:
+def _moe_layer(spec, d_model: int, activation: str) -> dict | None:
     """One `moe_layers` entry: the spec's fields, and its router's arrays as
     `router_params` (role -> [name, shape, init]) so the remote code declares them."""
     if spec is None:
@@ -65,7 +65,7 @@ def _moe_layer(spec, d_model: int) -> dict | None:
         raise ExportError(f"MoE layers with {', '.join(other) or 'router ' + spec.router!s} have "
                           "no transformers form yet (remote code covers the routers with a "
                           "torch_route, hierarchical and ConMoE layers, with an optional shared MLP)")
-    routing = Routing(spec.num_experts, spec.top_k, spec.norm_topk_prob, neurons=spec.router_neurons)
+    routing = Routing.of(spec, activation)
     top = spec.sub_experts > 0
     params = {role: [p.attr(top), list(p.shape), p.init] for role, p in unit.params(d_model, routing).items()}
     return {**{k: d[k] for k in _MOE_FIELDS}, "router_params": params}
@@ -91,7 +91,7 @@ def hf_config(cfg: ModelConfig) -> dict:
            "max_position_embeddings": cfg.max_position_embeddings,
            "tie_word_embeddings": cfg.tie_word_embeddings, "rope_parameters": _rope(cfg),
            "torch_dtype": "float32", "dtype": "float32"}
-    unit = family(cfg.model_type)
+    unit = cfg.family
     out.update(unit.export(cfg))
     out = {k: v for k, v in out.items() if k not in unit.export_drops}
     if keeps_original_architecture(cfg):
@@ -103,7 +103,7 @@ def hf_config(cfg: ModelConfig) -> dict:
                           f"(remote code covers carved {', '.join(remote)} models)")
     name = unit.remote
     out.update(model_type=f"cmoe_{cfg.model_type}", architectures=[f"{name}ForCausalLM"],
-               moe_layers=[_moe_layer(s, cfg.hidden_size) for s in cfg.moe_layers],
+               moe_layers=[_moe_layer(s, cfg.hidden_size, cfg.activation) for s in cfg.moe_layers],
                auto_map={"AutoConfig": f"modeling_cmoe.{name}Config",
                          "AutoModelForCausalLM": f"modeling_cmoe.{name}ForCausalLM"})
     return out

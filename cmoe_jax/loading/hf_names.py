@@ -1,7 +1,13 @@
 """Where each parameter of `cmoe_jax.models.Decoder` comes from in a Hugging Face checkpoint.
 
-`fetch(source, path)` returns the numpy array for one parameter path, already in JAX layout
-([in, out] projections, experts stacked on a leading axis).
+Every name comes from the model's family unit (`cfg.family`): its norms, attention, dense
+MLP, shared expert and per-expert names, the module holding its MoE block, and the fused
+tensors it splits (Phi-3). Expert stacks also come in two family-independent layouts:
+transformers 5 in memory (gate and up fused as `experts.gate_up_proj [E, 2m, d]`) and
+llama.cpp's GGUF (`experts.gate_proj.weight [E, m, d]`, unfused).
+
+`fetch(source, path, cfg)` returns the numpy array for one parameter path, already in JAX
+layout ([in, out] projections, experts stacked on a leading axis).
 """
 from __future__ import annotations
 
@@ -9,94 +15,91 @@ import numpy as np
 
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.loading.sources import TensorSource
-from cmoe_jax.models.families import family
-from cmoe_jax.models.families.base import ATTENTION as _ATTN, DENSE_MLP as _DENSE_MLP
-from cmoe_jax.models.families.base import SHARED_EXPERT as _SHARED_EXPERT
-# Per-expert tensor names: Qwen3-MoE style, then Mixtral's w1/w3/w2.
-_EXPERT_NAMES = {"expert_gate": ("gate_proj", "w1"), "expert_up": ("up_proj", "w3"),
-                 "expert_down": ("down_proj", "w2")}
-_MOE_PREFIXES = ("mlp", "block_sparse_moe")
+from cmoe_jax.models import ModelConfig
+from cmoe_jax.models.families.base import EXPERTS as STACKED_EXPERTS
+
+EXPERT_LEAVES = tuple(STACKED_EXPERTS)  # expert_gate, expert_up, expert_down
 
 
-def _get(source: TensorSource, name: str) -> np.ndarray:
-    if name not in source:
-        raise CheckpointError(f"tensor {name!r} is missing from the checkpoint: the config does "
-                              "not match the weights, or the file is incomplete")
-    return source.get(name)
+def _missing(name: str) -> CheckpointError:
+    return CheckpointError(f"tensor {name!r} is missing from the checkpoint: the config does "
+                           "not match the weights, or the file is incomplete")
 
 
-def _first_present(source: TensorSource, names: list[str]) -> str | None:
-    return next((n for n in names if n in source), None)
+def _get(source: TensorSource, cfg: ModelConfig, name: str) -> np.ndarray:
+    """Tensor `name`, or its rows of the family's fused tensor that holds it."""
+    if name in source:
+        return source.get(name)
+    base, _, rel = name.partition(".layers.")
+    layer, _, rel = rel.partition(".")
+    for fused in cfg.family.fused:
+        whole = f"{base}.layers.{layer}.{fused.name}"
+        if rel in fused.parts and whole in source:
+            ends = np.cumsum((0, *fused.rows(cfg)))
+            i = fused.parts.index(rel)
+            return source.get(whole)[ends[i]:ends[i + 1]]
+    raise _missing(name)
 
 
-def _experts(source: TensorSource, layer: int, kind: str, num_experts: int) -> np.ndarray:
+def _moe_prefixes(cfg: ModelConfig) -> tuple[str, ...]:
+    """The family's MoE module, then transformers 5's and llama.cpp's ("mlp")."""
+    return tuple(dict.fromkeys((cfg.family.moe_prefix, "mlp")))
+
+
+def fetch_experts(source: TensorSource, cfg: ModelConfig, layer: int, leaf: str,
+                  num_experts: int) -> np.ndarray:
+    """Expert weights `leaf` of `layer` stacked `[E, in, out]`, from whichever layout the
+    checkpoint holds."""
     base = f"model.layers.{layer}"
-    # experts stacked [E, out, in]: transformers 5 in memory (gate and up fused as
-    # gate_up_proj [E, 2m, d], down_proj [E, d, m]) or llama.cpp's GGUF (`*.weight`, unfused)
-    for pre in _MOE_PREFIXES:
-        for stacked in (f"{base}.{pre}.experts.{_EXPERT_NAMES[kind][0]}{s}" for s in ("", ".weight")):
+    for pre in _moe_prefixes(cfg):
+        for suffix in ("", ".weight"):
+            stacked = f"{base}.{pre}.experts.{STACKED_EXPERTS[leaf]}{suffix}"
             if stacked in source:
                 return np.ascontiguousarray(np.swapaxes(source.get(stacked), 1, 2))
         fused = f"{base}.{pre}.experts.gate_up_proj"
-        if kind != "expert_down" and fused in source:
+        if leaf != "expert_down" and fused in source:
             w = source.get(fused)
             half = w.shape[1] // 2
-            w = w[:, :half] if kind == "expert_gate" else w[:, half:]
+            w = w[:, :half] if leaf == "expert_gate" else w[:, half:]
             return np.ascontiguousarray(np.swapaxes(w, 1, 2))
-    stacked = []
-    for e in range(num_experts):
-        candidates = [f"{base}.{pre}.experts.{e}.{n}.weight"
-                      for pre in _MOE_PREFIXES for n in _EXPERT_NAMES[kind]]
-        name = _first_present(source, candidates)
-        if name is None:
-            raise CheckpointError(f"tensor {candidates[0]!r} is missing from the checkpoint: "
-                                  "the config does not match the weights")
-        stacked.append(source.get(name).T)
-    return np.stack(stacked)
+    name = f"{base}.{cfg.family.moe_prefix}.experts.{{}}.{cfg.family.experts[leaf]}.weight"
+    return np.stack([_get(source, cfg, name.format(e)).T for e in range(num_experts)])
 
 
-def fetch(source: TensorSource, path: tuple, model_type: str) -> tuple[str, np.ndarray]:
-    """(checkpoint name, array in JAX layout) for one Decoder parameter path of a
-    `model_type` checkpoint (its family unit names the norms)."""
-    if path == ("embed",):
-        name = "model.embed_tokens.weight"
-        return name, _get(source, name)
-    if path == ("lm_head",):
-        name = "lm_head.weight"
-        return name, _get(source, name).T
-    if path == ("norm", "weight"):
-        name = "model.norm.weight"
-        return name, _get(source, name)
-    if path[0] != "layers":
-        raise CheckpointError(f"no checkpoint tensor known for parameter {'/'.join(map(str, path))}")
-    layer, module, leaf = path[1], path[2], path[3:]
-    base = f"model.layers.{layer}"
-    norms = family(model_type).norms
-    if module in norms:
-        name = f"{base}.{norms[module]}.weight"
-        return name, _get(source, name)
+_AS_IS = lambda w: w  # noqa: E731
+_PROJECTION = lambda w: w.T if w.ndim == 2 else w  # [out, in] -> [in, out]; a bias as is  # noqa: E731
+
+
+def _layer_tensor(cfg: ModelConfig, module: str, leaf: tuple):
+    """(name under model.layers.N., its layout change), or None when the family has none."""
+    fam = cfg.family
+    if module in fam.norms:
+        return f"{fam.norms[module]}.weight", _AS_IS
     if module == "attn":
         if leaf[0] in ("q_norm", "k_norm"):
-            name = f"{base}.self_attn.{leaf[0]}.weight"
-            return name, _get(source, name)
-        name = f"{base}.self_attn.{_ATTN[leaf[0]]}"
-        w = _get(source, name)
-        return name, (w.T if w.ndim == 2 else w)
-    if module == "mlp":
-        if leaf[0] in _DENSE_MLP:
-            name = f"{base}.mlp.{_DENSE_MLP[leaf[0]]}.weight"
-            return name, _get(source, name).T
-        if leaf[0] in _SHARED_EXPERT:  # Qwen2-MoE's shared expert and its sigmoid gate
-            name = f"{base}.mlp.{_SHARED_EXPERT[leaf[0]]}.weight"
-            return name, np.atleast_2d(_get(source, name)).T  # the gate: [1, d], or [d] in a GGUF
-        if leaf[0] == "router_kernel":
-            candidates = [f"{base}.{pre}.gate.weight" for pre in _MOE_PREFIXES]
-            name = _first_present(source, candidates) or candidates[0]
-            return name, _get(source, name).T
-        if leaf[0] in _EXPERT_NAMES:
-            return f"{base}.mlp.experts.*.{_EXPERT_NAMES[leaf[0]][0]}", None  # filled by caller
-    raise CheckpointError(f"no checkpoint tensor known for parameter {'/'.join(map(str, path))}")
+            return f"self_attn.{leaf[0]}.weight", _AS_IS
+        return f"self_attn.{fam.attention[leaf[0]]}", _PROJECTION
+    if module == "mlp" and leaf[0] in fam.dense_mlp:
+        return f"mlp.{fam.dense_mlp[leaf[0]]}.weight", _PROJECTION
+    if module == "mlp" and leaf[0] in fam.shared_expert:  # Qwen2-MoE's; its gate is [d] in a GGUF
+        return f"mlp.{fam.shared_expert[leaf[0]]}.weight", lambda w: np.atleast_2d(w).T
+    return None
 
 
-def fetch_experts(source: TensorSource, path: tuple, num_experts: int) -> np.ndarray:
-    return _experts(source, path[1], path[3], num_experts)
+def fetch(source: TensorSource, path: tuple, cfg: ModelConfig) -> tuple[str, np.ndarray]:
+    """(checkpoint name, array in JAX layout) for one Decoder parameter path (not an expert
+    stack: `fetch_experts`)."""
+    top = {("embed",): ("model.embed_tokens.weight", _AS_IS), ("lm_head",): ("lm_head.weight", _PROJECTION),
+           ("norm", "weight"): ("model.norm.weight", _AS_IS)}
+    found = top.get(path)
+    if found is not None:
+        return found[0], found[1](_get(source, cfg, found[0]))
+    found = _layer_tensor(cfg, path[2], path[3:]) if path[0] == "layers" else None
+    if found is None and path[0] == "layers" and path[3:] == ("router_kernel",):
+        names = [f"model.layers.{path[1]}.{pre}.gate.weight" for pre in _moe_prefixes(cfg)]
+        name = next((n for n in names if n in source), names[0])
+        return name, _get(source, cfg, name).T
+    if found is None:
+        raise CheckpointError(f"no checkpoint tensor known for parameter {'/'.join(map(str, path))}")
+    name = f"model.layers.{path[1]}.{found[0]}"
+    return name, found[1](_get(source, cfg, name))

@@ -75,11 +75,11 @@ def _to_dtype(a: np.ndarray, dtype) -> np.ndarray:
 def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected: tuple,
                    dtype) -> np.ndarray:
     """One Decoder parameter (state `path`) from the source, shape-checked and cast."""
-    if path[-1] in hf_names._EXPERT_NAMES and path[2] == "mlp":
+    if path[-1] in hf_names.EXPERT_LEAVES and path[2] == "mlp":
         name = f"model.layers.{path[1]}.mlp.experts.*.{path[3]}"
-        arr = hf_names.fetch_experts(source, path, expected[0])
+        arr = hf_names.fetch_experts(source, cfg, path[1], path[3], expected[0])
     else:
-        name, arr = hf_names.fetch(source, path, cfg.model_type)
+        name, arr = hf_names.fetch(source, path, cfg)
     if tuple(arr.shape) != tuple(expected):
         held, implied = _as_in_file(source, name, arr.shape, expected)
         raise CheckpointError(f"tensor {name!r} has shape {held} in the file but the config "

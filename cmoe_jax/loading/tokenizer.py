@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from cmoe_jax.errors import CheckpointError
-from cmoe_jax.models.families import family
 
 
 class Tokenizer:
@@ -28,13 +27,13 @@ class Tokenizer:
         return self.hf.decode(ids)
 
 
-def window_bos(model_type: str, tokenizer: Tokenizer | None) -> int | None:
-    """The BOS id that opens every evaluation window of a `model_type` model, or None.
+def window_bos(cfg, tokenizer: Tokenizer | None) -> int | None:
+    """The BOS id that opens every evaluation window of a model (its `ModelConfig`), or None.
 
     Per family, as lm-eval's `add_bos_token` (on for Gemma, off for the others): a family
     whose unit sets `bos_per_window` reads each window as a document of its own, which is
     what it was trained on; SmolLM2, Llama and Qwen windows stay plain text."""
-    if tokenizer is None or not family(model_type).bos_per_window:
+    if tokenizer is None or not cfg.family.bos_per_window:
         return None
     return tokenizer.hf.bos_token_id
 

@@ -14,7 +14,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from cmoe_jax.errors import UnsupportedModelError
-from cmoe_jax.models.families import FAMILIES, family
+from cmoe_jax.models.families import FAMILIES, Family, family as family_of
+from cmoe_jax.moe.activations import from_hf_name
 from cmoe_jax.moe.spec import FFNSpec
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -29,6 +30,9 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # the GLU activation (`cmoe_jax.moe.activations`): required, so that no layer of a
+    # model silently runs another family's
+    activation: str
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
@@ -38,7 +42,6 @@ class ModelConfig:
     qk_norm: bool = False
     # Per-layer MoE FFNs; None entries are dense SwiGLU layers. Empty means all dense.
     moe_layers: tuple[FFNSpec | None, ...] = ()
-    activation: str = "silu"  # the GLU activation (`cmoe_jax.moe.activations`)
     # tokens a sliding-window layer sees, itself included (0: none); `layer_types` names
     # each layer "sliding_attention" or "full_attention" (empty: all sliding when
     # sliding_window is set, else all full)
@@ -50,6 +53,12 @@ class ModelConfig:
     sandwich_norms: bool = False  # norms after attention and after the FFN too (Gemma)
     query_scale: float = 0.0  # attention score scale (0: head_dim ** -0.5)
     qk_norm_scope: str = "head"  # q/k RMSNorm per head, or over "all" heads at once (OLMoE)
+
+    @property
+    def family(self) -> Family:
+        """The family unit of this model (`cmoe_jax.models.families`): its tensor names,
+        config reader and writer, export classes; every reader takes it from here."""
+        return family_of(self.model_type)
 
     def ffn_spec(self, layer: int) -> FFNSpec | None:
         return self.moe_layers[layer] if self.moe_layers else None
@@ -93,7 +102,7 @@ class ModelConfig:
         get = (lambda k, default=None: hf.get(k, default)) if isinstance(hf, Mapping) else (
             lambda k, default=None: getattr(hf, k, default))
         model_type = get("model_type")
-        unit = family(model_type)
+        unit = family_of(model_type)
         num_heads = get("num_attention_heads")
         hidden = get("hidden_size")
         head_dim = get("head_dim") or hidden // num_heads
@@ -114,6 +123,8 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
+            # transformers' configs default to SiLU; Gemma's unit reads its own field
+            activation=_activation(get("hidden_act") or "silu"),
             rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
@@ -129,6 +140,13 @@ class ModelConfig:
                 f"num_attention_heads={cfg.num_heads} is not a multiple of "
                 f"num_key_value_heads={cfg.num_kv_heads}")
         return cfg
+
+
+def _activation(hf_name: str) -> str:
+    try:
+        return from_hf_name(hf_name)
+    except ValueError as e:
+        raise UnsupportedModelError(f"hidden_act: {e}") from None
 
 
 def _frozen_items(d: Mapping) -> tuple:

@@ -172,7 +172,7 @@ class SwiGLU(nnx.Module):
     LOGICAL_AXES = {"gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
 
     def __init__(self, d_model: int, width: int, *, dtype, rngs: nnx.Rngs,
-                 activation: str = "silu"):
+                 activation: str):
         self.gate = _param(rngs, (d_model, width), dtype)
         self.up = _param(rngs, (d_model, width), dtype)
         self.down = _param(rngs, (width, d_model), dtype)

@@ -13,7 +13,8 @@ Example::
 
     from flax import nnx
     from cmoe_jax.moe import MoEFFN
-    layer = MoEFFN(d_model=576, expert_width=192, num_experts=8, top_k=2, shared_width=192, rngs=nnx.Rngs(0))
+    layer = MoEFFN(d_model=576, expert_width=192, num_experts=8, top_k=2, shared_width=192, activation="silu",
+                   rngs=nnx.Rngs(0))
 """
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.dispatch import GLUExperts, routed_experts

@@ -53,8 +53,8 @@ class GLUExperts:
     w_up: jax.Array
     w_down: jax.Array
     gmm: Callable
+    activation: str
     lora: Callable | None = None
-    activation: str = "silu"
     glu: Callable | None = None
 
     @property
@@ -100,7 +100,7 @@ def combine(ys: jax.Array, gates: jax.Array) -> jax.Array:
 
 
 def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
-                     w_up: jax.Array, w_down: jax.Array, activation: str = "silu"
+                     w_up: jax.Array, w_down: jax.Array, activation: str
                      ) -> tuple[jax.Array, jax.Array]:
     """`routed_experts` for few tokens: each (token, slot) pair multiplies its own expert's
     weights, gathered from the stacked `[E, ...]` tensors, so only the chosen experts are
@@ -118,7 +118,7 @@ def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax
 
 
 def dense_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
-                  w_up: jax.Array, w_down: jax.Array, activation: str = "silu"
+                  w_up: jax.Array, w_down: jax.Array, activation: str
                   ) -> tuple[jax.Array, jax.Array]:
     """`routed_experts` as one wide GLU over all E experts: each hidden unit of expert e is
     scaled by the token's gate for e (zero when e was not chosen) before the down

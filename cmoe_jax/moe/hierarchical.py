@@ -34,9 +34,9 @@ from flax import nnx
 from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.dispatch import plan
-from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, tokens_sharded
+from cmoe_jax.moe.expert_parallel import tokens_sharded
 from cmoe_jax.moe.gmm import get_gmm
-from cmoe_jax.moe.layer import MoEFFN
+from cmoe_jax.moe.layer import LAYER_SETTINGS, MoEFFN
 from cmoe_jax.moe.modes import check_input, dispatch_mode
 from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
 from cmoe_jax.moe.params import make_param, make_router_params
@@ -58,7 +58,7 @@ class SubRouters:
     shared: int
     top_k: int
     gmm: Callable
-    activation: str = "silu"
+    activation: str
 
 
 def sub_route(x, top_ids, top_w, routers: SubRouters):
@@ -122,26 +122,24 @@ class HierMoEFFN(MoEFFN):
                         sub_gate=("expert", "embed", "router"), sub_up=("expert", "embed", "router"),
                         u=("expert", "router"), router_bias=("expert", "router"))
 
-    def __init__(self, spec: FFNSpec | None = None, *, d_model: int, rngs: nnx.Rngs,
-                 activation: str = "silu", dtype=jnp.float32, param_dtype=jnp.float32,
-                 backend="auto", expert_axis: str | None = DEFAULT_EXPERT_AXIS, kernel_init=None,
-                 sow_router: bool = False, dispatch: str = "auto", **fields):
-        spec = spec_with(spec, fields, type(self).__name__)
+    def __init__(self, spec: FFNSpec | None = None, *, d_model: int, rngs: nnx.Rngs, activation: str,
+                 **options):
+        """`options`: `MoEFFN`'s settings (`LAYER_SETTINGS`) and, as keywords, spec fields."""
+        settings = {k: options.pop(k) for k in LAYER_SETTINGS if k in options}
+        spec = spec_with(spec, options, type(self).__name__)
         router, norm_topk_prob, router_neurons = spec.router, spec.norm_topk_prob, spec.router_neurons
         num_experts, top_k, sub_experts = spec.num_experts, spec.top_k, spec.sub_experts
         sub_shared, sub_top_k, num_prototypes = spec.sub_shared, spec.sub_top_k, spec.num_prototypes
         expert_width, sub_router_neurons = spec.expert_width, spec.sub_router_neurons
         unit = get_router(router)  # the top level's
-        unit.check(Routing(num_experts, top_k, norm_topk_prob, activation, router_neurons))
+        unit.check(Routing.of(spec, activation))
         n_routed = sub_experts - sub_shared
         if not (sub_experts > 0 and 0 <= sub_shared < sub_experts and 1 <= sub_top_k <= n_routed):
             raise ValueError(f"sub-plan S{sub_shared}A{sub_top_k}E{sub_experts} is invalid")
         # the base builds the host shared MLP, the stacked sub-experts and a flat cmoe router
         flat = FFNSpec(num_experts * sub_experts, top_k * (sub_shared + sub_top_k), expert_width,
                        spec.shared_width, "cmoe", shared_gated=spec.shared_gated)
-        super().__init__(flat, d_model=d_model, rngs=rngs, activation=activation, dtype=dtype,
-                         param_dtype=param_dtype, backend=backend, expert_axis=expert_axis,
-                         kernel_init=kernel_init, sow_router=sow_router, dispatch=dispatch)
+        super().__init__(flat, d_model=d_model, rngs=rngs, activation=activation, **settings)
         self.spec = spec
         # the base built a flat cmoe router over all sub-experts: replace it by the two levels
         del self.router_gate, self.router_up
@@ -151,7 +149,8 @@ class HierMoEFFN(MoEFFN):
         self.sub_router_neurons = sub_router_neurons
         d, n = d_model, num_experts
 
-        param = make_param(rngs, param_dtype, kernel_init)
+        param_dtype = self.param_dtype
+        param = make_param(rngs, param_dtype, settings.get("kernel_init"))
         self.num_prototypes, self.duplicate_gates = num_prototypes, spec.duplicate_gates
         if num_prototypes > 0:  # K stored families behind the N top-level slots
             self.slot_map = SlotMap(jnp.arange(n, dtype=jnp.int32) % num_prototypes)
@@ -203,7 +202,7 @@ class HierMoEFFN(MoEFFN):
 
     @property
     def top_routing(self) -> Routing:
-        return Routing(self.top_experts, self.top_top_k, self.norm_topk_prob, self.activation,
+        return Routing(self.top_experts, self.top_top_k, self.activation, self.norm_topk_prob,
                        self.router_neurons)
 
     def _top_arrays(self) -> dict:
@@ -250,7 +249,7 @@ def flops_per_token(d: int, spec) -> dict:
     host shared MLP. For a hierarchical spec the sub-routers of the k selected experts count."""
     ffn = lambda width: 3 * 2 * d * width
     out = {"shared": ffn(spec.shared_width) if spec.shared_width else 0}
-    routing = Routing(spec.num_experts, spec.top_k, spec.norm_topk_prob, neurons=spec.router_neurons)
+    routing = Routing.of(spec, activation="")  # parameter shapes only: nothing is activated
     out["router"] = sum(2 * p.shape[0] * p.shape[1] for p in get_router(spec.router).params(d, routing).values()
                         if len(p.shape) == 2)
     if getattr(spec, "sub_experts", 0):

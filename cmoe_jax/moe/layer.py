@@ -14,7 +14,7 @@ Example::
     from cmoe_jax.moe import MoEFFN
 
     layer = MoEFFN(d_model=64, expert_width=32, num_experts=8, top_k=2, shared_width=32,
-                   router="cmoe", rngs=nnx.Rngs(0))
+                   router="cmoe", activation="silu", rngs=nnx.Rngs(0))
     y, counts = layer(jnp.ones((4, 16, 64)), return_load=True)   # counts: int32 [8]
     layer.update_bias(counts, gamma=1e-3)                        # load balancing step
     y, r = layer(jnp.ones((4, 16, 64)), return_router=True)      # r: `RouterOutput`
@@ -41,11 +41,15 @@ from cmoe_jax.moe.params import make_param, make_router_params
 from cmoe_jax.moe.routers import Router, Routing, get_router, router_logits
 from cmoe_jax.moe.spec import FFNSpec, spec_with
 
+# the layer's own settings (not its shape): what a subclass passes on to `MoEFFN.__init__`
+LAYER_SETTINGS = ("dtype", "param_dtype", "backend", "expert_axis", "kernel_init", "sow_router", "dispatch")
+
+
 class MoEFFN(nnx.Module):
     """MoE FFN: `shared(x) + sum_{e in top_k(x)} g_e(x) * expert_e(x)`, x `[..., d_model]`.
 
     Built from one `FFNSpec` (`spec`, passed whole, as models build their layers) or from its
-    fields given as keywords (`MoEFFN(d_model=64, expert_width=32, num_experts=8, top_k=2,
+    fields given as keywords (`MoEFFN(d_model=64, expert_width=32, num_experts=8, top_k=2, activation="silu",
     rngs=...)`); keywords given with a spec replace its fields.
 
     Args:
@@ -64,7 +68,9 @@ class MoEFFN(nnx.Module):
         gated shared MLP (see `FFNSpec`).
     The layer's own settings:
       d_model: model width d.
-      activation: the GLU activation of every expert and router neuron ("silu" default).
+      activation: the GLU activation of every expert and router neuron ("silu", or the
+        source model's, e.g. Gemma's "gelu_pytorch_tanh"); required, so that a layer never
+        silently gets another model's activation.
       dtype: compute dtype of the FFN (routing always runs in float32).
       param_dtype: storage dtype of the parameters.
       backend: grouped-matmul backend, "auto" picks per platform (`cmoe_jax.moe.gmm`), or a
@@ -97,7 +103,7 @@ class MoEFFN(nnx.Module):
     TABLE_NAMES = TABLE_NAMES  # what a cross-layer ConMoE scope shares
 
     def __init__(self, spec: FFNSpec | None = None, *, d_model: int, rngs: nnx.Rngs,
-                 activation: str = "silu", dtype=jnp.float32, param_dtype=jnp.float32,
+                 activation: str, dtype=jnp.float32, param_dtype=jnp.float32,
                  backend="auto", expert_axis: str | None = DEFAULT_EXPERT_AXIS, kernel_init=None,
                  sow_router: bool = False, dispatch: str = "auto", **fields):
         spec = spec_with(spec, fields, type(self).__name__)
@@ -107,7 +113,7 @@ class MoEFFN(nnx.Module):
         unit = get_router(router)
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
-        unit.check(Routing(num_experts, top_k, norm_topk_prob, activation, router_neurons))
+        unit.check(Routing.of(spec, activation))
         if min(d_model, expert_width, num_experts) < 1 or shared_width < 0:
             raise ValueError(f"d_model={d_model}, expert_width={expert_width} and num_experts="
                              f"{num_experts} must be positive, shared_width={shared_width} >= 0")
@@ -164,7 +170,7 @@ class MoEFFN(nnx.Module):
 
     @property
     def routing(self) -> Routing:
-        return Routing(self.num_experts, self.top_k, self.norm_topk_prob, self.activation,
+        return Routing(self.num_experts, self.top_k, self.activation, self.norm_topk_prob,
                        self.router_neurons)
 
     def variable_axes(self) -> dict:

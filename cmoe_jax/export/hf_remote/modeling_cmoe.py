@@ -58,10 +58,10 @@ class MoEMLP(nn.Module):
     time on the tokens that chose them.
     """
 
-    def __init__(self, hidden_size, num_experts, top_k, expert_width, shared_width=0,
+    def __init__(self, hidden_size, num_experts, top_k, expert_width, *, act, shared_width=0,
                  router="cmoe", norm_topk_prob=False, router_neurons=1, sub_experts=0,
                  sub_shared=0, sub_top_k=0, sub_router_neurons=1, num_prototypes=0,
-                 duplicate_gates="sum", shared_gated=False, act="silu", owner=None,
+                 duplicate_gates="sum", shared_gated=False, owner=None,
                  router_params=None, **_):
         super().__init__()
         self.act = ACT2FN[act]

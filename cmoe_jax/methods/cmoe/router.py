@@ -62,7 +62,7 @@ def router_weights(w_gate, w_up, representative_idx, normalize: bool = True) -> 
 
 @functools.partial(jax.jit, static_argnames=("activation",))
 def router_fit_sums(x, router_gate, router_up, expert_gate, expert_up, expert_down,
-                    activation: str = "silu"):
+                    activation: str):
     """Per expert j, (sum_t s_tj y_tj, sum_t s_tj^2) over tokens x [..., d], float32.
 
     s_tj is the analytical router's score (`cmoe_scores`) and y_tj = ||E_j(x_t)||_2 the norm
@@ -73,7 +73,7 @@ def router_fit_sums(x, router_gate, router_up, expert_gate, expert_up, expert_do
     the experts' GLU activation (`cmoe_jax.moe.activations`).
     """
     x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    s = cmoe_scores(x, router_gate, router_up, expert_gate.shape[0], activation)
+    s = cmoe_scores(x, router_gate, router_up, expert_gate.shape[0], activation=activation)
     h = glu_activation(activation)(jnp.einsum("td,edm->tem", x, expert_gate)) * jnp.einsum("td,edm->tem", x, expert_up)
     y = jnp.linalg.norm(jnp.einsum("tem,emd->ted", h, expert_down), axis=-1)
     return (s * y).sum(0), (s * s).sum(0)
@@ -94,7 +94,7 @@ def scale_router_up(router_up, num, den, num_experts: int) -> tuple:
 
 @functools.partial(jax.jit, static_argnames=("top_k", "activation"))
 def gate_fit_sums(x, router_gate, router_up, expert_gate, expert_up, expert_down, *,
-                  top_k: int, activation: str = "silu"):
+                  top_k: int, activation: str):
     """(A^T A [E, E], A^T r [E]) of the least-squares gate scales u over tokens x [..., d].
 
     The routed part of the layer is sum over the selected experts j of (1 + s'_j u_j) E_j(x);
@@ -106,7 +106,7 @@ def gate_fit_sums(x, router_gate, router_up, expert_gate, expert_up, expert_down
     """
     x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     num_experts = expert_gate.shape[0]
-    scores = cmoe_scores(x, router_gate, router_up, num_experts, activation)
+    scores = cmoe_scores(x, router_gate, router_up, num_experts, activation=activation)
     probs = jax.nn.softmax(scores, axis=-1)
     _, ids = jax.lax.top_k(probs, top_k)
     chosen = jnp.zeros(probs.shape, bool).at[jnp.arange(x.shape[0])[:, None], ids].set(True)

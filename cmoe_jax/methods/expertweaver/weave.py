@@ -29,7 +29,7 @@ ASSIGNMENTS = ("greedy", "exact")
 
 
 @functools.partial(jax.jit, static_argnames=("activation",))
-def gate_profiles(x, w_gate, activation: str = "silu"):
+def gate_profiles(x, w_gate, activation: str):
     """a [d_ffn, N]: per sample (x [N, T, d]) the token mean of |act(x W_gate)|, float32
     (act: the model's GLU activation, Swish in the paper)."""
     g = jnp.asarray(x, jnp.float32) @ jnp.asarray(w_gate, jnp.float32)

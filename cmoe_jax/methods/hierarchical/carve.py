@@ -51,7 +51,7 @@ def expert_tokens(x: np.ndarray, top_ids: np.ndarray, expert: int, min_tokens: i
     return x[chosen], len(chosen), False
 
 
-def carve_expert(rows: np.ndarray, w_gate, w_up, w_down, cc, activation: str = "silu") -> LayerCarving:
+def carve_expert(rows: np.ndarray, w_gate, w_up, w_down, cc, activation: str) -> LayerCarving:
     """The dense carving (`carve_profiled`) of one expert's SwiGLU on its tokens `rows [n, d]`.
 
     `cc`: a `ConvertConfig` (its plan the per-expert plan) read exactly as the dense pipeline
@@ -79,7 +79,7 @@ def sub_expert_slices(w_gate, w_up, w_down, carving: LayerCarving, plan: MoEPlan
 
 
 def fit_sub_router(rows: np.ndarray, sub: dict, plan: MoEPlan, fit_tokens: int,
-                   activation: str = "silu"):
+                   activation: str):
     """Fold the least-squares score scales of one sub-router into its `router_up` (returns
     the new router_up and the scales), fitted on about `fit_tokens` evenly strided rows."""
     stride = max(1, -(-len(rows) // fit_tokens))
@@ -92,7 +92,7 @@ def fit_sub_router(rows: np.ndarray, sub: dict, plan: MoEPlan, fit_tokens: int,
 
 def carve_moe_layer(x: np.ndarray, top_ids: np.ndarray, weights: dict, cc, *,
                     min_tokens: int, done: list[ExpertCarving] | None = None, progress=None,
-                    activation: str = "silu"):
+                    activation: str):
     """(HierMoEFFN variables of the carved experts, [ExpertCarving] per expert).
 
     `cc`: the conversion's `ConvertConfig`, `cc.plan` the per-expert plan.
@@ -161,7 +161,7 @@ def random_moe_layer(weights: dict, plan: MoEPlan, router_neurons: int, seed: in
 
 
 def fit_sub_gates(rows: np.ndarray, sub: dict, plan: MoEPlan, fit_tokens: int,
-                  activation: str = "silu") -> np.ndarray:
+                  activation: str) -> np.ndarray:
     """The least-squares gate scales u [N'_r] of one expert's sub-router (`gate_fit_sums`),
     on the same strided rows as its score scales (so after them)."""
     stride = max(1, -(-len(rows) // fit_tokens))

@@ -10,11 +10,12 @@ from cmoe_jax.models.families.gemma3 import GEMMA3_TEXT
 from cmoe_jax.models.families.llama import LLAMA, MISTRAL
 from cmoe_jax.models.families.mixtral import MIXTRAL
 from cmoe_jax.models.families.olmoe import OLMOE
+from cmoe_jax.models.families.phi3 import PHI3
 from cmoe_jax.models.families.qwen import QWEN2, QWEN3, QWEN3_MOE
 from cmoe_jax.models.families.qwen2_moe import QWEN2_MOE
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3_TEXT, QWEN3_MOE, MIXTRAL, OLMOE, QWEN2_MOE)}
+    LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3_TEXT, PHI3, QWEN3_MOE, MIXTRAL, OLMOE, QWEN2_MOE)}
 GUIDE = "docs/guides/adding-a-family.md"
 # model types that hold a supported text model inside a larger one
 _WRAPPERS = {"gemma3": "gemma3_text"}

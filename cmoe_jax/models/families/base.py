@@ -3,7 +3,10 @@
 A `Family` says how to read its Hugging Face config (`parse`: the `ModelConfig` fields it
 sets beyond the shared ones), how to write one back (`export`), its tensor names in
 `transformers` checkpoints, in exports and in llama.cpp's GGUF files, and which
-`transformers` class (or remote-code class, for carved models) runs it. The decoder itself
+`transformers` class (or remote-code class, for carved models) runs it. Loading and export
+read every tensor name from the family (`attention`, `dense_mlp`, `shared_expert`, `experts`
+under `moe_prefix`, `norms`), and a family that stores several weights in one tensor
+(Phi-3's `qkv_proj`, `gate_up_proj`) declares it as `Fused`. The decoder itself
 is generic: it reads switches (`activation`, `sliding_window`, `norm_offset`, ...) that the
 family's `parse` sets, so a new family is one new unit in this package plus its tests
 (docs/guides/adding-a-family.md).
@@ -50,6 +53,18 @@ GGUF_SHARED_EXPERT = MappingProxyType({
 Get = Callable[..., Any]  # get(key, default=None) over a config object or config.json dict
 
 
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """One checkpoint tensor holding several of a layer's projections stacked on its output
+    rows (`[sum of rows, in]`): loading splits it, export concatenates the parts again.
+    `name` and `parts` are relative to `model.layers.N.`; `rows(cfg)` gives each part's rows
+    from the `ModelConfig`."""
+
+    name: str
+    parts: tuple[str, ...]
+    rows: Callable[[Any], tuple[int, ...]]
+
+
 def _nothing(*_args) -> dict:
     return {}
 
@@ -78,9 +93,14 @@ class Family:
     export: Callable[[Any], dict] = _nothing  # config.json fields beyond the shared ones
     export_drops: tuple[str, ...] = ()  # shared config.json fields the family does not have
     remote: str | None = None  # remote-code class prefix of its carved / compressed MoE forms
+    # tensor names: our module or leaf -> transformers' (under model.layers.N.)
     norms: Mapping[str, str] = dataclasses.field(default_factory=lambda: PRE_NORMS)
+    attention: Mapping[str, str] = dataclasses.field(default_factory=lambda: ATTENTION)  # under self_attn.
+    dense_mlp: Mapping[str, str] = dataclasses.field(default_factory=lambda: DENSE_MLP)  # under mlp.
+    shared_expert: Mapping[str, str] = dataclasses.field(default_factory=lambda: SHARED_EXPERT)
     moe_prefix: str = "mlp"  # transformers' module holding the MoE block
-    experts: Mapping[str, str] = dataclasses.field(default_factory=lambda: EXPERTS)
+    experts: Mapping[str, str] = dataclasses.field(default_factory=lambda: EXPERTS)  # one expert's
+    fused: tuple[Fused, ...] = ()  # tensors that hold several of the names above
     # whether a config's MoE layers are still this family's own (export in its own class)
     own_moe: Callable[[Any, list], bool] = lambda cfg, specs: not specs
     gguf_arch: str | None = None  # llama.cpp's architecture name, when it writes the family

@@ -39,9 +39,14 @@ class Routing:
 
     num_experts: int
     top_k: int
+    activation: str  # the model's: no default, so a Gemma layer never routes with SiLU
     norm_topk_prob: bool = False
-    activation: str = "silu"
     neurons: int = 1  # representative neurons per expert (cmoe)
+
+    @classmethod
+    def of(cls, spec, activation: str) -> "Routing":
+        """The routing of an `FFNSpec`'s (top-level) router."""
+        return cls(spec.num_experts, spec.top_k, activation, spec.norm_topk_prob, spec.router_neurons)
 
 
 class Router(abc.ABC):

@@ -15,7 +15,7 @@ from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.routers.base import Router, RouterParam
 
 
-def cmoe_scores(x, router_gate, router_up, num_experts: int | None = None, activation: str = "silu"):
+def cmoe_scores(x, router_gate, router_up, num_experts: int | None = None, *, activation: str):
     """s = |act(x W_gate^R) * (x W_up^R)| in float32, summed over each expert's r router
     neurons (`router_gate/router_up [d, E*r]`, expert-major): scores `[T, E]`; act is the
     model's GLU activation (`cmoe_jax.moe.activations`)."""
@@ -28,9 +28,9 @@ def cmoe_scores(x, router_gate, router_up, num_experts: int | None = None, activ
     return s.reshape(*s.shape[:-1], num_experts, -1).sum(-1)
 
 
-def cmoe_route(x, router_gate, router_up, u, bias, top_k: int, keep=None, activation: str = "silu"):
+def cmoe_route(x, router_gate, router_up, u, bias, top_k: int, keep=None, *, activation: str):
     """`keep` (bool `[E]`, optional): experts not kept get score -inf (pruned)."""
-    scores = cmoe_scores(x, router_gate, router_up, u.shape[0], activation)
+    scores = cmoe_scores(x, router_gate, router_up, u.shape[0], activation=activation)
     if keep is not None:
         scores = jnp.where(keep, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
@@ -77,4 +77,4 @@ class CmoeRouter(Router):
                           activation=routing.activation)
 
     def logits(self, x, p, routing):
-        return cmoe_scores(x, p["gate"], p["up"], routing.num_experts, routing.activation)
+        return cmoe_scores(x, p["gate"], p["up"], routing.num_experts, activation=routing.activation)
