@@ -28,7 +28,9 @@ from benchmarks.harness import interleaved_times, load_average, machine_line, re
 
 def unchecked_copy(directory: Path, where: Path) -> Path:
     """`directory` as hard links under `where`, its manifest without the checksums."""
-    from cmoe_jax.checkpoint import DIGESTS, MANIFEST, read_manifest, write_json_atomic
+    from cmoe_jax.atomic_files import write_json_atomic
+    from cmoe_jax.checkpoint import MANIFEST, read_manifest
+    from cmoe_jax.state_digests import DIGESTS
 
     manifest = read_manifest(directory)
     if DIGESTS not in manifest:

@@ -90,7 +90,7 @@ FLOW = [
     (1.0, 1.0, "decoder", "models/ Decoder"),
     (2.0, 1.0, "layer pass", "profiling/layer_pass.py\n+ data/ calibration windows"),
     (3.0, 1.0, "method step", "methods/<method>/\n(uses carving/, moe/)"),
-    (3.0, 0.0, "converted layers", "checkpoint.py format,\nstaged by jobs/"),
+    (3.0, 0.0, "converted layers", "checkpoint/ format,\nstaged by jobs/"),
     (2.0, 0.0, "published model", "OUT/ (manifest, state,\ntokenizer)"),
     (1.0, 0.0, "eval / train / export", "eval/  train/  export/\ngenerate"),
 ]

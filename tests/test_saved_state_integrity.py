@@ -21,10 +21,12 @@ from flax import nnx
 from orbax.checkpoint._src.serialization import serialization
 
 from cmoe_jax import atomic_files
-from cmoe_jax.checkpoint import DIGESTS, MANIFEST, restore_model, write_json_atomic
+from cmoe_jax.atomic_files import write_json_atomic
+from cmoe_jax.checkpoint import MANIFEST, restore_model
 from cmoe_jax.errors import CheckpointError, run_job
 from cmoe_jax.loading import load_model
 from cmoe_jax.orbax_io import os_error_of
+from cmoe_jax.state_digests import DIGESTS
 from cmoe_jax.train.checkpoint import RunCheckpoints
 from tests.test_bad_input import _compress, _convert, _eval, _export, _train, inputs  # noqa: F401
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cmoe_jax.checkpoint import write_bytes_atomic, write_json_atomic
+from cmoe_jax.atomic_files import write_bytes_atomic, write_json_atomic
 from cmoe_jax.faults import fault_point
 
 

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from cmoe_jax import distributed
-from cmoe_jax.checkpoint import MANIFEST, reading, save_converted, write_json_atomic
+from cmoe_jax.atomic_files import write_json_atomic
+from cmoe_jax.checkpoint import MANIFEST, reading, save_converted
 from cmoe_jax.jobs.apart import check_apart, declared_inputs, output_paths
 from cmoe_jax.jobs.fingerprint import InputWatch, fingerprint
 from cmoe_jax.jobs.output import OutputDir, check_output_free

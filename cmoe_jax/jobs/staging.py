@@ -25,7 +25,8 @@ import os
 import secrets
 from pathlib import Path
 
-from cmoe_jax.checkpoint import MANIFEST, readers_excluded, remove_write_leftovers, staging_dir, write_json_atomic
+from cmoe_jax.atomic_files import remove_write_leftovers, write_json_atomic
+from cmoe_jax.checkpoint import MANIFEST, readers_excluded
 from cmoe_jax.errors import CheckpointError, CmoeError
 from cmoe_jax.faults import fault_point
 from cmoe_jax.jobs.fingerprint import ResumeMismatchError, check_same
@@ -33,6 +34,12 @@ from cmoe_jax.jobs.lock import OutputLock
 
 OWNER = "cmoe_job.json"
 TAGS = ("new", "old", "trash")
+
+
+def staging_dir(out: Path) -> Path:
+    """Where a job writing `out` works until it publishes: `out.partial`."""
+    out = Path(out)
+    return out.with_name(out.name + ".partial")
 
 
 class StagingError(CmoeError):

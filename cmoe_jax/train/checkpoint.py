@@ -16,7 +16,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from cmoe_jax import distributed
-from cmoe_jax.checkpoint import write_json_atomic
+from cmoe_jax.atomic_files import write_json_atomic
 from cmoe_jax.errors import TrainError
 from cmoe_jax.orbax_io import orbax_writes
 from cmoe_jax.state_digests import array_digests, check_digests

@@ -6,7 +6,7 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 
-from cmoe_jax.checkpoint import write_json_atomic
+from cmoe_jax.atomic_files import write_json_atomic
 
 
 def write_log(path: Path, summary: dict, steps: list[dict]) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cmoe_jax.checkpoint import write_json_atomic
+from cmoe_jax.atomic_files import write_json_atomic
 
 
 def _mu_stats(r) -> dict | None:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cmoe_jax.checkpoint import write_json_atomic
+from cmoe_jax.atomic_files import write_json_atomic
 
 
 def slot_matrix(plans, num_experts: int):

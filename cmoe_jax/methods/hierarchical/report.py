@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from cmoe_jax.checkpoint import write_json_atomic
+from cmoe_jax.atomic_files import write_json_atomic
 from cmoe_jax.methods.cmoe import plot_expert_load
 
 

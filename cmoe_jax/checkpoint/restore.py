@@ -1,0 +1,99 @@
+"""Reading a converted-model directory back: its state restored directly onto its shardings,
+under the directory's readers' lock, every piece checked against the manifest."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from cmoe_jax.checkpoint.layout import DAMAGED, PER_LAYER, layer_part, read_manifest, verify_layout, without_layers
+from cmoe_jax.checkpoint.readers import reading
+from cmoe_jax.errors import CheckpointError
+from cmoe_jax.faults import fault_point
+from cmoe_jax.models import Decoder, ModelConfig
+from cmoe_jax.sharding import make_mesh, place_state, placed_split, shardings_of
+from cmoe_jax.state_digests import DIGESTS, check_digests, path_name
+
+
+def _check_like(restored, target, where: Path):
+    """The restored arrays have the shapes and dtypes the manifest's config implies."""
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(target)):
+        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+            raise CheckpointError(f"{where}: {path_name(path)} is {got.dtype}{list(got.shape)} but the "
+                                  f"manifest's config implies {want.dtype}{list(want.shape)}: the directory "
+                                  "is damaged or mixed; write it again with the job that made it")
+    return restored
+
+
+def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None) -> Decoder:
+    """The model saved in a converted directory, restored directly onto its shardings, read
+    under the directory's readers' lock and checked against its manifest."""
+    directory = Path(directory)
+    with reading(directory):
+        manifest = read_manifest(directory)
+        verify_layout(directory, manifest)
+        cfg, state, graphdef, mesh = _restore_state(directory, manifest, mesh)
+    if jnp.dtype(dtype) != jnp.float32:
+        # merge into a graph built for `dtype`, so every module (the MoE layers' compute dtype
+        # included) runs in it, not only the parameters
+        state = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+                             state)
+        graphdef, _ = nnx.split(nnx.eval_shape(
+            lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0), stack=False)))
+    return stacked_on(nnx.merge(graphdef, state), mesh)
+
+
+def _restore_state(directory: Path, manifest: dict, mesh):
+    cfg = ModelConfig.from_dict(manifest["model_config"])
+    mesh = mesh if mesh is not None else make_mesh(devices=jax.local_devices())
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), stack=False))
+    graphdef, abstract_state = nnx.split(abstract)
+    target = place_state(abstract_state, shardings_of(abstract, mesh))
+    checkpointer = ocp.StandardCheckpointer()
+    recorded = manifest.get(DIGESTS, {}).get("parts", {})
+    reading_now = [directory / "state"]  # the piece an Orbax error is about
+
+    def read(part: str, like):
+        path = reading_now[0] = (directory / "state" / part).absolute()
+        restored = _check_like(checkpointer.restore(path, like), like, path)
+        if part in recorded:
+            check_digests(restored, recorded[part], path, DAMAGED)
+        return restored
+
+    try:
+        if manifest.get("state_layout") == PER_LAYER:
+            rest = read("rest", without_layers(target))
+            state = target
+            for key in rest:
+                state[key] = rest[key]
+            for i in range(cfg.num_layers):
+                fault_point("read:layer")
+                state["layers"][i] = read(layer_part(i), target["layers"][i])
+        else:
+            state = _check_like(checkpointer.restore((directory / "state").absolute(), target), target,
+                                directory / "state")
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"cannot restore {reading_now[0]} ({_first_line(e)}): the checkpoint "
+                              "is corrupted or incomplete, or was written by another configuration; "
+                              "write it again with the job that made it") from None
+    finally:
+        checkpointer.close()
+    return cfg, state, graphdef, mesh
+
+
+def _first_line(error: Exception, limit: int = 160) -> str:
+    """The start of an exception's message: Orbax's can run to kilobytes over many lines."""
+    text = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {text[0] if text else ''}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def stacked_on(model: Decoder, mesh) -> Decoder:
+    """`model` with its layers stacked where they can be, every variable on its sharding."""
+    stacked = model.stacked()
+    return model if stacked is model else nnx.merge(*placed_split(stacked, mesh))
