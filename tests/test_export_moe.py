@@ -172,3 +172,28 @@ def test_carved_qwen2_moe_export_passes_its_own_check(save_tiny, tmp_path):
                     out=tmp_path / "hf", progress=False)
     assert record["architecture"] == "CmoeQwen2MoeForCausalLM"
     assert record["verification"]["max_abs_logit_diff"] < 1e-4
+
+
+def test_every_spec_field_reaches_the_torch_layer_or_is_refused():
+    """`moe_layers` entries carry every FFNSpec field the torch layer takes; a field marked
+    `jax_only` (a new dispatch option, say) is refused when set, never silently dropped."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    import cmoe_jax.export.hf_config as hf_config
+    from cmoe_jax.moe.spec import FFNSpec, has_torch_form, jax_only
+
+    tree = ast.parse((Path(hf_config.__file__).parent / "hf_remote" / "modeling_cmoe.py").read_text())
+    layer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MoEMLP")
+    takes = next(ast.literal_eval(n.value) for n in layer.body
+                 if isinstance(n, ast.Assign) and n.targets[0].id == "SPEC")
+    assert set(takes) == {f.name for f in dataclasses.fields(FFNSpec) if has_torch_form(f)} | {"router_params"}
+
+    entry = hf_config._moe_layer(FFNSpec(4, 2, 8, router="cmoe"), 16, "silu")
+    assert set(entry) == {f.name for f in dataclasses.fields(FFNSpec)} | {"router_params"}
+    wider = dataclasses.make_dataclass("WiderSpec", [("capacity_factor", float, jax_only(0.0))],
+                                       bases=(FFNSpec,), frozen=True)
+    assert "capacity_factor" not in hf_config._moe_layer(wider(4, 2, 8, router="cmoe"), 16, "silu")
+    with pytest.raises(hf_config.ExportError, match="capacity_factor"):
+        hf_config._moe_layer(wider(4, 2, 8, router="cmoe", capacity_factor=1.25), 16, "silu")

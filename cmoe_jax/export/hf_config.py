@@ -18,6 +18,7 @@ from cmoe_jax.models import ModelConfig
 from cmoe_jax.models.families import FAMILIES
 from cmoe_jax.moe.activations import to_hf_name
 from cmoe_jax.moe.routers import ROUTERS, Routing
+from cmoe_jax.moe.spec import has_torch_form
 
 REMOTE_CODE = "modeling_cmoe.py"
 
@@ -45,11 +46,6 @@ def keeps_original_architecture(cfg: ModelConfig) -> bool:
     return not specs or (plain and cfg.family.own_moe(cfg, specs))
 
 
-# FFNSpec fields the remote code's MoEMLP understands; any other field must keep its default
-_MOE_FIELDS = ("num_experts", "top_k", "expert_width", "shared_width", "router",
-               "norm_topk_prob", "router_neurons", "sub_experts", "sub_shared", "sub_top_k",
-               "sub_router_neurons", "num_prototypes", "prototype_owner", "duplicate_gates",
-               "shared_gated")
 
 
 def _moe_layer(spec, d_model: int, activation: str) -> dict | None:
@@ -58,8 +54,7 @@ def _moe_layer(spec, d_model: int, activation: str) -> dict | None:
     if spec is None:
         return None
     d = dataclasses.asdict(spec)
-    defaults = {f.name: f.default for f in dataclasses.fields(spec)}
-    other = [k for k in d if k not in _MOE_FIELDS and d[k] != defaults[k]]
+    other = [f.name for f in dataclasses.fields(spec) if not has_torch_form(f) and d[f.name] != f.default]
     unit = ROUTERS.get(spec.router)
     if other or unit is None or unit.torch_route is None:
         raise ExportError(f"MoE layers with {', '.join(other) or 'router ' + spec.router!s} have "
@@ -68,7 +63,7 @@ def _moe_layer(spec, d_model: int, activation: str) -> dict | None:
     routing = Routing.of(spec, activation)
     top = spec.sub_experts > 0
     params = {role: [p.attr(top), list(p.shape), p.init] for role, p in unit.params(d_model, routing).items()}
-    return {**{k: d[k] for k in _MOE_FIELDS}, "router_params": params}
+    return {**{f.name: d[f.name] for f in dataclasses.fields(spec) if has_torch_form(f)}, "router_params": params}
 
 
 def remote_code(cfg: ModelConfig) -> str:

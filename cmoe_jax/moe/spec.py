@@ -5,6 +5,19 @@ from __future__ import annotations
 import dataclasses
 
 
+_JAX_ONLY = "jax_only"
+
+
+def jax_only(default):
+    """A spec field the exported torch layer does not implement (see `FFNSpec`)."""
+    return dataclasses.field(default=default, metadata={_JAX_ONLY: True})
+
+
+def has_torch_form(field: dataclasses.Field) -> bool:
+    """Whether the exported torch layer takes spec field `field` (all but `jax_only` ones)."""
+    return not field.metadata.get(_JAX_ONLY, False)
+
+
 @dataclasses.dataclass(frozen=True)
 class FFNSpec:
     """Shape of one MoE FFN layer (sparse checkpoints and converted models).
@@ -17,6 +30,12 @@ class FFNSpec:
     names the layer whose prototype table this layer shares (a cross-layer scope);
     `duplicate_gates` is how a token's gates on slots sharing a prototype combine
     (`cmoe_jax.moe.prototypes`: "sum", the paper's, "max" or "renorm").
+
+    Every field goes into an exported `config.json` and is an argument of the exported
+    torch layer (`MoEMLP` in `cmoe_jax/export/hf_remote/modeling_cmoe.py`). A new field
+    that the torch layer does not implement yet is declared `jax_only(default)`: the export
+    then refuses a layer whose value differs from the default instead of writing a model
+    that runs differently in torch.
     """
 
     num_experts: int

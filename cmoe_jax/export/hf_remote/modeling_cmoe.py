@@ -58,18 +58,25 @@ class MoEMLP(nn.Module):
     time on the tokens that chose them.
     """
 
-    def __init__(self, hidden_size, num_experts, top_k, expert_width, *, act, shared_width=0,
-                 router="cmoe", norm_topk_prob=False, router_neurons=1, sub_experts=0,
-                 sub_shared=0, sub_top_k=0, sub_router_neurons=1, num_prototypes=0,
-                 duplicate_gates="sum", shared_gated=False, owner=None,
-                 router_params=None, **_):
+    # the `moe_layers` entry's keys this module implements (cmoe_jax's `FFNSpec` fields)
+    SPEC = ("num_experts", "top_k", "expert_width", "shared_width", "router", "norm_topk_prob",
+            "router_neurons", "sub_experts", "sub_shared", "sub_top_k", "sub_router_neurons",
+            "num_prototypes", "prototype_owner", "duplicate_gates", "shared_gated", "router_params")
+
+    def __init__(self, hidden_size, spec, *, act, owner=None):
+        """`spec`: the layer's `moe_layers` entry (every key of `SPEC`), taken whole."""
         super().__init__()
+        unknown = sorted(set(spec) - set(self.SPEC))
+        if unknown:
+            raise ValueError(f"moe_layers entry with {unknown}: this modeling_cmoe.py does not implement them")
         self.act = ACT2FN[act]
-        d, m, n, s = hidden_size, expert_width, num_experts, shared_width
-        self.num_experts, self.top_k, self.router, self.norm_topk_prob = n, top_k, router, norm_topk_prob
-        self.sub_experts, self.sub_shared, self.sub_top_k = sub_experts, sub_shared, sub_top_k
-        self.num_prototypes, self.duplicate_gates = num_prototypes, duplicate_gates
-        self.shared_width, self.shared_gated = s, shared_gated and s > 0
+        d, m, n, s = hidden_size, spec["expert_width"], spec["num_experts"], spec["shared_width"]
+        sub_experts, sub_shared, num_prototypes = spec["sub_experts"], spec["sub_shared"], spec["num_prototypes"]
+        self.num_experts, self.top_k, self.router = n, spec["top_k"], spec["router"]
+        self.norm_topk_prob, self.sub_top_k = spec["norm_topk_prob"], spec["sub_top_k"]
+        self.sub_experts, self.sub_shared = sub_experts, sub_shared
+        self.num_prototypes, self.duplicate_gates = num_prototypes, spec["duplicate_gates"]
+        self.shared_width, self.shared_gated = s, spec["shared_gated"] and s > 0
         self._owner = [owner] if owner is not None else []  # a list: not a submodule
         new = lambda *shape: nn.Parameter(torch.zeros(*shape))
         fixed = lambda *shape: nn.Parameter(torch.zeros(*shape), requires_grad=False)
@@ -85,14 +92,15 @@ class MoEMLP(nn.Module):
             self.expert_gate, self.expert_up = new(rows, d, m), new(rows, d, m)
             self.expert_down = new(rows, m, d)
         # the (top-level) router's arrays: role -> [name, shape, init] (`RouterParam`)
-        self.router_params = {role: name for role, (name, _, _) in (router_params or {}).items()}
-        for name, shape, init in (router_params or {}).values():
+        router_params = spec["router_params"]
+        self.router_params = {role: name for role, (name, _, _) in router_params.items()}
+        for name, shape, init in router_params.values():
             setattr(self, name, (fixed if init == "bias" else new)(*shape))
         if sub_experts:
             routed = sub_experts - sub_shared
             if owner is None:
-                self.sub_gate = new(units, d, routed * sub_router_neurons)
-                self.sub_up = new(units, d, routed * sub_router_neurons)
+                self.sub_gate = new(units, d, routed * spec["sub_router_neurons"])
+                self.sub_up = new(units, d, routed * spec["sub_router_neurons"])
             self.u, self.router_bias = new(units, routed), fixed(units, routed)
 
     def table(self, name):
@@ -159,7 +167,7 @@ def _install_moe(model, config):
         if spec:
             owner = spec.get("prototype_owner", -1)
             owner = layers[owner].mlp if owner >= 0 and owner != i else None
-            layers[i].mlp = MoEMLP(config.hidden_size, **spec, act=act, owner=owner)
+            layers[i].mlp = MoEMLP(config.hidden_size, spec, act=act, owner=owner)
 
 
 class _WithMoE:
