@@ -46,12 +46,12 @@ def layer_floor(model: str, plan, samples: int, seqlen: int, repeats: int) -> No
     from flax import nnx
 
     from cmoe_jax.methods.cmoe import carve_layer
-    from cmoe_jax.profiling.markers import profile_layer
+    from cmoe_jax.calibration_pass.markers import profile_layer
     from cmoe_jax.methods.cmoe.convert import ConvertConfig, moe_spec, slices_for
     from cmoe_jax.models.ffn import filled_ffn
     from cmoe_jax.loading import load_model
-    from cmoe_jax.profiling.layer_pass import (attention_step, calibration_mesh, embed_step,
-                                              ffn_residual_step, replicate, shard_batch)
+    from cmoe_jax.calibration_pass.layer_pass import (attention_step, calibration_mesh, embed_step,
+                                                      ffn_residual_step, replicate, shard_batch)
 
     dense = load_model(model, dtype=jnp.float32, progress=False).model
     cfg, cc = dense.config, ConvertConfig(plan=plan)
@@ -116,8 +116,8 @@ def random_layers(args, load_start: float) -> None:
     from cmoe_jax.models.config import ModelConfig
     from cmoe_jax.models.decoder import DecoderLayer
     from cmoe_jax.models.layers import rope_tables
-    from cmoe_jax.profiling.layer_pass import (attention_step, calibration_mesh,
-                                              ffn_residual_step, replicate, shard_batch)
+    from cmoe_jax.calibration_pass.layer_pass import (attention_step, calibration_mesh,
+                                                      ffn_residual_step, replicate, shard_batch)
 
     cfg = ModelConfig(**SHAPES[args.shape])
     dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[args.dtype]

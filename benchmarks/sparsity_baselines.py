@@ -27,7 +27,7 @@ def wanda_layerwise(model, calib, sparsity: float) -> None:
     """Wanda on `model` (listed layers, pruned in place) through the project's layer pass:
     each FFN is pruned on the inputs the already-pruned layers before it produce."""
     from benchmarks.sparsity_baselines_lib import prune_ffn
-    from cmoe_jax.profiling.layer_pass import calibration_mesh, layer_pass, start_pass
+    from cmoe_jax.calibration_pass.layer_pass import calibration_mesh, layer_pass, start_pass
 
     def prune(inputs):
         prune_ffn(inputs.layer.mlp, sparsity, "wanda", inputs.ffn_input)

@@ -30,7 +30,7 @@ ROLE = {
     "errors": "one-line errors", "lora": "LoRA variables\n(per module)", "faults": "fault hook",
     "moe": "MoE layers, routers,\ngrouped matmuls", "sharding": "meshes", "distributed": "multi-host",
     "cli_args": "shared flags", "models": "decoder, families", "data": "corpora, windows",
-    "checkpoint": "converted format", "profiling": "markers, layer pass",
+    "checkpoint": "converted format", "calibration_pass": "markers, layer pass",
     "carving": "assignment, K-means", "loading": "checkpoints in", "methods": "cmoe, hierarchical,\nexpertweaver, conmoe",
     "jobs": "lock, staging,\nresume, publish", "convert": "job + CLI", "compress": "job + CLI",
     "train": "job + CLI (LoRA);\ntrain state, step loop", "eval": "job + CLI", "export": "job + CLI", "demo": "README table",
@@ -50,8 +50,8 @@ def picture_data() -> dict:
 def box(ax, x, y, title, note, color, w=0.86, h=0.56):
     ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.02",
                                 fc=color, ec="#333333", lw=1.0, zorder=2))
-    ax.text(x, y + (0.1 if note else 0), title, ha="center", va="center", fontsize=9.5,
-            weight="bold", zorder=3)
+    ax.text(x, y + (0.1 if note else 0), title, ha="center", va="center",
+            fontsize=9.5 if len(title) <= 13 else 8.2, weight="bold", zorder=3)  # long names fit the box
     if note:
         ax.text(x, y - 0.12, note, ha="center", va="center", fontsize=6.8, zorder=3)
 
@@ -88,7 +88,7 @@ def draw_layers(data: dict, out: Path) -> None:
 FLOW = [
     (0.0, 1.0, "checkpoint in", "loading/ (safetensors,\n.bin, GGUF, converted)"),
     (1.0, 1.0, "decoder", "models/ Decoder"),
-    (2.0, 1.0, "layer pass", "profiling/layer_pass.py\n+ data/ calibration windows"),
+    (2.0, 1.0, "layer pass", "calibration_pass/\nlayer_pass.py\n+ data/ calibration windows"),
     (3.0, 1.0, "method step", "methods/<method>/\n(uses carving/, moe/)"),
     (3.0, 0.0, "converted layers", "checkpoint/ format,\nstaged by jobs/"),
     (2.0, 0.0, "published model", "OUT/ (manifest, state,\ntokenizer)"),

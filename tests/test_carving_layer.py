@@ -10,7 +10,7 @@ import pytest
 from scipy.spatial.distance import cdist
 
 from cmoe_jax.methods.cmoe import LayerCarving, MoEPlan, carve_layer, slice_ffn
-from cmoe_jax.profiling.markers import profile_layer
+from cmoe_jax.calibration_pass.markers import profile_layer
 
 
 def _layer(seed=0, d=16, d_h=64, tokens=300):

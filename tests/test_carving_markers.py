@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cmoe_jax.profiling.markers import profile_layer
+from cmoe_jax.calibration_pass.markers import profile_layer
 
 
 def _np_hidden(x, wg, wu, normalize):

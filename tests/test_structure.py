@@ -17,7 +17,7 @@ LAYERS = [
     {"errors", "lora", "faults"},
     {"distributed", "sharding", "moe", "cli_args", "atomic_files", "orbax_io"},
     {"models", "data", "state_digests"},
-    {"checkpoint", "profiling", "carving"},
+    {"checkpoint", "calibration_pass", "carving"},
     {"loading"},
     {"methods", "generate"},  # generate: the KV-cache engine and its CLI, which eval's tasks use
     {"jobs"},  # job staging, lock, resume and publish: used by every output-writing job
@@ -119,12 +119,12 @@ def test_a_method_is_entered_through_its_package():
 
 
 def test_the_layer_pass_is_written_once():
-    """Only `profiling/layer_pass.py` runs a model's layers one by one on calibration data:
+    """Only `calibration_pass/layer_pass.py` runs a model's layers one by one on calibration data:
     its building blocks (embedding, attention half, FFN half) are used nowhere else."""
     blocks = re.compile(r"\b(embed_step|attention_step|ffn_residual_step|_ffn_input)\b")
     users = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                    if blocks.search(p.read_text()))
-    assert users == ["profiling/layer_pass.py"], users
+    assert users == ["calibration_pass/layer_pass.py"], users
     runs = re.compile(r"\b(layer_pass|converted_ffns)\(")
     callers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                      if runs.search(p.read_text()) and p.name != "layer_pass.py")

@@ -1,7 +1,8 @@
 """The decoder shared by every supported family (`cmoe_jax.models.families`).
 
-Each layer exposes its two halves (`attention_block`, `ffn_input`, `ffn`) so profiling can
-run a model layer by layer and feed a converted layer's output to the next one.
+Each layer exposes its two halves (`attention_block`, `ffn_input`, `ffn`) so the calibration
+pass (`cmoe_jax.calibration_pass`) can run a model layer by layer and feed a converted
+layer's output to the next one.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ output on calibration inputs, as pruning methods of the SparseGPT family reconst
 layer. No gradient crosses a layer boundary, so the cost is a few hundred small
 full-batch steps per layer rather than backward passes through the whole network.
 
-The calibration windows run through the student with `cmoe_jax.profiling.layer_pass`:
+The calibration windows run through the student with `cmoe_jax.calibration_pass.layer_pass`:
 layer l's FFN sees the stream that the already-recovered layers before it produce, and is
 fitted to minimise ||FFN_l(x) - FFN_dense_l(x)||^2 / ||FFN_dense_l(x)||^2 on it (the
 relative error `benchmarks/ffn_layer_error.py` reports). The fitted adapters are merged
@@ -25,8 +25,8 @@ from cmoe_jax.errors import TrainError
 from cmoe_jax.lora import attach
 from cmoe_jax.models.stack import each_layer
 from cmoe_jax.moe import MoEFFN
-from cmoe_jax.profiling.layer_pass import (calibration_mesh, layer_pass, replicate,
-                                           start_pass)
+from cmoe_jax.calibration_pass.layer_pass import (calibration_mesh, layer_pass, replicate,
+                                                  start_pass)
 from cmoe_jax.models.lora import trains_router
 from cmoe_jax.train.lora import LoRAConfig, init_adapters
 

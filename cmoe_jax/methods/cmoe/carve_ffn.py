@@ -29,7 +29,7 @@ from cmoe_jax.methods.cmoe.router_fit import fit_router
 from cmoe_jax.models import ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
 from cmoe_jax.moe import MoEFFN, resolve_backend
-from cmoe_jax.profiling.markers import profile_layer
+from cmoe_jax.calibration_pass.markers import profile_layer
 
 
 def _ffn_config(d: int, d_h: int) -> ModelConfig:

@@ -15,13 +15,13 @@ from flax import nnx
 from cmoe_jax.methods.cmoe.config import ROUTER_REPS, SHARED_BY, ConversionError, ConvertConfig
 from cmoe_jax.methods.cmoe.carve import LayerCarving, NeuronScores, carve_layer, slice_ffn
 from cmoe_jax.methods.cmoe.plan import MoEPlan
-from cmoe_jax.profiling.markers import profile_layer
+from cmoe_jax.calibration_pass.markers import profile_layer
 from cmoe_jax.methods.cmoe.router_fit import fit_router
 from cmoe_jax import distributed
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
-from cmoe_jax.profiling.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
-                                           start_pass)
+from cmoe_jax.calibration_pass.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
+                                                  start_pass)
 
 
 @dataclasses.dataclass

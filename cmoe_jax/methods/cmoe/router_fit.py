@@ -11,7 +11,7 @@ import numpy as np
 from cmoe_jax import distributed
 from cmoe_jax.methods.cmoe.router import (gate_fit_sums, router_fit_sums, scale_router_up,
                                           solve_gate_scales)
-from cmoe_jax.profiling.layer_pass import replicate
+from cmoe_jax.calibration_pass.layer_pass import replicate
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("top_k", "activation"))

@@ -27,7 +27,7 @@ from cmoe_jax.methods.cmoe.convert import (carve_on_main, conversion_mesh, layer
                                            slices_for, stream_error)
 from cmoe_jax.methods.cmoe.router_fit import fit_router
 from cmoe_jax.models.ffn import filled_ffn
-from cmoe_jax.profiling.layer_pass import LayerInput, layer_pass, start_pass, stream_nll
+from cmoe_jax.calibration_pass.layer_pass import LayerInput, layer_pass, start_pass, stream_nll
 
 MEASURES = ("loss", "stream")
 REFERENCE = 1  # the candidate whose loss rise calibrates a layer's errors: S1A1E8 with 8 experts

@@ -26,7 +26,7 @@ from cmoe_jax.methods.cmoe.convert import (ConvertConfig, LayerConverter, LayerR
 from cmoe_jax.loading.load import load_layer, load_outer
 from cmoe_jax.loading.sources import TensorSource
 from cmoe_jax.models import DecoderLayer, ModelConfig
-from cmoe_jax.profiling.layer_pass import layer_pass, start_pass
+from cmoe_jax.calibration_pass.layer_pass import layer_pass, start_pass
 
 
 def converted_layer_state(cfg_moe: ModelConfig, index: int, dense_layer, ffn) -> nnx.State:

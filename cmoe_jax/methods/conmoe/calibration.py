@@ -1,7 +1,7 @@
 """Calibration statistics of an MoE model's routed experts, layer by layer.
 
 The original model runs on the calibration windows one layer at a time (as conversion does,
-`cmoe_jax.profiling.layer_pass`); at each MoE layer the router picks every token's top-k set
+`cmoe_jax.calibration_pass.layer_pass`); at each MoE layer the router picks every token's top-k set
 and gates, and every routed expert runs on every token, so one pass collects what ConMoE and
 all four baselines need:
 
@@ -27,7 +27,7 @@ from flax import nnx
 from cmoe_jax.moe import MoEFFN
 from cmoe_jax.moe.hierarchical import sub_route
 from cmoe_jax.moe.activations import glu_activation
-from cmoe_jax.profiling.layer_pass import (
+from cmoe_jax.calibration_pass.layer_pass import (
     LayerInput,
     calibration_mesh,
     layer_pass,

@@ -20,9 +20,9 @@ from cmoe_jax.methods.expertweaver.weave import (ASSIGNMENTS, WovenLayer, active
 from cmoe_jax.methods.cmoe import ConversionError
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
-from cmoe_jax.profiling.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
-                                           start_pass)
-from cmoe_jax.profiling.markers import output_energy
+from cmoe_jax.calibration_pass.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
+                                                  start_pass)
+from cmoe_jax.calibration_pass.markers import output_energy
 
 
 SHARED_BY = ("energy", "profile")

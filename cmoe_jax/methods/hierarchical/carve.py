@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cmoe_jax.methods.cmoe import LayerCarving, carve_profiled, slice_ffn
-from cmoe_jax.profiling.markers import profile_layer
+from cmoe_jax.calibration_pass.markers import profile_layer
 from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.methods.cmoe import (gate_fit_sums, router_fit_sums, scale_router_up,
                                    solve_gate_scales)

@@ -19,8 +19,8 @@ from cmoe_jax.methods.hierarchical.carve import (HOST_NAMES, TOP_ROUTER_NAMES, E
 from cmoe_jax.methods.cmoe import ConversionError, ConvertConfig
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
-from cmoe_jax.profiling.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
-                                           start_pass)
+from cmoe_jax.calibration_pass.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
+                                                  start_pass)
 
 def is_moe(cfg: ModelConfig) -> bool:
     return any(s is not None for s in cfg.moe_layers)
