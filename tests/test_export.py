@@ -49,7 +49,7 @@ def converted_dir(save_tiny, tmp_path, family, plan="S2A2E8", trained=True):
     return moe, out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma3_text", "phi3"])
 def test_carved_model_exports_with_remote_code(save_tiny, tmp_path, family):
     moe, src = converted_dir(save_tiny, tmp_path, family)
     text = write_random_text(tmp_path / "text.txt", 2000)

@@ -34,7 +34,7 @@ def _hf_greedy(hf, prompts, new_tokens):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3", "llama_tied", "mistral",
-                                    "gemma3_text", "olmoe", "qwen2_moe"])
+                                    "gemma3_text", "olmoe", "qwen2_moe", "phi3"])
 def test_greedy_equals_transformers_generate(family, tmp_path):
     hf = tiny_hf_model(family)
     hf.save_pretrained(tmp_path)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          OlmoeConfig, OlmoeForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          OlmoeConfig, OlmoeForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.activations import ACT2FN
@@ -192,6 +192,7 @@ def _family(name: str, model_type: str, config_base, model_base):
 _FAMILIES = (("Llama", "cmoe_llama", LlamaConfig, LlamaForCausalLM),
              ("Mistral", "cmoe_mistral", MistralConfig, MistralForCausalLM),
              ("Gemma3", "cmoe_gemma3_text", Gemma3TextConfig, Gemma3ForCausalLM),
+             ("Phi3", "cmoe_phi3", Phi3Config, Phi3ForCausalLM),
              ("Qwen2", "cmoe_qwen2", Qwen2Config, Qwen2ForCausalLM),
              ("Qwen3", "cmoe_qwen3", Qwen3Config, Qwen3ForCausalLM),
              ("Qwen2Moe", "cmoe_qwen2_moe", Qwen2MoeConfig, Qwen2MoeForCausalLM),

@@ -28,4 +28,4 @@ QKV = Fused("self_attn.qkv_proj.weight",
 GATE_UP = Fused("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
                 lambda cfg: (cfg.intermediate_size, cfg.intermediate_size))
 
-PHI3 = Family("phi3", "Phi3ForCausalLM", _parse, _export, fused=(QKV, GATE_UP))
+PHI3 = Family("phi3", "Phi3ForCausalLM", _parse, _export, remote="CmoePhi3", fused=(QKV, GATE_UP))
