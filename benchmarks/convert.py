@@ -66,14 +66,14 @@ def layer_floor(model: str, plan, samples: int, seqlen: int, repeats: int) -> No
     h_mid, x, _ = attention_step(lg, ls, h, rope)
     w = [layer.mlp.gate[...], layer.mlp.up[...], layer.mlp.down[...]]
     xt = x.reshape(-1, x.shape[-1])
-    markers, mu, _ = profile_layer(xt, *w, k_act=cc.k_act)
+    markers, mu, _ = profile_layer(xt, *w, k_act=cc.k_act, activation="silu")
     carving = carve_layer(np.asarray(markers), np.asarray(mu), plan, k_act=cc.k_act,
                           router_neurons=cc.router_neurons)
     fg, fs = nnx.split(filled_ffn(cfg, moe_spec(cfg, cc, cc.plan), slices_for(layer, carving), dense.dtype))
     fs = replicate(fs, mesh)
     steps = {
         "attention (calibration pass)": lambda: attention_step(lg, ls, h, rope),
-        "FFN profile (gate/up, ATopK)": lambda: profile_layer(xt, *w, k_act=cc.k_act),
+        "FFN profile (gate/up, ATopK)": lambda: profile_layer(xt, *w, k_act=cc.k_act, activation="silu"),
         "converted FFN forward": lambda: ffn_residual_step(fg, fs, h_mid, x),
     }
     blocking = [lambda fn=fn: jax.block_until_ready(fn()) for fn in steps.values()]

@@ -33,7 +33,7 @@ def main():
     calib = jax.random.normal(jax.random.PRNGKey(1), (8, 128, d))    # [batch, seq, d]
     # S1A2E8: 8 experts of width 32; 1 always on (shared), 2 of the other 7 chosen per token
     moe = carve_ffn(ffn.gate.kernel[...], ffn.up.kernel[...], ffn.down.kernel[...], calib,
-                    "S1A2E8")
+                    "S1A2E8", activation="silu")
     print(f"carved: {moe.num_experts} routed experts of width {moe.expert_width}, "
           f"top_k {moe.top_k}, shared width {moe.shared_width}, router {moe.router!r}")
 

@@ -28,7 +28,7 @@ def _swiglu(x, g, u, dn):
 def test_carving_partition_and_dense_equivalence(config, iters):
     x, wg, wu, wd = _layer()
     plan = MoEPlan.parse(config)
-    markers, mu = map(np.asarray, profile_layer(x, wg, wu, wd, k_act=6)[:2])
+    markers, mu = map(np.asarray, profile_layer(x, wg, wu, wd, k_act=6, activation="silu")[:2])
     c = carve_layer(markers, mu, plan, k_act=6, kmeans_iters=iters)
     m, nr = 64 // plan.total, plan.routed
     assert c.shared_idx.shape == (plan.shared * m,) and c.expert_idx.shape == (nr, m)
@@ -59,7 +59,7 @@ def test_carving_partition_and_dense_equivalence(config, iters):
 
 def test_representatives_closest_to_member_mean():
     x, wg, wu, wd = _layer(1, d_h=96, tokens=500)
-    markers, mu = map(np.asarray, profile_layer(x, wg, wu, wd, k_act=8)[:2])
+    markers, mu = map(np.asarray, profile_layer(x, wg, wu, wd, k_act=8, activation="silu")[:2])
     c = carve_layer(markers, mu, MoEPlan.parse("S1A2E6"), k_act=8)
     cols = markers.astype(float).T                       # neuron points [d_h, T]
     for e, rep in zip(c.expert_idx, c.representative_idx):
@@ -70,7 +70,7 @@ def test_representatives_closest_to_member_mean():
 
 def test_several_router_neurons_are_the_closest_members_in_order():
     x, wg, wu, wd = _layer(1, d_h=96, tokens=500)
-    markers, mu = map(np.asarray, profile_layer(x, wg, wu, wd, k_act=8)[:2])
+    markers, mu = map(np.asarray, profile_layer(x, wg, wu, wd, k_act=8, activation="silu")[:2])
     c = carve_layer(markers, mu, MoEPlan.parse("S1A2E6"), k_act=8, router_neurons=3)
     assert c.representative_idx.shape == (5, 3)
     cols = markers.astype(float).T
@@ -113,7 +113,7 @@ def test_shared_by_score_and_centroids_by_mu():
 
 def test_deterministic_bit_for_bit():
     x, wg, wu, wd = _layer(4, d_h=128, tokens=400)
-    markers, mu = map(np.asarray, profile_layer(x, wg, wu, wd, k_act=5)[:2])
+    markers, mu = map(np.asarray, profile_layer(x, wg, wu, wd, k_act=5, activation="silu")[:2])
     a = carve_layer(markers, mu, MoEPlan.parse("S1A2E8"), k_act=5)
     b = carve_layer(markers.copy(), mu.copy(), MoEPlan.parse("S1A2E8"), k_act=5)
     for f in ("shared_idx", "expert_idx", "representative_idx"):
@@ -125,7 +125,7 @@ def test_deterministic_bit_for_bit():
 
 def test_slice_ffn_accepts_jax_bf16():
     x, wg, wu, wd = _layer(5)
-    markers, mu = map(np.asarray, profile_layer(x, wg, wu, wd, k_act=6)[:2])
+    markers, mu = map(np.asarray, profile_layer(x, wg, wu, wd, k_act=6, activation="silu")[:2])
     c = carve_layer(markers, mu, MoEPlan.parse("S2A2E8"), k_act=6)
     ref = slice_ffn(wg.astype(np.float32), wu.astype(np.float32), wd.astype(np.float32), c)
     out = slice_ffn(*(jnp.asarray(w, jnp.bfloat16) for w in (wg, wu, wd)), c)

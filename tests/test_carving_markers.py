@@ -39,11 +39,11 @@ def test_normalisation_removes_token_and_column_scales():
     wd = _down(wg.shape[1], x.shape[1])
     scale_t = np.linspace(0.1, 10, len(x), dtype=np.float32)[:, None]
     scale_c = np.linspace(0.5, 4, wg.shape[1], dtype=np.float32)[None, :]
-    base = np.asarray(profile_layer(x, wg, wu, wd, k_act=5)[0])
-    scaled = np.asarray(profile_layer(x * scale_t, wg * scale_c, wu * scale_c, wd, k_act=5)[0])
+    base = np.asarray(profile_layer(x, wg, wu, wd, k_act=5, activation="silu")[0])
+    scaled = np.asarray(profile_layer(x * scale_t, wg * scale_c, wu * scale_c, wd, k_act=5, activation="silu")[0])
     np.testing.assert_array_equal(scaled, base)
     np.testing.assert_array_equal(base, _np_markers(_np_hidden(x, wg, wu, True), 5))
-    plain = lambda xs, g: np.asarray(profile_layer(xs, g, wu, wd, k_act=5, normalize=False)[0])
+    plain = lambda xs, g: np.asarray(profile_layer(xs, g, wu, wd, k_act=5, normalize=False, activation="silu")[0])
     assert not np.array_equal(plain(x, wg * scale_c), plain(x, wg))
 
 
@@ -51,8 +51,8 @@ def test_markers_of_chunks_add_up():
     """Marker counts of token chunks sum to the whole batch's (what a data-parallel sum needs)."""
     x, wg, wu = _inputs(2, tokens=96)
     wd = _down(wg.shape[1], x.shape[1])
-    total = np.asarray(profile_layer(x, wg, wu, wd, k_act=6)[0]).sum(axis=0)
-    chunks = sum(np.asarray(profile_layer(x[i:i + 32], wg, wu, wd, k_act=6)[0]).sum(axis=0)
+    total = np.asarray(profile_layer(x, wg, wu, wd, k_act=6, activation="silu")[0]).sum(axis=0)
+    chunks = sum(np.asarray(profile_layer(x[i:i + 32], wg, wu, wd, k_act=6, activation="silu")[0]).sum(axis=0)
                  for i in range(0, 96, 32))
     np.testing.assert_array_equal(total, chunks)
     np.testing.assert_array_equal(total, _np_markers(_np_hidden(x, wg, wu, True), 6).sum(axis=0))
@@ -63,7 +63,7 @@ def test_markers_of_chunks_add_up():
 def test_profile_layer_markers_and_energy_match_numpy(normalize):
     x, wg, wu = _inputs(4)
     wd = np.random.default_rng(5).normal(size=(wg.shape[1], x.shape[1])).astype(np.float32)
-    markers, mu, energy = profile_layer(x, wg, wu, wd, k_act=5, normalize=normalize)
+    markers, mu, energy = profile_layer(x, wg, wu, wd, k_act=5, normalize=normalize, activation="silu")
     expected = _np_markers(_np_hidden(x, wg, wu, normalize), 5)
     np.testing.assert_array_equal(np.asarray(markers), expected)
     assert np.asarray(markers).dtype == np.bool_ and (np.asarray(markers).sum(axis=1) == 5).all()

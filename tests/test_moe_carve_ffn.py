@@ -28,7 +28,7 @@ def numpy_dense(w, x):
 @pytest.mark.parametrize("plan", ["S1A2E8", "S0A1E4", "S2A3E6"])
 def test_every_expert_active_is_the_dense_ffn(plan):
     w, x = dense_ffn()
-    moe, carving = carve_ffn(*w, x, plan, return_carving=True, router_neurons=2, gate_fit=False)
+    moe, carving = carve_ffn(*w, x, plan, activation="silu", return_carving=True, router_neurons=2, gate_fit=False)
     p = MoEPlan.parse(plan)
     assert (moe.num_experts, moe.top_k, moe.router) == (p.routed, p.active, "cmoe")
     assert moe.shared_width == p.shared_width(DH) and moe.expert_width == DH // p.total
@@ -40,7 +40,7 @@ def test_every_expert_active_is_the_dense_ffn(plan):
 
 def test_the_sparse_layer_routes_as_the_numpy_reference():
     w, x = dense_ffn(1)
-    moe = carve_ffn(*w, x, "S1A2E8")
+    moe = carve_ffn(*w, x, "S1A2E8", activation="silu")
     flat = x.reshape(-1, D)
     want, load, _ = moe_numpy.forward(moe, flat)
     y, counts = moe(jnp.asarray(flat), return_load=True)
@@ -50,15 +50,15 @@ def test_the_sparse_layer_routes_as_the_numpy_reference():
 
 def test_router_scales_are_fitted_unless_asked_not_to():
     w, x = dense_ffn(2)
-    fitted = carve_ffn(*w, x, "S1A2E8", router_neurons=2)
-    plain = carve_ffn(*w, x, "S1A2E8", router_neurons=2, router_scale=False)
+    fitted = carve_ffn(*w, x, "S1A2E8", activation="silu", router_neurons=2)
+    plain = carve_ffn(*w, x, "S1A2E8", activation="silu", router_neurons=2, router_scale=False)
     np.testing.assert_array_equal(np.asarray(fitted.router_gate[...]), np.asarray(plain.router_gate[...]))
     assert not np.allclose(np.asarray(fitted.router_up[...]), np.asarray(plain.router_up[...]))
 
 
 def test_dtype_follows_the_weights():
     w, x = dense_ffn(3)
-    moe = carve_ffn(*(jnp.asarray(a, jnp.bfloat16) for a in w), x, "S1A1E4")
+    moe = carve_ffn(*(jnp.asarray(a, jnp.bfloat16) for a in w), x, "S1A1E4", activation="silu")
     assert moe.expert_gate[...].dtype == jnp.bfloat16 and moe.dtype == jnp.bfloat16
     assert moe(jnp.asarray(x, jnp.bfloat16)).dtype == jnp.bfloat16
 
@@ -73,6 +73,7 @@ def test_dtype_follows_the_weights():
     (dict(router_neurons=13), "router_neurons 13"),
     (dict(bogus=1), "unknown carve_ffn option"),
     (dict(backend="cuda"), "unknown gmm backend"),
+    (dict(activation="relu"), "activation 'relu' is not one of"),
 ])
 def test_bad_arguments_are_refused_with_one_line(change, message):
     w, x = dense_ffn()
@@ -80,7 +81,7 @@ def test_bad_arguments_are_refused_with_one_line(change, message):
     args.update(change)
     w_gate, w_up, w_down, x, plan = (args.pop(k) for k in ("w_gate", "w_up", "w_down", "x", "plan"))
     with pytest.raises(ValueError, match=message) as err:
-        carve_ffn(w_gate, w_up, w_down, x, plan, **args)
+        carve_ffn(w_gate, w_up, w_down, x, plan, **{"activation": "silu", **args})
     assert "\n" not in str(err.value)
 
 
@@ -90,7 +91,7 @@ def test_gate_fit_is_the_least_squares_gate_scaling(plan):
     built from the carved experts run one by one, and lowers the layer's squared error on the
     calibration tokens against the dense FFN."""
     w, x = dense_ffn(3)
-    moe = carve_ffn(*w, x, plan, gate_fit=True, router_fit_tokens=10_000)
+    moe = carve_ffn(*w, x, plan, activation="silu", gate_fit=True, router_fit_tokens=10_000)
     u = np.asarray(moe.u[...], np.float64)
     t = x.reshape(-1, D).astype(np.float64)
     act = moe_numpy.silu

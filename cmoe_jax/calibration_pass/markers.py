@@ -26,7 +26,7 @@ def _atopk(h: jax.Array, k_act: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("k_act", "normalize", "windows", "activation"))
 def profile_layer(x, w_gate, w_up, w_down, *, k_act: int, normalize: bool = True,
-                  windows: int | None = None, activation: str = "silu"):
+                  windows: int | None = None, activation: str):
     """(markers [N, d_h], mu [d_h], energy [d_h]) of one FFN from a single pair of matmuls.
 
     energy_i = mean over tokens of h_i^2 * ||W_down[i]||^2 on the plain (unnormalised) hidden
@@ -64,7 +64,7 @@ def _down_sq(w_down):
 
 
 @functools.partial(jax.jit, static_argnames=("activation",))
-def output_energy(x, w_gate, w_up, w_down, activation: str = "silu"):
+def output_energy(x, w_gate, w_up, w_down, activation: str):
     """energy [d_h] of `profile_layer` alone (no markers), for tokens x [..., d], float32."""
     x = jnp.asarray(x).astype(jnp.float32).reshape(-1, x.shape[-1])
     h = glu_activation(activation)(x @ jnp.asarray(w_gate).astype(jnp.float32)) * (x @ jnp.asarray(w_up).astype(jnp.float32))

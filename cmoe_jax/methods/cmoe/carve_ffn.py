@@ -8,7 +8,7 @@ router's per-expert score scales and gate scales (`fit_router`).
 
 Example::
 
-    moe = carve_ffn(w_gate, w_up, w_down, x_calib, "S1A2E8")   # x_calib [..., d]
+    moe = carve_ffn(w_gate, w_up, w_down, x_calib, "S1A2E8", activation="silu")   # x_calib [..., d]
     y = moe(x)                                                 # MoEFFN, cmoe router
 """
 from __future__ import annotations
@@ -29,14 +29,15 @@ from cmoe_jax.methods.cmoe.router_fit import fit_router
 from cmoe_jax.models import ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
 from cmoe_jax.moe import MoEFFN, resolve_backend
+from cmoe_jax.moe.activations import ACTIVATIONS
 from cmoe_jax.calibration_pass.markers import profile_layer
 
 
-def _ffn_config(d: int, d_h: int) -> ModelConfig:
-    """A one-layer model config that only names the FFN's widths (what `moe_spec` and
-    `filled_ffn` read)."""
+def _ffn_config(d: int, d_h: int, activation: str) -> ModelConfig:
+    """A one-layer model config that only names the FFN's widths and activation (what
+    `moe_spec` and `filled_ffn` read)."""
     return ModelConfig(model_type="ffn", vocab_size=1, hidden_size=d, intermediate_size=d_h,
-                       num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1)
+                       num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, activation=activation)
 
 
 def _check(w_gate, w_up, w_down, x) -> tuple[int, int]:
@@ -56,10 +57,10 @@ def _check(w_gate, w_up, w_down, x) -> tuple[int, int]:
 
 
 def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
-              dtype=None, backend="auto", return_carving: bool = False,
+              activation: str, dtype=None, backend="auto", return_carving: bool = False,
               **options) -> MoEFFN | tuple[MoEFFN, LayerCarving]:
-    """A `MoEFFN` (router "cmoe") carved from the dense SwiGLU FFN
-    `down(silu(x w_gate) * (x w_up))`.
+    """A `MoEFFN` (router "cmoe") carved from the dense GLU FFN
+    `down(act(x w_gate) * (x w_up))`.
 
     Args:
       w_gate, w_up: `[d, d_h]`; w_down: `[d_h, d]` (numpy or JAX, any float dtype).
@@ -67,6 +68,8 @@ def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
         tokens of your model's hidden states at this FFN).
       plan: "SxAyEz" (x shared experts fused into one shared MLP, y routed experts active of
         z experts in all, expert width d_h / z) or a `MoEPlan`.
+      activation: the FFN's GLU activation `act` ("silu" for Llama/Qwen, "gelu_tanh" for
+        Gemma: `cmoe_jax.moe.activations`); the profile, the experts and the router use it.
       dtype: parameter and compute dtype of the layer (default: w_gate's).
       backend: grouped-matmul backend of the layer (`cmoe_jax.moe.gmm`).
       return_carving: also return the `LayerCarving` (which neurons went where).
@@ -86,7 +89,9 @@ def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
                          "fields of ConvertConfig")
     cc = ConvertConfig(plan=plan, **options)
     plan.validate(d_h, cc.k_act)
-    cfg = _ffn_config(d, d_h)
+    if activation not in ACTIVATIONS:
+        raise InputError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    cfg = _ffn_config(d, d_h, activation)
     try:
         check_router(cfg, cc)
     except ConversionError as e:  # name the keyword, not the CLI flag
@@ -96,7 +101,7 @@ def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
     dtype = jnp.dtype(dtype or getattr(w_gate, "dtype", jnp.float32))
     x = jnp.asarray(calibration_inputs, jnp.float32).reshape(-1, d)
     markers, mu, energy = profile_layer(x, w_gate, w_up, w_down, k_act=cc.k_act,
-                                        normalize=cc.normalize)
+                                        normalize=cc.normalize, activation=activation)
     carving = carve_profiled(np.asarray(markers), np.asarray(mu), np.asarray(energy), cc, cc.plan)
     weights = [np.asarray(w, np.float32) for w in (w_gate, w_up, w_down)]
     layer = filled_ffn(cfg, moe_spec(cfg, cc, cc.plan), slice_ffn(*weights, carving), dtype)
