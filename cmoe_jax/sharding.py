@@ -8,7 +8,7 @@ o/down), stacked experts over "expert" when the mesh has that axis and over "mod
 otherwise; stacked decoder layers (`cmoe_jax.models.stack`) add a leading "layers" axis,
 never split. A mesh axis is used at most once per array, and only where it divides the
 dimension (else that dimension stays whole). A variable whose module declares no axes for
-it is an error, never a silent replication. LoRA adapters (`cmoe_jax.lora`) take their
+it is an error, never a silent replication. LoRA adapters (`cmoe_jax.lora_variables`) take their
 axes from the weight they adapt.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.lora import adapter_axes
+from cmoe_jax.lora_variables import adapter_axes
 
 # logical axis -> mesh axes it may be split over, first usable one wins
 RULES: dict[str | None, tuple[str, ...]] = {

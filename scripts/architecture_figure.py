@@ -27,7 +27,7 @@ from test_structure import LAYERS, import_graph  # noqa: E402
 
 # what each part is for, in a few words (a part missing here is drawn with its name only)
 ROLE = {
-    "errors": "one-line errors", "lora": "LoRA variables\n(per module)", "faults": "fault hook",
+    "errors": "one-line errors", "lora_variables": "LoRA variables\n(per module)", "faults": "fault hook",
     "moe": "MoE layers, routers,\ngrouped matmuls", "sharding": "meshes", "distributed": "multi-host",
     "cli_args": "shared flags", "models": "decoder, families", "data": "corpora, windows",
     "checkpoint": "converted format", "calibration_pass": "markers, layer pass",

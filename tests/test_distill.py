@@ -52,7 +52,7 @@ def dirs(models, tmp_path_factory):
 def _sharpened(model, factor: float = 30.0):
     """A copy with its LM head scaled: a random tiny model's next-token distributions are
     almost uniform, which leaves nothing to distil."""
-    from cmoe_jax.models.lora import _copy
+    from cmoe_jax.models.adapters import _copy
 
     out = _copy(model)
     out.lm_head[...] = model.lm_head[...] * factor

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cmoe_jax"
 # and `models` builds its MoE layers from it; `checkpoint` (the converted-model format)
 # sits below both `loading`, which reads it, and `convert` / `train`, which write it.
 LAYERS = [
-    {"errors", "lora", "faults"},
+    {"errors", "lora_variables", "faults"},
     {"distributed", "sharding", "moe", "cli_args", "atomic_files", "orbax_io"},
     {"models", "data", "state_digests"},
     {"checkpoint", "calibration_pass", "carving"},

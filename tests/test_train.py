@@ -18,7 +18,7 @@ from cmoe_jax.checkpoint import save_converted
 from cmoe_jax.loading import load_model
 from cmoe_jax.models import ModelConfig
 from cmoe_jax.models.stack import LayerStack
-from cmoe_jax.lora import LoRA
+from cmoe_jax.lora_variables import LoRA
 from cmoe_jax.train import (AdapterSet, LoRAConfig, TrainSettings, adapted_weights, finetune, init_adapters, load_adapters,
                             lora_logits, lora_loss, merge_adapters, router_params, with_adapters)
 from cmoe_jax.train.cli import main as train_main

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cmoe_jax.lora import project
+from cmoe_jax.lora_variables import project
 from cmoe_jax.models.config import ModelConfig, rope_inv_freq
 from cmoe_jax.models.kv_cache import cached_attention
 from cmoe_jax.moe.activations import glu_activation

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cmoe_jax.lora import factors, grouped_delta, project
+from cmoe_jax.lora_variables import factors, grouped_delta, project
 from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.balance import update_router_bias
 from cmoe_jax.moe.dispatch import GLUExperts, dense_experts, gathered_experts
@@ -219,7 +219,7 @@ class MoEFFN(nnx.Module):
         `[E]` loads, with `return_router` also a `RouterOutput` (logits, probabilities, load,
         Switch and z losses; computed only then), in that order.
 
-        Adapted weights (`cmoe_jax.lora`) add their low-rank updates, the routed experts'
+        Adapted weights (`cmoe_jax.lora_variables`) add their low-rank updates, the routed experts'
         through the same grouped matmuls; `key` drives the adapters' dropout."""
         check_input(x, self.d_model, type(self).__name__)
         shape = x.shape

@@ -4,13 +4,13 @@ machinery downcycling shares (`RunCheckpoints`, `TrainLoop`, `FullTrainer`).
 `finetune` is the job behind `python -m cmoe_jax.train`; the pieces are usable alone:
 `init_adapters` / `merge_adapters` (LoRA on q/k/v/o and the gate/up/down projections of
 dense, shared and routed-expert MLPs), `with_adapters` (the adapters as variables of the
-model, run by its own forward; `cmoe_jax.models.lora`), `lora_loss` / `lora_logits` on an
+model, run by its own forward; `cmoe_jax.models.adapters`), `lora_loss` / `lora_logits` on an
 `AdapterSet`, `init_state` / `lm_loss` / `make_train_step` (Optax, sharding, one jitted
 step); `distill_objective` / `kd_tile` (distillation from the dense teacher, `--distill`)
 and `layerwise_recover` (layer-wise reconstruction of the converted FFNs, `--recover layerwise`).
 """
 from cmoe_jax.errors import TrainError
-from cmoe_jax.models.lora import AdapterSet, adapted_run, merge_adapters, router_params, with_adapters
+from cmoe_jax.models.adapters import AdapterSet, adapted_run, merge_adapters, router_params, with_adapters
 from cmoe_jax.sharding import make_mesh
 from cmoe_jax.train.api import finetune
 from cmoe_jax.train.settings import TrainSettings
@@ -20,7 +20,7 @@ from cmoe_jax.train.full import FullTrainer
 from cmoe_jax.train.layerwise import RecoverConfig, layerwise_recover
 from cmoe_jax.train.loop import TrainLoop
 from cmoe_jax.train.teacher import SharedTeacher
-from cmoe_jax.train.lora import (
+from cmoe_jax.train.lora_targets import (
     DEFAULT_TARGETS,
     LoRAConfig,
     adapted_weights,

@@ -17,7 +17,7 @@ from cmoe_jax.cli_args import (Parser, add_data, add_model, add_output_dir, add_
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.train.api import finetune
 from cmoe_jax.train.settings import TrainSettings
-from cmoe_jax.train.lora import DEFAULT_TARGETS
+from cmoe_jax.train.lora_targets import DEFAULT_TARGETS
 
 EXAMPLE = ("{prog} --model out/s1a1e8 --data-path wikitext-2/wiki.valid.raw --samples 64 "
            "--seqlen 2048 --batch-size 1 --max-minutes 30 --out out/ft")

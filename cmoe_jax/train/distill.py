@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cmoe_jax.errors import TrainError
-from cmoe_jax.models.lora import AdapterSet, adapted_run
-from cmoe_jax.train.lora import LoRAConfig
+from cmoe_jax.models.adapters import AdapterSet, adapted_run
+from cmoe_jax.train.lora_targets import LoRAConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,13 +22,13 @@ import optax
 from flax import nnx
 
 from cmoe_jax.errors import TrainError
-from cmoe_jax.lora import attach
+from cmoe_jax.lora_variables import attach
 from cmoe_jax.models.stack import each_layer
 from cmoe_jax.moe import MoEFFN
 from cmoe_jax.calibration_pass.layer_pass import (calibration_mesh, layer_pass, replicate,
                                                   start_pass)
-from cmoe_jax.models.lora import trains_router
-from cmoe_jax.train.lora import LoRAConfig, init_adapters
+from cmoe_jax.models.adapters import trains_router
+from cmoe_jax.train.lora_targets import LoRAConfig, init_adapters
 
 
 @dataclasses.dataclass(frozen=True)

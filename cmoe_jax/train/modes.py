@@ -84,7 +84,7 @@ class RecoveryModes:
         from cmoe_jax import distributed
         from cmoe_jax.train.checkpoint import load_adapters, save_adapters
         from cmoe_jax.train.layerwise import layerwise_recover
-        from cmoe_jax.models.lora import merge_adapters
+        from cmoe_jax.models.adapters import merge_adapters
 
         saved = Path(staging) / RECOVER_DIR
         if saved.is_dir():

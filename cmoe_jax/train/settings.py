@@ -9,7 +9,7 @@ import dataclasses
 
 from cmoe_jax.train.distill import DistillConfig
 from cmoe_jax.train.layerwise import RecoverConfig
-from cmoe_jax.train.lora import LoRAConfig, parse_targets
+from cmoe_jax.train.lora_targets import LoRAConfig, parse_targets
 from cmoe_jax.train.step import OptimConfig
 
 

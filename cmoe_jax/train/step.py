@@ -23,8 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cmoe_jax.moe.balance import update_router_bias
 from cmoe_jax.sharding import batch_axes, placed_split
-from cmoe_jax.models.lora import router_params
-from cmoe_jax.train.lora import LoRAConfig, adapter_specs, init_adapters, lora_loss, named
+from cmoe_jax.models.adapters import router_params
+from cmoe_jax.train.lora_targets import LoRAConfig, adapter_specs, init_adapters, lora_loss, named
 
 
 @dataclasses.dataclass(frozen=True)

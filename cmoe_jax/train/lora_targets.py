@@ -1,9 +1,9 @@
 """Which weights of a `Decoder` get LoRA adapters, their initialisation and shardings, and the
 adapted model's next-token loss: the training side of LoRA.
 
-The adapters are the nested dict `cmoe_jax.models.lora` describes (one `{"a": A, "b": B}` per
+The adapters are the nested dict `cmoe_jax.models.adapters` describes (one `{"a": A, "b": B}` per
 adapted weight, by parameter path); B starts at zero, so a fresh adapter changes nothing.
-The adapted forward and merging are `cmoe_jax.models.lora`'s (`with_adapters`,
+The adapted forward and merging are `cmoe_jax.models.adapters`'s (`with_adapters`,
 `merge_adapters`, `adapted_run`), re-exported by `cmoe_jax.train`.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cmoe_jax.errors import TrainError
 from cmoe_jax.models.decoder import chunked_nll
-from cmoe_jax.models.lora import AdapterSet, adapted_run
+from cmoe_jax.models.adapters import AdapterSet, adapted_run
 from cmoe_jax.models.stack import STACKED, each_layer
 from cmoe_jax.sharding import logical_axes, spec_for
 

@@ -5,7 +5,7 @@ The adapters are a nested dict that mirrors the parameter paths:
 ``{"layers": {"3": {"attn": {"q_proj": {"a": A, "b": B}}, ...}}}``. A weight ``W [in, out]``
 gets ``A [in, r]`` and ``B [r, out]``; stacked experts ``W [E, in, out]`` get stacked
 ``A [E, in, r]`` and ``B [E, r, out]``. The adapted weight is ``W + scale * A @ B``.
-`with_adapters` makes them `cmoe_jax.lora.LoRA` variables of the modules they adapt (the
+`with_adapters` makes them `cmoe_jax.lora_variables.LoRA` variables of the modules they adapt (the
 per-module mechanism, which sits below `moe` because the MoE layers apply it), so the
 model's own forward (`Decoder.run_layers`) runs them; `merge_adapters` folds them into a
 copy of the weights. Which weights get adapters, and how they are trained, is `cmoe_jax.train`'s.
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cmoe_jax.lora import attach
+from cmoe_jax.lora_variables import attach
 from cmoe_jax.models.stack import LayerStack, each_layer, layer_value, stack_trees
 from cmoe_jax.moe.balance import RouterBias
 
