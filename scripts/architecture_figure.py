@@ -2,11 +2,13 @@
 
     python scripts/architecture_figure.py
 
-- docs/architecture.png: the package's layers as `tests/test_structure.py` defines them (lowest
-  at the bottom), one box per part, and every import between parts read from the source;
+- docs/architecture.png: the package's tiers as `tests/test_structure.py` defines them
+  (entry points, jobs, methods, models and moe, foundations, kernels; lowest at the bottom),
+  one box per part, and one arrow per pair of tiers that import each other, labelled with
+  the number of part-to-part imports read from the source (not every edge: readable);
 - docs/architecture-flow.png: the data flow of a conversion job;
-- docs/architecture.json: the layers and import edges the first picture shows, which the
-  structure test compares with the code (it fails when the picture is out of date).
+- docs/architecture.json: the tiers, the imports between them and the finer layers, which
+  the structure test compares with the code (it fails when the picture is out of date).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(ROOT / "tests"))
-from test_structure import LAYERS, import_graph  # noqa: E402
+from test_structure import LAYERS, TIERS, tier_edges  # noqa: E402
 
 # what each part is for, in a few words (a part missing here is drawn with its name only)
 ROLE = {
@@ -36,48 +38,68 @@ ROLE = {
     "train": "job + CLI (LoRA);\ntrain state, step loop", "eval": "job + CLI", "export": "job + CLI", "demo": "README table",
     "__init__": "public API", "downcycle": "job + CLI", "generate": "KV-cache decoding\n+ CLI",
     "commands": "cmoe-jax", "atomic_files": "whole-file writes", "orbax_io": "Orbax errors\nas one line",
-    "state_digests": "saved arrays'\nchecksums",
+    "state_digests": "saved arrays'\nchecksums", "moe.gmm": "grouped matmuls: CPU,\nragged_dot, Pallas GPU,\nmegablox TPU, tokamax",
+}
+# what each tier is for (the left column of the picture)
+TIER_ROLE = {
+    "entry points": "cmoe-jax, the public API,\nthe README demo",
+    "jobs": "one skeleton: check, stage,\nunits of work, resume, publish",
+    "methods": "CMoE, hierarchical, ExpertWeaver,\nConMoE; KV-cache decoding",
+    "models and moe": "decoder of every family, MoE layers\nand routers, the layer pass,\ncheckpoints in and out",
+    "foundations": "errors, meshes, flags,\nwhole-file writes, checksums",
+    "kernels": "one grouped matmul per platform,\nimporting nothing of the project",
 }
 
 
 def picture_data() -> dict:
-    """The layers and cross-part import edges as plain JSON (what the picture shows)."""
-    graph = import_graph()
-    return {"layers": [sorted(layer) for layer in LAYERS],
-            "edges": sorted([src, dst] for src, dsts in graph.items() for dst in dsts)}
+    """The tiers, the imports between them and the finer layers as plain JSON."""
+    return {"tiers": [[name, sorted(parts)] for name, parts in TIERS], "tier_edges": tier_edges(),
+            "layers": [sorted(layer) for layer in LAYERS]}
 
 
 def box(ax, x, y, title, note, color, w=0.86, h=0.56):
     ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.02",
                                 fc=color, ec="#333333", lw=1.0, zorder=2))
     ax.text(x, y + (0.1 if note else 0), title, ha="center", va="center",
-            fontsize=9.5 if len(title) <= 13 else 8.2, weight="bold", zorder=3)  # long names fit the box
+            fontsize=9.5 if len(title) <= 11 else 7.8, weight="bold", zorder=3)  # long names fit the box
     if note:
-        ax.text(x, y - 0.12, note, ha="center", va="center", fontsize=6.8, zorder=3)
+        ax.text(x, y - 0.12, note, ha="center", va="center", fontsize=6.2, zorder=3)
+
+
+TIER_COLOR = {"entry points": "#e3f1dc", "jobs": "#e3f1dc", "methods": "#dbe9f6",
+              "models and moe": "#dbe9f6", "foundations": "#f3f3f3", "kernels": "#fbe8d3"}
+STEP, BAND = 1.35, 1.0  # tier spacing and band height
 
 
 def draw_layers(data: dict, out: Path) -> None:
-    layers = data["layers"]
-    width = max(len(layer) for layer in layers)
-    fig, ax = plt.subplots(figsize=(1.25 * width + 2.5, 0.9 * len(layers) + 0.8))
-    where = {}
-    for level, layer in enumerate(layers):
-        for i, part in enumerate(layer):
-            where[part] = (i - (len(layer) - 1) / 2, float(level))
-        ax.text(-width / 2 - 0.35, level, f"layer {level}", ha="right", va="center", fontsize=8,
-                color="#555555")
-    for src, dst in data["edges"]:
-        (x0, y0), (x1, y1) = where[src], where[dst]
-        ax.add_patch(FancyArrowPatch((x0, y0 - 0.28), (x1, y1 + 0.28), arrowstyle="-|>",
-                                     mutation_scale=7, lw=0.5, color="#7a8ca0", alpha=0.55, zorder=1))
-    top = len(layers) - 3  # the jobs with their command lines (downcycle on train's), and the entry points
-    for part, (x, y) in where.items():
-        color = "#e3f1dc" if y >= top else "#dbe9f6" if part in ("moe", "models", "methods", "jobs") else "#f3f3f3"
-        box(ax, x, y, part if part != "__init__" else "cmoe_jax", ROLE.get(part, ""), color)
-    ax.set_title("cmoe_jax: a part imports only parts of lower layers (arrows: imports, read from "
-                 "the source)", fontsize=10)
-    ax.set_xlim(-width / 2 - 1.4, width / 2 + 0.2)
-    ax.set_ylim(-0.6, len(layers) - 0.4)
+    tiers = data["tiers"]
+    width = max(len(parts) for _, parts in tiers)
+    right = width * 0.58 + 0.1
+    fig, ax = plt.subplots(figsize=(1.16 * width + 6.5, STEP * len(tiers) + 0.9))
+    index = {name: i for i, (name, _) in enumerate(tiers)}
+    for level, (name, parts) in enumerate(tiers):
+        y = level * STEP
+        ax.add_patch(FancyBboxPatch((-right, y - BAND / 2), 2 * right, BAND, boxstyle="round,pad=0.03",
+                                    fc="#fafafa", ec="#999999", lw=0.8, zorder=0))
+        ax.text(-right - 0.25, y + 0.18, name, ha="right", va="center", fontsize=10, weight="bold")
+        ax.text(-right - 0.25, y - 0.2, TIER_ROLE.get(name, ""), ha="right", va="center", fontsize=7,
+                color="#444444")
+        for i, part in enumerate(parts):
+            x = (i - (len(parts) - 1) / 2) * 1.16
+            title = {"__init__": "cmoe_jax", "moe.gmm": "moe/gmm"}.get(part, part)
+            box(ax, x, y, title, ROLE.get(part, ""), TIER_COLOR.get(name, "#f3f3f3"), w=1.1, h=0.7)
+    # one arrow per pair of tiers, to the right of the bands; the label counts the imports
+    for k, (src, dst, n) in enumerate(sorted(data["tier_edges"], key=lambda e: (-index[e[0]], -index[e[1]]))):
+        x = right + 0.3 + 0.3 * k
+        y0, y1 = index[src] * STEP - BAND / 2 + 0.05, index[dst] * STEP + BAND / 2 - 0.05
+        ax.add_patch(FancyArrowPatch((x, y0), (x, y1), arrowstyle="-|>", mutation_scale=10,
+                                     lw=0.6 + n / 8, color="#5a7089", zorder=1))
+        ax.text(x + 0.05, (y0 + y1) / 2, str(n), ha="left", va="center", fontsize=7, color="#33475b",
+                bbox=dict(fc="white", ec="none", pad=0.5))
+    ax.set_title("cmoe_jax in tiers: a part imports only its own tier or lower ones (each arrow: the "
+                 "number of imports between two tiers, read from the source)", fontsize=9.5)
+    ax.set_xlim(-right - 3.2, right + 0.5 + 0.3 * len(data["tier_edges"]))
+    ax.set_ylim(-0.7, (len(tiers) - 1) * STEP + 0.7)
     ax.axis("off")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -26,21 +26,37 @@ LAYERS = [
     {"demo", "__init__", "commands"},
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
+# What docs/architecture.png draws: the layers read as tiers, lowest first, each importing
+# only from its own tier or lower ones; the grouped-matmul kernels (`moe/gmm`, which import
+# nothing of the project) drawn apart from the MoE layers that run them.
+KERNELS = "moe.gmm"
+TIERS = [
+    ("kernels", {KERNELS}),
+    ("foundations", {"errors", "lora_variables", "faults", "distributed", "sharding", "cli_args",
+                     "atomic_files", "orbax_io", "state_digests"}),
+    ("models and moe", {"moe", "models", "data", "checkpoint", "calibration_pass", "carving", "loading"}),
+    ("methods", {"methods", "generate"}),
+    ("jobs", {"jobs", "convert", "train", "eval", "export", "compress", "downcycle"}),
+    ("entry points", {"demo", "__init__", "commands"}),
+]
+TIER = {part: i for i, (_, parts) in enumerate(TIERS) for part in parts}
 
 
-def _part(module: str) -> str:
-    """`cmoe_jax.convert.api` -> "convert"; the package itself -> "__init__"."""
+def _part(module: str, split: tuple[str, ...] = ()) -> str:
+    """`cmoe_jax.convert.api` -> "convert"; the package itself -> "__init__"; a subpackage
+    named in `split` (e.g. "moe.gmm") is a part of its own."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "__init__"
+    inner = next((sub for sub in split if ".".join(parts[1:]).startswith(sub)), None)
+    return inner or (parts[1] if len(parts) > 1 else "__init__")
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(split: tuple[str, ...] = ()) -> dict[str, set[str]]:
     subs = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
             if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())}
     graph: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE.parent).with_suffix("")
-        src = _part(".".join(rel.parts)) if len(rel.parts) > 1 else "__init__"
+        src = _part(".".join(rel.parts), split) if len(rel.parts) > 1 else "__init__"
         edges = graph.setdefault(src, set())
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -52,7 +68,7 @@ def import_graph() -> dict[str, set[str]]:
                                for a in node.names]
             else:
                 continue
-            edges.update(_part(t) for t in targets if t.split(".")[0] == "cmoe_jax")
+            edges.update(_part(t, split) for t in targets if t.split(".")[0] == "cmoe_jax")
         edges.discard(src)
     return graph
 
@@ -133,17 +149,36 @@ def test_the_layer_pass_is_written_once():
                        "methods/hierarchical/convert.py", "train/layerwise.py"], callers
 
 
+def tier_edges() -> list[list]:
+    """[source tier, imported tier, number of part-to-part imports] between different tiers."""
+    counts: dict[tuple[str, str], int] = {}
+    for src, dsts in import_graph((KERNELS,)).items():
+        for dst in dsts:
+            if TIER[src] != TIER[dst]:
+                key = (TIERS[TIER[src]][0], TIERS[TIER[dst]][0])
+                counts[key] = counts.get(key, 0) + 1
+    return sorted([*key, n] for key, n in counts.items())
+
+
+def test_tiers_hold_every_part_once_and_import_only_downwards():
+    parts = [part for _, tier in TIERS for part in tier]
+    assert sorted(parts) == sorted(set(import_graph((KERNELS,)))), "a part missing from TIERS, or twice"
+    wrong = [f"{src} ({TIERS[TIER[src]][0]}) imports {dst} ({TIERS[TIER[dst]][0]})"
+             for src, dsts in import_graph((KERNELS,)).items() for dst in dsts if TIER[dst] > TIER[src]]
+    assert not wrong, wrong
+    assert not import_graph((KERNELS,))[KERNELS], "the kernels import nothing of the project"
+
+
 def test_the_architecture_picture_shows_these_layers():
-    """docs/architecture.png is drawn from LAYERS and the import graph
+    """docs/architecture.png is drawn from TIERS and the import graph
     (`python scripts/architecture_figure.py`); its data file must match the code as it is."""
     import json
 
     drawn = json.loads((PACKAGE.parent / "docs" / "architecture.json").read_text())
-    assert drawn["layers"] == [sorted(layer) for layer in LAYERS], \
-        "the picture's layers differ from LAYERS: run python scripts/architecture_figure.py"
-    edges = sorted([src, dst] for src, dsts in import_graph().items() for dst in dsts)
-    assert drawn["edges"] == edges, \
-        "the picture's imports differ from the code's: run python scripts/architecture_figure.py"
+    redraw = "run python scripts/architecture_figure.py"
+    assert drawn["tiers"] == [[name, sorted(parts)] for name, parts in TIERS], f"the tiers moved: {redraw}"
+    assert drawn["tier_edges"] == tier_edges(), f"the imports between tiers changed: {redraw}"
+    assert drawn["layers"] == [sorted(layer) for layer in LAYERS], f"the layers moved: {redraw}"
 
 
 # Functions a reader can hold: no function over MAX_LINES lines (its `def` to its last line)
