@@ -157,7 +157,7 @@ def differences(ref: Path, got: Path) -> list[str]:
         a, b = _tensors(ref), _tensors(got)
         diffs += [f"tensor {k}" for k in a if k not in b or not np.array_equal(a[k], b[k])]
     if (ref / "adapters").is_dir():
-        from cmoe_jax.train.checkpoint import load_adapters
+        from cmoe_jax.train.run_checkpoints import load_adapters
         import jax
 
         a, b = load_adapters(ref / "adapters")[0], load_adapters(got / "adapters")[0]

@@ -27,7 +27,7 @@ from cmoe_jax.errors import CheckpointError, run_job
 from cmoe_jax.loading import load_model
 from cmoe_jax.orbax_io import os_error_of
 from cmoe_jax.state_digests import DIGESTS
-from cmoe_jax.train.checkpoint import RunCheckpoints
+from cmoe_jax.train.run_checkpoints import RunCheckpoints
 from tests.test_bad_input import _compress, _convert, _eval, _export, _train, inputs  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]

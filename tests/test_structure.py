@@ -145,7 +145,7 @@ def test_the_layer_pass_is_written_once():
     callers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                      if runs.search(p.read_text()) and p.name != "layer_pass.py")
     assert callers == ["methods/cmoe/convert.py", "methods/cmoe/sensitivity.py", "methods/cmoe/streamed.py",
-                       "methods/conmoe/calibration.py", "methods/expertweaver/convert.py",
+                       "methods/conmoe/expert_stats.py", "methods/expertweaver/convert.py",
                        "methods/hierarchical/convert.py", "train/layerwise.py"], callers
 
 

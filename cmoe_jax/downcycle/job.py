@@ -99,7 +99,7 @@ def train(settings: DowncycleSettings, source: SourceModel, directory: Path, opt
     `options.resume`); returns the log."""
     from cmoe_jax.data import load_text_tokens
     from cmoe_jax.methods.expertweaver import downcycle_loss, downcycle_optimizer
-    from cmoe_jax.train.checkpoint import RunCheckpoints
+    from cmoe_jax.train.run_checkpoints import RunCheckpoints
     from cmoe_jax.train.data import BatchOrder, training_windows
     from cmoe_jax.train.full import FullTrainer
     from cmoe_jax.train.loop import TrainLoop, finite_loss

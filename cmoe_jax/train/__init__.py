@@ -14,7 +14,7 @@ from cmoe_jax.models.adapters import AdapterSet, adapted_run, merge_adapters, ro
 from cmoe_jax.sharding import make_mesh
 from cmoe_jax.train.api import finetune
 from cmoe_jax.train.settings import TrainSettings
-from cmoe_jax.train.checkpoint import RunCheckpoints, load_adapters
+from cmoe_jax.train.run_checkpoints import RunCheckpoints, load_adapters
 from cmoe_jax.train.distill import DistillConfig, chunked_kd, distill_loss, distill_objective, kd_tile
 from cmoe_jax.train.full import FullTrainer
 from cmoe_jax.train.layerwise import RecoverConfig, layerwise_recover

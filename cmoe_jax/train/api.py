@@ -26,9 +26,9 @@ from cmoe_jax.checkpoint import MANIFEST
 from cmoe_jax.errors import TrainError
 from cmoe_jax.jobs import Interrupted, Job, JobRun, Outcome, OutputDir, RunOptions, Staging, run_job
 from cmoe_jax.jobs.staging import check_continued_inputs
-from cmoe_jax.train.checkpoint import RUN_CONFIG, check_run_config
+from cmoe_jax.train.run_checkpoints import RUN_CONFIG, check_run_config
 from cmoe_jax.train.loop import STOPPED
-from cmoe_jax.train.modes import RECOVER_DIR
+from cmoe_jax.train.recovery import RECOVER_DIR
 from cmoe_jax.train.run import FineTuning
 from cmoe_jax.train.settings import TrainSettings
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cmoe_jax.sharding import make_mesh, placed_split
-from cmoe_jax.train.checkpoint import RunCheckpoints
+from cmoe_jax.train.run_checkpoints import RunCheckpoints
 
 
 class FullTrainer:

@@ -16,9 +16,9 @@ import numpy as np
 from cmoe_jax import distributed
 from cmoe_jax.errors import TrainError
 from cmoe_jax.jobs import SourceModel, fault_point
-from cmoe_jax.train.checkpoint import RunCheckpoints, lora_saved, lora_state, save_adapters
+from cmoe_jax.train.run_checkpoints import RunCheckpoints, lora_saved, lora_state, save_adapters
 from cmoe_jax.train.lora_targets import adapted_weights
-from cmoe_jax.train.modes import RecoveryModes
+from cmoe_jax.train.recovery import RecoveryModes
 from cmoe_jax.train.settings import TrainSettings
 
 
@@ -229,7 +229,7 @@ class FineTuning:
 
         from cmoe_jax.checkpoint import save_converted
         from cmoe_jax.models.adapters import merge_adapters
-        from cmoe_jax.train.modes import RECOVER_DIR
+        from cmoe_jax.train.recovery import RECOVER_DIR
         from cmoe_jax.train.report import plot_loss, write_log
 
         state, lora, s = self.state, self.lora, self.settings

@@ -15,7 +15,7 @@ from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.loading import open_source
 from cmoe_jax.methods.cmoe.budget import Budget, Measured, adaptive_config, check_budget, measure_damage
-from cmoe_jax.methods.cmoe.convert import (ConversionError, ConvertConfig, LayerRecord, check_plans,
+from cmoe_jax.methods.cmoe.convert import (ConvertConfig, LayerRecord, check_plans,
                                            check_router, conversion_mesh, convert_model)
 from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.methods.cmoe.report import write_report

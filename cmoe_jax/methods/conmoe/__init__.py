@@ -6,7 +6,7 @@ each slot goes), `apply_plans` (the prototype runtime) / `materialize` (a copied
 from cmoe_jax.methods.conmoe import baselines, scoring
 from cmoe_jax.methods.conmoe.baselines import METHODS, baseline_plans
 from cmoe_jax.methods.conmoe.build import apply_plans, materialize, routed_bytes
-from cmoe_jax.methods.conmoe.calibration import LayerStats, collect_stats
+from cmoe_jax.methods.conmoe.expert_stats import LayerStats, collect_stats
 from cmoe_jax.methods.conmoe.plan import ScopePlan, conmoe_plans
 from cmoe_jax.methods.conmoe.report import write_report
 from cmoe_jax.methods.conmoe.scoring import DISTANCES, SELECTIONS

@@ -15,7 +15,7 @@ from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.methods.conmoe.baselines import METHODS as BASELINES, baseline_plans
 from cmoe_jax.methods.conmoe.build import apply_plans, routed_bytes, state_bytes
-from cmoe_jax.methods.conmoe.calibration import LayerStats, collect_stats
+from cmoe_jax.methods.conmoe.expert_stats import LayerStats, collect_stats
 from cmoe_jax.methods.conmoe.plan import conmoe_plans, scopes_of
 from cmoe_jax.methods.conmoe.report import write_report
 from cmoe_jax.methods.conmoe.scoring import DISTANCES, SELECTIONS

@@ -82,7 +82,7 @@ class RecoveryModes:
         import jax
 
         from cmoe_jax import distributed
-        from cmoe_jax.train.checkpoint import load_adapters, save_adapters
+        from cmoe_jax.train.run_checkpoints import load_adapters, save_adapters
         from cmoe_jax.train.layerwise import layerwise_recover
         from cmoe_jax.models.adapters import merge_adapters
 
