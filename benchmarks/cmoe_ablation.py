@@ -59,7 +59,7 @@ def windows(lm, args):
 
     valid = load_text_tokens("wikitext2", lm.tokenizer, "validation", args.data_dir / "valid.txt")
     test = load_text_tokens("wikitext2", lm.tokenizer, "test", args.data_dir / "test.txt")
-    bos = window_bos(lm.config.model_type, lm.tokenizer)
+    bos = window_bos(lm.config, lm.tokenizer)
     return valid, bos, text_windows(test, 2048, args.max_windows, bos=bos)
 
 

@@ -208,7 +208,7 @@ def main(argv=None) -> None:
     valid = load_text_tokens("wikitext2", tok, "validation", args.data_dir / "valid.txt")
     test = load_text_tokens("wikitext2", tok, "test", args.data_dir / "test.txt")
     calib = calibration(valid, None, "authors-sampler" if args.sampler == "authors" else "defaults")
-    windows = text_windows(test, 2048, args.max_windows, bos=window_bos(source.config.model_type, tok))
+    windows = text_windows(test, 2048, args.max_windows, bos=window_bos(source.config, tok))
     model = load_torch_causal_lm(Path(source.path)).eval()
     plan = MoEPlan.parse(args.config)
     convert(model, calib, plan.shared, plan.active, plan.total)

@@ -18,7 +18,6 @@ import tempfile
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from conmoe_table import stats_for  # noqa: E402  (benchmarks/ is on sys.path)
 from cmoe_jax.checkpoint import save_converted

@@ -106,7 +106,6 @@ def random_layers(args, load_start: float) -> None:
     """Convert `args.layers` random layers of shape `args.shape`, one at a time."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from cmoe_jax.methods.cmoe import MoEPlan

@@ -39,7 +39,7 @@ def main(argv=None):
     source = SourceModel(args.model)
     tokens = load_text_tokens("wikitext2", source.tokenizer, split="test", data_path=args.data_path)
     windows = eval_windows(tokens, "wikitext2", args.seqlen, args.max_windows,
-                           bos=window_bos(source.config.model_type, source.tokenizer))
+                           bos=window_bos(source.config, source.tokenizer))
     model = load_torch_causal_lm(Path(source.path)).eval()
     nlls = []
     with torch.no_grad():
