@@ -74,6 +74,8 @@ def test_dtype_follows_the_weights():
     (dict(bogus=1), "unknown carve_ffn option"),
     (dict(backend="cuda"), "unknown gmm backend"),
     (dict(activation="relu"), "activation 'relu' is not one of"),
+    (dict(x=np.zeros((1, 4, D), np.float32)), "4 tokens, fewer than the plan's 8 experts"),
+    (dict(x=np.full((5, 8, D), np.nan, np.float32)), "NaN or infinite"),
 ])
 def test_bad_arguments_are_refused_with_one_line(change, message):
     w, x = dense_ffn()

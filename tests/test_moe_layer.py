@@ -269,3 +269,10 @@ def test_jit_and_nnx_training_step():
     assert np.abs(np.asarray(layer.u[...])).max() > 0
     np.testing.assert_array_equal(np.asarray(layer.router_bias[...]), bias0)
     assert float(step(layer, opt, x)) < float(l0)
+
+
+def test_a_top_k_changed_after_construction_is_refused_where_it_is_used():
+    layer = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, activation="silu", rngs=nnx.Rngs(0))
+    layer.top_k = E + 1
+    with pytest.raises(ValueError, match=f"top_k={E + 1} must be in"):
+        layer(jnp.ones((3, D)))

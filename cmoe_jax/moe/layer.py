@@ -111,8 +111,6 @@ class MoEFFN(nnx.Module):
         shared_width, router, norm_topk_prob = spec.shared_width, spec.router, spec.norm_topk_prob
         router_neurons, num_prototypes = spec.router_neurons, spec.num_prototypes
         unit = get_router(router)
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         unit.check(Routing.of(spec, activation))
         if min(d_model, expert_width, num_experts) < 1 or shared_width < 0:
             raise ValueError(f"d_model={d_model}, expert_width={expert_width} and num_experts="

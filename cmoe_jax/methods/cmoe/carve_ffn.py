@@ -56,6 +56,17 @@ def _check(w_gate, w_up, w_down, x) -> tuple[int, int]:
     return d, d_h
 
 
+def _check_calibration(x, plan: MoEPlan) -> None:
+    """Finite inputs, and at least one token per expert: the gate scales are a least-squares
+    fit over the tokens, with one unknown per expert."""
+    tokens = int(np.prod(np.shape(x)[:-1]))
+    if tokens < plan.total:
+        raise InputError(f"calibration_inputs hold {tokens} tokens, fewer than the plan's "
+                         f"{plan.total} experts: give at least one token per expert (a few thousand carve well)")
+    if not bool(jnp.isfinite(jnp.asarray(x)).all()):
+        raise InputError("calibration_inputs hold NaN or infinite values: pass the FFN's finite inputs")
+
+
 def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
               activation: str, dtype=None, backend="auto", return_carving: bool = False,
               **options) -> MoEFFN | tuple[MoEFFN, LayerCarving]:
@@ -82,6 +93,7 @@ def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
     """
     d, d_h = _check(w_gate, w_up, w_down, calibration_inputs)
     plan = plan if isinstance(plan, MoEPlan) else MoEPlan.parse(plan, "plan")
+    _check_calibration(calibration_inputs, plan)
     unknown = set(options) - {f.name for f in dataclasses.fields(ConvertConfig)} | (
         {"plan"} & set(options))
     if unknown:

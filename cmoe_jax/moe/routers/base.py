@@ -43,6 +43,12 @@ class Routing:
     norm_topk_prob: bool = False
     neurons: int = 1  # representative neurons per expert (cmoe)
 
+    def __post_init__(self):
+        # checked where the routing is used (every trace), so a `top_k` changed after
+        # construction fails here in one line rather than deep inside `lax.top_k`
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+
     @classmethod
     def of(cls, spec, activation: str) -> "Routing":
         """The routing of an `FFNSpec`'s (top-level) router."""
