@@ -89,3 +89,17 @@ def test_lmeval_backend_without_its_extra_is_one_error_line():
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("error:") and ".[lmeval]" in lines[0]
+
+
+def test_the_library_entries_load_only_what_they_use():
+    """`import cmoe_jax.moe` and `from cmoe_jax import carve_ffn` are library calls: they load
+    no checkpoint, tokenizer, dataset, plotting or GGUF library, nor numba (which the carving
+    loads when its assignment first runs)."""
+    heavy = ("orbax", "tensorstore", "gguf", "safetensors", "transformers", "datasets", "numba",
+             "matplotlib", "torch")
+    for entry in ("import cmoe_jax.moe", "from cmoe_jax import carve_ffn"):
+        script = (f"import sys, json\n{entry}\n"
+                  f"print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))")
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1]) == [], (entry, proc.stdout)
