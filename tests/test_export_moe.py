@@ -197,3 +197,24 @@ def test_every_spec_field_reaches_the_torch_layer_or_is_refused():
     assert "capacity_factor" not in hf_config._moe_layer(wider(4, 2, 8, router="cmoe"), 16, "silu")
     with pytest.raises(hf_config.ExportError, match="capacity_factor"):
         hf_config._moe_layer(wider(4, 2, 8, router="cmoe", capacity_factor=1.25), 16, "silu")
+
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_linear_router_with_a_balancing_bias_exports_with_remote_code(save_tiny, tmp_path, family):
+    """The family's own class has no balancing bias: the export takes the remote code, whose
+    linear routing adds the bias for the choice as ours does."""
+    import dataclasses
+
+    from flax import nnx
+
+    from cmoe_jax.models import Decoder
+
+    _, path = save_tiny(family)
+    source = load_model(str(path), progress=False).model
+    cfg = source.config.with_moe_layers([s and dataclasses.replace(s, router_balance=True)
+                                         for s in source.config.moe_layers])
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    nnx.update(model, nnx.state(source, nnx.Param))
+    config = _check(trained(model), tmp_path, family)
+    assert all(entry["router_balance"] for entry in config["moe_layers"] if entry)

@@ -22,12 +22,14 @@ SCRIPT = textwrap.dedent('''
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
     tokens, d = 8 * 16, 32
 
-    def check(router, backend):
+    def check(router, backend, balance=False):
         top_k = 8 if router == "sum" else 2
         layer = MoEFFN(d_model=d, expert_width=16, num_experts=8, top_k=top_k, shared_width=16, router=router, backend=backend,
-                       activation="silu", rngs=nnx.Rngs(0))
+                       router_balance=balance, activation="silu", rngs=nnx.Rngs(0))
         if router == "cmoe":
             layer.u[...] = jnp.linspace(-1.0, 1.0, 8)
+        if balance:  # a bias that moves the choice
+            layer.router_bias[...] = jnp.linspace(-0.2, 0.2, 8)
         x = jax.random.normal(jax.random.PRNGKey(1), (8, 16, d))
         graphdef, state = nnx.split(layer)
 
@@ -56,7 +58,7 @@ SCRIPT = textwrap.dedent('''
         for shape in re.findall(r"= \\w+\\[([\\d,]*)\\]\\S* all-gather", hlo):
             dims = {int(s) for s in shape.split(",") if s}
             assert not dims & {tokens, tokens * top_k}, f"all-gather of {shape}"
-        print("OK", router, backend)
+        print("OK", router + ("-balance" if balance else ""), backend)
 
     def check_lora_adapters():
         """Per-expert adapters (the LoRA training path) are split and applied like the weights."""
@@ -96,6 +98,7 @@ SCRIPT = textwrap.dedent('''
 
     check("cmoe", "cpu")
     check("linear", "ragged_dot")
+    check("linear", "cpu", balance=True)
     check("sum", "dense")
     check_lora_adapters()
 ''')
@@ -108,8 +111,8 @@ def test_expert_parallel_matches_one_device_and_uses_all_to_all():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert proc.stdout.split() == ["OK", "cmoe", "cpu", "OK", "linear", "ragged_dot",
-                                   "OK", "sum", "dense", "OK", "lora", "adapters"]
+    assert proc.stdout.split() == ["OK", "cmoe", "cpu", "OK", "linear", "ragged_dot", "OK", "linear-balance",
+                                   "cpu", "OK", "sum", "dense", "OK", "lora", "adapters"]
 
 
 def test_uneven_splits_fail_with_a_clear_message():

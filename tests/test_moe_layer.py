@@ -59,7 +59,7 @@ def numpy_forward(p, x, router, top_k, norm):
     for t, xt in enumerate(x.astype(np.float64)):
         if router == "linear":
             probs = softmax(xt @ p["router_kernel"])
-            sel = np.argsort(-probs, kind="stable")[:top_k]
+            sel = np.argsort(-(probs + p.get("router_bias", 0.0)), kind="stable")[:top_k]  # bias: the choice only
             gates = probs[sel] / (probs[sel].sum() if norm else 1.0)
         elif router == "cmoe":
             s = np.abs(silu(xt @ p["router_gate"]) * (xt @ p["router_up"]))
@@ -276,3 +276,43 @@ def test_a_top_k_changed_after_construction_is_refused_where_it_is_used():
     layer.top_k = E + 1
     with pytest.raises(ValueError, match=f"top_k={E + 1} must be in"):
         layer(jnp.ones((3, D)))
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_the_linear_router_with_a_balancing_bias_matches_a_recomputation(norm):
+    """`router_balance`: the top-k of probs + b choose, the probabilities weigh; b moves with
+    `update_bias`, gets no gradient, and LoRA adapters on the experts apply as merged weights."""
+    from cmoe_jax.lora_variables import attach
+
+    plain = make("linear", 2, norm)
+    layer = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, shared_width=S, norm_topk_prob=norm,
+                   router_balance=True, activation="silu", rngs=nnx.Rngs(0))
+    nnx.update(layer, nnx.state(plain, nnx.Param))
+    layer.router_bias[...] = jnp.asarray(np.random.default_rng(3).normal(size=E) * 0.2, jnp.float32)
+    x = tokens()
+    y, counts = layer(jnp.asarray(x), return_load=True)
+    want, want_counts = numpy_forward(pure(layer), x, "linear", 2, norm)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(np.asarray(counts), want_counts)
+    assert (np.asarray(counts) != np.asarray(plain(jnp.asarray(x), return_load=True)[1])).any()
+
+    before = np.asarray(layer.router_bias[...])
+    layer.update_bias(counts, gamma=0.01)
+    step = np.sign(np.asarray(counts).mean() - np.asarray(counts))
+    np.testing.assert_allclose(np.asarray(layer.router_bias[...]), before + 0.01 * step, rtol=1e-6)
+    grads = nnx.grad(lambda m: jnp.sum(m(jnp.asarray(x)) ** 2))(layer)
+    assert "router_bias" not in nnx.to_pure_dict(grads)  # state, not a parameter
+
+    rng = np.random.default_rng(4)
+    a, b = rng.normal(size=(E, D, 2)) * 0.3, rng.normal(size=(E, 2, M)) * 0.3
+    attach(layer, "expert_up", a, b, scale=0.5)
+    merged = pure(layer)
+    merged["expert_up"] = merged["expert_up"] + 0.5 * np.einsum("edr,erm->edm", a, b)
+    want, _ = numpy_forward(merged, x, "linear", 2, norm)
+    np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x))), want, rtol=2e-4, atol=2e-4)
+
+
+def test_a_router_option_its_kind_does_not_implement_is_refused():
+    with pytest.raises(ValueError, match="router_balance is an option of the linear router"):
+        MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=E, router="sum", router_balance=True,
+               activation="silu", rngs=nnx.Rngs(0))

@@ -40,9 +40,10 @@ def _rope(cfg: ModelConfig) -> dict:
 
 def keeps_original_architecture(cfg: ModelConfig) -> bool:
     """Dense, or the unchanged MoE layers of a sparse family (its unit's `own_moe`): never a
-    hierarchical layer (sub-experts) or a ConMoE one (prototype table behind the slots)."""
+    hierarchical layer (sub-experts), a ConMoE one (prototype table behind the slots) or a
+    router with a balancing bias."""
     specs = [s for s in cfg.moe_layers if s is not None]
-    plain = all(s.sub_experts == 0 and s.num_prototypes == 0 for s in specs)
+    plain = all(s.sub_experts == 0 and s.num_prototypes == 0 and not s.router_balance for s in specs)
     return not specs or (plain and cfg.family.own_moe(cfg, specs))
 
 

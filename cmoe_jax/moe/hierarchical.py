@@ -132,7 +132,7 @@ class HierMoEFFN(MoEFFN):
         sub_shared, sub_top_k, num_prototypes = spec.sub_shared, spec.sub_top_k, spec.num_prototypes
         expert_width, sub_router_neurons = spec.expert_width, spec.sub_router_neurons
         unit = get_router(router)  # the top level's
-        unit.check(Routing.of(spec, activation))
+        unit.validate(Routing.of(spec, activation))
         n_routed = sub_experts - sub_shared
         if not (sub_experts > 0 and 0 <= sub_shared < sub_experts and 1 <= sub_top_k <= n_routed):
             raise ValueError(f"sub-plan S{sub_shared}A{sub_top_k}E{sub_experts} is invalid")
@@ -203,7 +203,7 @@ class HierMoEFFN(MoEFFN):
     @property
     def top_routing(self) -> Routing:
         return Routing(self.top_experts, self.top_top_k, self.activation, self.norm_topk_prob,
-                       self.router_neurons)
+                       self.router_neurons, self.spec.router_balance)
 
     def _top_arrays(self) -> dict:
         """role -> the top-level router's arrays (its units' `top_name`s)."""

@@ -111,7 +111,7 @@ class MoEFFN(nnx.Module):
         shared_width, router, norm_topk_prob = spec.shared_width, spec.router, spec.norm_topk_prob
         router_neurons, num_prototypes = spec.router_neurons, spec.num_prototypes
         unit = get_router(router)
-        unit.check(Routing.of(spec, activation))
+        unit.validate(Routing.of(spec, activation))
         if min(d_model, expert_width, num_experts) < 1 or shared_width < 0:
             raise ValueError(f"d_model={d_model}, expert_width={expert_width} and num_experts="
                              f"{num_experts} must be positive, shared_width={shared_width} >= 0")
@@ -169,7 +169,7 @@ class MoEFFN(nnx.Module):
     @property
     def routing(self) -> Routing:
         return Routing(self.num_experts, self.top_k, self.activation, self.norm_topk_prob,
-                       self.router_neurons)
+                       self.router_neurons, self.spec.router_balance)
 
     def variable_axes(self) -> dict:
         """Logical axes of every variable: the class's, and the router unit's."""
@@ -284,8 +284,12 @@ class MoEFFN(nnx.Module):
                                      expert_parallel=mode == "expert_parallel")
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:
-        """CMoE load balancing step in place: `b += gamma * sign(mean(counts) - counts)`."""
-        if "bias" not in self.router_unit.trained:
-            raise ValueError(f"router {self.router!r} has no balancing bias (the cmoe router has one)")
-        self.router_bias[...] = update_router_bias(self.router_bias, counts, gamma)
+        """Load balancing step in place: `b += gamma * sign(mean(counts) - counts)` (the cmoe
+        router's bias, or the linear router's with `router_balance=True`)."""
+        bias = self.router_unit.params(self.d_model, self.routing).get("bias")
+        if bias is None:
+            raise ValueError(f"router {self.router!r} has no balancing bias (the cmoe router has one; "
+                             "the linear router with router_balance=True)")
+        var = getattr(self, bias.name)
+        var[...] = update_router_bias(var, counts, gamma)
 

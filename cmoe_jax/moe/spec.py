@@ -58,6 +58,9 @@ class FFNSpec:
     duplicate_gates: str = "sum"
     # Qwen2-MoE: the shared MLP's output is scaled by sigmoid(x W_sg), W_sg [d, 1]
     shared_gated: bool = False
+    # linear router: a balancing bias b [E] added to the probabilities for the choice only
+    # (aux-loss-free balancing, DeepSeek-V3), moved by `update_bias`, never by the optimiser
+    router_balance: bool = False
 
 
 def spec_with(spec: FFNSpec | None, fields: dict, owner: str = "MoEFFN") -> FFNSpec:

@@ -61,7 +61,8 @@ class MoEMLP(nn.Module):
     # the `moe_layers` entry's keys this module implements (cmoe_jax's `FFNSpec` fields)
     SPEC = ("num_experts", "top_k", "expert_width", "shared_width", "router", "norm_topk_prob",
             "router_neurons", "sub_experts", "sub_shared", "sub_top_k", "sub_router_neurons",
-            "num_prototypes", "prototype_owner", "duplicate_gates", "shared_gated", "router_params")
+            "num_prototypes", "prototype_owner", "duplicate_gates", "shared_gated", "router_balance",
+            "router_params")
 
     def __init__(self, hidden_size, spec, *, act, owner=None):
         """`spec`: the layer's `moe_layers` entry (every key of `SPEC`), taken whole."""

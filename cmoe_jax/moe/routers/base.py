@@ -42,6 +42,7 @@ class Routing:
     activation: str  # the model's: no default, so a Gemma layer never routes with SiLU
     norm_topk_prob: bool = False
     neurons: int = 1  # representative neurons per expert (cmoe)
+    balance: bool = False  # a balancing bias steers the choice (linear; cmoe always has one)
 
     def __post_init__(self):
         # checked where the routing is used (every trace), so a `top_k` changed after
@@ -52,7 +53,8 @@ class Routing:
     @classmethod
     def of(cls, spec, activation: str) -> "Routing":
         """The routing of an `FFNSpec`'s (top-level) router."""
-        return cls(spec.num_experts, spec.top_k, activation, spec.norm_topk_prob, spec.router_neurons)
+        return cls(spec.num_experts, spec.top_k, activation, spec.norm_topk_prob, spec.router_neurons,
+                   spec.router_balance)
 
 
 class Router(abc.ABC):
@@ -68,8 +70,18 @@ class Router(abc.ABC):
     learned_gates: ClassVar[bool] = True
     torch_route: ClassVar[Callable | None] = None
 
+    # the optional routing settings (`Routing` fields) this kind implements
+    options: ClassVar[tuple[str, ...]] = ()
+
+    def validate(self, routing: Routing) -> None:
+        """Raise ValueError for a `routing` this kind cannot serve, an optional setting it does
+        not implement included (rather than ignoring it)."""
+        if routing.balance and "balance" not in self.options:
+            raise ValueError(f"router_balance is an option of the linear router, not of {self.name!r}")
+        self.check(routing)
+
     def check(self, routing: Routing) -> None:
-        """Raise ValueError for a `routing` this kind cannot serve."""
+        """The kind's own checks of `routing` (`validate` runs them)."""
 
     @abc.abstractmethod
     def params(self, d_model: int, routing: Routing) -> dict[str, RouterParam]:
