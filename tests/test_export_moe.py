@@ -200,10 +200,12 @@ def test_every_spec_field_reaches_the_torch_layer_or_is_refused():
 
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_a_linear_router_with_a_balancing_bias_exports_with_remote_code(save_tiny, tmp_path, family):
-    """The family's own class has no balancing bias: the export takes the remote code, whose
-    linear routing adds the bias for the choice as ours does."""
+@pytest.mark.parametrize("family,options", [
+    ("qwen3_moe", {}), ("mixtral", {}),
+    ("qwen3_moe", dict(router_scoring="sigmoid", routed_scaling=2.5, router_jitter=0.1))])
+def test_a_linear_router_with_a_balancing_bias_exports_with_remote_code(save_tiny, tmp_path, family, options):
+    """The family's own class has no balancing bias (nor sigmoid scores, nor a gate scale): the
+    export takes the remote code, whose linear routing does as ours does (jitter only trains)."""
     import dataclasses
 
     from flax import nnx
@@ -212,7 +214,7 @@ def test_a_linear_router_with_a_balancing_bias_exports_with_remote_code(save_tin
 
     _, path = save_tiny(family)
     source = load_model(str(path), progress=False).model
-    cfg = source.config.with_moe_layers([s and dataclasses.replace(s, router_balance=True)
+    cfg = source.config.with_moe_layers([s and dataclasses.replace(s, router_balance=True, **options)
                                          for s in source.config.moe_layers])
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     nnx.update(model, nnx.state(source, nnx.Param))

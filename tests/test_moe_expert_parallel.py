@@ -25,10 +25,11 @@ SCRIPT = textwrap.dedent('''
     def check(router, backend, balance=False):
         top_k = 8 if router == "sum" else 2
         layer = MoEFFN(d_model=d, expert_width=16, num_experts=8, top_k=top_k, shared_width=16, router=router, backend=backend,
-                       router_balance=balance, activation="silu", rngs=nnx.Rngs(0))
+                       router_balance=balance, activation="silu", rngs=nnx.Rngs(0),
+                       **(dict(router_scoring="sigmoid", routed_scaling=2.0) if balance else {}))
         if router == "cmoe":
             layer.u[...] = jnp.linspace(-1.0, 1.0, 8)
-        if balance:  # a bias that moves the choice
+        if balance:  # a bias that moves the choice, with sigmoid scores and a gate scale
             layer.router_bias[...] = jnp.linspace(-0.2, 0.2, 8)
         x = jax.random.normal(jax.random.PRNGKey(1), (8, 16, d))
         graphdef, state = nnx.split(layer)

@@ -52,15 +52,16 @@ def pure(layer):
     return {k: np.asarray(v, np.float64) for k, v in nnx.to_pure_dict(nnx.state(layer)).items()}
 
 
-def numpy_forward(p, x, router, top_k, norm):
+def numpy_forward(p, x, router, top_k, norm, scoring="softmax", scaling=1.0):
     """Per token, per selected expert, in float64."""
     out = np.zeros_like(x, dtype=np.float64)
     counts = np.zeros(E, np.int64)
     for t, xt in enumerate(x.astype(np.float64)):
         if router == "linear":
-            probs = softmax(xt @ p["router_kernel"])
+            z = xt @ p["router_kernel"]
+            probs = 1 / (1 + np.exp(-z)) if scoring == "sigmoid" else softmax(z)
             sel = np.argsort(-(probs + p.get("router_bias", 0.0)), kind="stable")[:top_k]  # bias: the choice only
-            gates = probs[sel] / (probs[sel].sum() if norm else 1.0)
+            gates = scaling * probs[sel] / (probs[sel].sum() if norm else 1.0)
         elif router == "cmoe":
             s = np.abs(silu(xt @ p["router_gate"]) * (xt @ p["router_up"]))
             probs = softmax(s)
@@ -312,7 +313,49 @@ def test_the_linear_router_with_a_balancing_bias_matches_a_recomputation(norm):
     np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x))), want, rtol=2e-4, atol=2e-4)
 
 
-def test_a_router_option_its_kind_does_not_implement_is_refused():
-    with pytest.raises(ValueError, match="router_balance is an option of the linear router"):
-        MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=E, router="sum", router_balance=True,
-               activation="silu", rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("field,value", [("router_balance", True), ("router_scoring", "sigmoid"),
+                                         ("routed_scaling", 2.0), ("router_jitter", 0.1)])
+def test_a_router_option_its_kind_does_not_implement_is_refused(field, value):
+    with pytest.raises(ValueError, match=f"{field} is an option of the linear router"):
+        MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, router="cmoe", activation="silu",
+               rngs=nnx.Rngs(0), **{field: value})
+
+
+@pytest.mark.parametrize("norm,balance", [(False, False), (True, True)])
+def test_sigmoid_scores_and_a_routed_scale_match_a_recomputation(norm, balance):
+    layer = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, shared_width=S, norm_topk_prob=norm,
+                   router_balance=balance, router_scoring="sigmoid", routed_scaling=2.5, activation="silu",
+                   rngs=nnx.Rngs(0))
+    nnx.update(layer, nnx.state(make("linear", 2, norm), nnx.Param))
+    if balance:
+        layer.router_bias[...] = jnp.asarray(np.random.default_rng(3).normal(size=E) * 0.2, jnp.float32)
+    x = tokens()
+    y, counts = layer(jnp.asarray(x), return_load=True)
+    want, want_counts = numpy_forward(pure(layer), x, "linear", 2, norm, scoring="sigmoid", scaling=2.5)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(np.asarray(counts), want_counts)
+
+
+def test_router_jitter_acts_only_in_training_on_the_router_input():
+    """With a key the router sees x * U(1 - j, 1 + j) (the experts see x); without, nothing."""
+    from cmoe_jax.moe.routers.base import jittered
+
+    layer = MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, router_jitter=0.5, activation="silu",
+                   rngs=nnx.Rngs(0))
+    nnx.update(layer, nnx.state(make("linear", 2, shared=0), nnx.Param))
+    x, key = jnp.asarray(tokens()), jax.random.PRNGKey(7)
+    np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(make("linear", 2, shared=0)(x)))
+    noisy = np.asarray(jittered(x, layer.routing, key))
+    ratio = noisy / np.asarray(x)
+    assert 0.5 <= ratio.min() and ratio.max() <= 1.5 and ratio.std() > 0.1
+    ids, gates = layer.route(x, key)
+    want_ids, want_gates = layer.router_unit.route(jnp.asarray(noisy), layer._router_arrays(), layer.routing)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(gates), np.asarray(want_gates), rtol=1e-6)
+    assert (np.asarray(ids) != np.asarray(layer.route(x)[0])).any()
+
+
+@pytest.mark.parametrize("field,value", [("router_scoring", "tanh"), ("routed_scaling", 0.0), ("router_jitter", 1.0)])
+def test_bad_routing_options_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, activation="silu", rngs=nnx.Rngs(0), **{field: value})

@@ -18,7 +18,10 @@ from cmoe_jax.models import ModelConfig
 from cmoe_jax.models.families import FAMILIES
 from cmoe_jax.moe.activations import to_hf_name
 from cmoe_jax.moe.routers import ROUTERS, Routing
-from cmoe_jax.moe.spec import has_torch_form
+from cmoe_jax.moe.routers.base import options_of
+from cmoe_jax.moe.spec import FFNSpec, has_torch_form
+
+_NO_OPTIONS = options_of(FFNSpec(1, 1, 1))  # what a family's own MoE class routes with
 
 REMOTE_CODE = "modeling_cmoe.py"
 
@@ -41,9 +44,9 @@ def _rope(cfg: ModelConfig) -> dict:
 def keeps_original_architecture(cfg: ModelConfig) -> bool:
     """Dense, or the unchanged MoE layers of a sparse family (its unit's `own_moe`): never a
     hierarchical layer (sub-experts), a ConMoE one (prototype table behind the slots) or a
-    router with a balancing bias."""
+    router with an optional setting (balancing bias, sigmoid scores, gate scale, jitter)."""
     specs = [s for s in cfg.moe_layers if s is not None]
-    plain = all(s.sub_experts == 0 and s.num_prototypes == 0 and not s.router_balance for s in specs)
+    plain = all(s.sub_experts == 0 and s.num_prototypes == 0 and options_of(s) == _NO_OPTIONS for s in specs)
     return not specs or (plain and cfg.family.own_moe(cfg, specs))
 
 

@@ -41,6 +41,7 @@ from cmoe_jax.moe.modes import check_input, dispatch_mode
 from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
 from cmoe_jax.moe.params import make_param, make_router_params
 from cmoe_jax.moe.routers import Routing, get_router, router_logits
+from cmoe_jax.moe.routers.base import jittered, options_of
 from cmoe_jax.moe.spec import FFNSpec, spec_with
 
 
@@ -166,10 +167,11 @@ class HierMoEFFN(MoEFFN):
         self.u = nnx.Param(jnp.zeros((families, n_routed), param_dtype))
         self.router_bias = RouterBias(jnp.zeros((families, n_routed), jnp.float32))
 
-    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Flattened sub-expert ids and combine weights `[T, k*(N'_s+N'_k)]`."""
+    def route(self, x: jax.Array, key=None) -> tuple[jax.Array, jax.Array]:
+        """Flattened sub-expert ids and combine weights `[T, k*(N'_s+N'_k)]` (`key`: training,
+        the top-level router's jitter if it has one, on the input of both levels)."""
         check_input(x, self.d_model, type(self).__name__)
-        top = self._top_arrays()
+        x, top = jittered(x, self.top_routing, key), self._top_arrays()
         slots = (self.slot_map[...],) if self.num_prototypes > 0 else ()
         arrays = (top, self.sub_gate[...], self.sub_up[...], self.u[...], self.router_bias[...]) + slots
         if self._expert_parallel():
@@ -203,7 +205,7 @@ class HierMoEFFN(MoEFFN):
     @property
     def top_routing(self) -> Routing:
         return Routing(self.top_experts, self.top_top_k, self.activation, self.norm_topk_prob,
-                       self.router_neurons, self.spec.router_balance)
+                       self.router_neurons, **options_of(self.spec))
 
     def _top_arrays(self) -> dict:
         """role -> the top-level router's arrays (its units' `top_name`s)."""
@@ -217,7 +219,7 @@ class HierMoEFFN(MoEFFN):
 
     def forward(self, x: jax.Array, key=None):
         """`MoEFFN.forward`; the loads are the routed sub-experts' `[N, N'_r]`."""
-        ids, weights = self.route(x)
+        ids, weights = self.route(x, key)
         routed, counts = self.routed(x, ids, weights, key)
         y = (self.shared(x, key).astype(jnp.float32) + routed).astype(self.dtype)
         return ids, y, counts.reshape(-1, self.sub_experts)[:, self.sub_shared:]

@@ -39,6 +39,7 @@ from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
 from cmoe_jax.moe.router_outputs import router_output
 from cmoe_jax.moe.params import make_param, make_router_params
 from cmoe_jax.moe.routers import Router, Routing, get_router, router_logits
+from cmoe_jax.moe.routers.base import jittered, options_of
 from cmoe_jax.moe.spec import FFNSpec, spec_with
 
 # the layer's own settings (not its shape): what a subclass passes on to `MoEFFN.__init__`
@@ -145,8 +146,9 @@ class MoEFFN(nnx.Module):
         self.expert_gate, self.expert_up, self.expert_down = param(e, d, m), param(e, d, m), param(e, m, d)
         make_router_params(self, unit.params(d, self.routing), param, param_dtype)
 
-    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Expert ids int32 `[T, k]` and float32 gates `[T, k]` for tokens `x [T, d]`.
+    def route(self, x: jax.Array, key=None) -> tuple[jax.Array, jax.Array]:
+        """Expert ids int32 `[T, k]` and float32 gates `[T, k]` for tokens `x [T, d]` (`key`:
+        training, the router's jitter if it has one).
 
         Expert-parallel, each device routes its own tokens (XLA would otherwise gather the
         router scores of all tokens for the top-k)."""
@@ -154,7 +156,7 @@ class MoEFFN(nnx.Module):
             raise ValueError(f"route expects flattened tokens [T, d_model={self.d_model}], got "
                              f"shape {getattr(x, 'shape', None)}")
         check_input(x, self.d_model, type(self).__name__)
-        arrays = self._router_arrays()
+        x, arrays = jittered(x, self.routing, key), self._router_arrays()
         if self.num_prototypes > 0:  # pruned slots (map -1) are never selected
             arrays = dict(arrays, keep=self.slot_map[...] >= 0)
         if self._expert_parallel():
@@ -169,7 +171,7 @@ class MoEFFN(nnx.Module):
     @property
     def routing(self) -> Routing:
         return Routing(self.num_experts, self.top_k, self.activation, self.norm_topk_prob,
-                       self.router_neurons, self.spec.router_balance)
+                       self.router_neurons, **options_of(self.spec))
 
     def variable_axes(self) -> dict:
         """Logical axes of every variable: the class's, and the router unit's."""
@@ -232,7 +234,7 @@ class MoEFFN(nnx.Module):
 
     def forward(self, x: jax.Array, key=None):
         """Tokens `x [T, d]` (T > 0) -> (router slot ids `[T, k]`, y `[T, d]`, loads)."""
-        ids, gates = self.route(x)
+        ids, gates = self.route(x, key)
         slot_ids = ids
         if self.num_prototypes > 0:  # load per router slot; dispatch on the prototypes
             slot_counts = jnp.bincount(ids.reshape(-1), length=self.num_experts).astype(jnp.int32)

@@ -61,6 +61,12 @@ class FFNSpec:
     # linear router: a balancing bias b [E] added to the probabilities for the choice only
     # (aux-loss-free balancing, DeepSeek-V3), moved by `update_bias`, never by the optimiser
     router_balance: bool = False
+    # linear router: "softmax" or "sigmoid" scores (DeepSeek-V3; gates the chosen experts'
+    # sigmoid scores, renormalised with norm_topk_prob), the gates times `routed_scaling`, and
+    # in training (a `key` given) the router's input times U(1 - jitter, 1 + jitter) (Switch)
+    router_scoring: str = "softmax"
+    routed_scaling: float = 1.0
+    router_jitter: float = 0.0
 
 
 def spec_with(spec: FFNSpec | None, fields: dict, owner: str = "MoEFFN") -> FFNSpec:

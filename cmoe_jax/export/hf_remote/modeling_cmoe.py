@@ -62,7 +62,7 @@ class MoEMLP(nn.Module):
     SPEC = ("num_experts", "top_k", "expert_width", "shared_width", "router", "norm_topk_prob",
             "router_neurons", "sub_experts", "sub_shared", "sub_top_k", "sub_router_neurons",
             "num_prototypes", "prototype_owner", "duplicate_gates", "shared_gated", "router_balance",
-            "router_params")
+            "router_scoring", "routed_scaling", "router_jitter", "router_params")
 
     def __init__(self, hidden_size, spec, *, act, owner=None):
         """`spec`: the layer's `moe_layers` entry (every key of `SPEC`), taken whole."""
@@ -75,6 +75,8 @@ class MoEMLP(nn.Module):
         sub_experts, sub_shared, num_prototypes = spec["sub_experts"], spec["sub_shared"], spec["num_prototypes"]
         self.num_experts, self.top_k, self.router = n, spec["top_k"], spec["router"]
         self.norm_topk_prob, self.sub_top_k = spec["norm_topk_prob"], spec["sub_top_k"]
+        # the linear router's scoring and gate scale (jitter only acts in training)
+        self.scoring, self.scaling = spec["router_scoring"], spec["routed_scaling"]
         self.sub_experts, self.sub_shared = sub_experts, sub_shared
         self.num_prototypes, self.duplicate_gates = num_prototypes, spec["duplicate_gates"]
         self.shared_width, self.shared_gated = s, spec["shared_gated"] and s > 0
@@ -111,7 +113,9 @@ class MoEMLP(nn.Module):
     def top_route(self, x, keep):
         """The top-level choice over the router's slots: (ids [T, k], float32 gates [T, k])."""
         p = {role: getattr(self, name) for role, name in self.router_params.items()}
-        return ROUTES[self.router](torch, self.act, x, p, self.top_k, self.norm_topk_prob, keep)
+        r = {"top_k": self.top_k, "norm_topk_prob": self.norm_topk_prob, "scoring": self.scoring,
+             "scaling": self.scaling}
+        return ROUTES[self.router](torch, self.act, x, p, r, keep)
 
     def route(self, x):
         """(expert rows [T, j], float32 gates [T, j]) of tokens x [T, d]."""

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Callable, ClassVar
 
 import jax
+import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,26 +43,55 @@ class Routing:
     activation: str  # the model's: no default, so a Gemma layer never routes with SiLU
     norm_topk_prob: bool = False
     neurons: int = 1  # representative neurons per expert (cmoe)
+    # the optional settings (`OPTIONS`; a kind lists those it implements in `Router.options`)
     balance: bool = False  # a balancing bias steers the choice (linear; cmoe always has one)
+    scoring: str = "softmax"  # or "sigmoid"
+    scaling: float = 1.0  # the gates' factor
+    jitter: float = 0.0  # training: the router's input times U(1 - jitter, 1 + jitter)
 
     def __post_init__(self):
         # checked where the routing is used (every trace), so a `top_k` changed after
         # construction fails here in one line rather than deep inside `lax.top_k`
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"router_scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if not (self.scaling > 0 and 0 <= self.jitter < 1):
+            raise ValueError(f"routed_scaling={self.scaling} must be > 0 and router_jitter={self.jitter} in [0, 1)")
 
     @classmethod
     def of(cls, spec, activation: str) -> "Routing":
         """The routing of an `FFNSpec`'s (top-level) router."""
         return cls(spec.num_experts, spec.top_k, activation, spec.norm_topk_prob, spec.router_neurons,
-                   spec.router_balance)
+                   **options_of(spec))
+
+
+# Routing's optional settings -> the FFNSpec fields that set them
+OPTIONS = {"balance": "router_balance", "scoring": "router_scoring", "scaling": "routed_scaling",
+           "jitter": "router_jitter"}
+
+
+def jittered(x: jax.Array, routing: Routing, key) -> jax.Array:
+    """The router's input: `x` times U(1 - jitter, 1 + jitter) per element when the routing
+    has jitter and a `key` is given (training), else `x` (Switch Transformer's router noise)."""
+    if routing.jitter == 0 or key is None:
+        return x
+    noise = jax.random.uniform(jax.random.fold_in(key, 0x6A17), x.shape, jnp.float32,
+                               1.0 - routing.jitter, 1.0 + routing.jitter)
+    return (x.astype(jnp.float32) * noise).astype(x.dtype)
+
+
+def options_of(spec) -> dict:
+    """The optional routing settings an `FFNSpec` asks for."""
+    return {name: getattr(spec, field) for name, field in OPTIONS.items()}
 
 
 class Router(abc.ABC):
     """A router kind. Subclasses set `name` and define `params`, `route` and `logits`;
     `torch_route` is the same routing for the exported transformers model: a module-level
-    function `f(torch, act, x, p, k, norm, keep)` (torch passed in, so this package never
-    imports it) whose source the export writes into the remote code."""
+    function `f(torch, act, x, p, r, keep)` (torch passed in, so this package never imports
+    it; `r` the routing settings by name: `top_k`, `norm_topk_prob`, `scoring`, `scaling`)
+    whose source the export writes into the remote code."""
 
     name: ClassVar[str]
     # trained beside LoRA adapters: the roles of gate scales `u` and selection bias
@@ -76,8 +106,10 @@ class Router(abc.ABC):
     def validate(self, routing: Routing) -> None:
         """Raise ValueError for a `routing` this kind cannot serve, an optional setting it does
         not implement included (rather than ignoring it)."""
-        if routing.balance and "balance" not in self.options:
-            raise ValueError(f"router_balance is an option of the linear router, not of {self.name!r}")
+        defaults = Routing(1, 1, "")
+        for name, field in OPTIONS.items():
+            if getattr(routing, name) != getattr(defaults, name) and name not in self.options:
+                raise ValueError(f"{field} is an option of the linear router, not of {self.name!r}")
         self.check(routing)
 
     def check(self, routing: Routing) -> None:

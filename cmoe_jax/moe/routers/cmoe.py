@@ -44,7 +44,7 @@ def cmoe_route(x, router_gate, router_up, u, bias, top_k: int, keep=None, *, act
     return ids.astype(jnp.int32), gates
 
 
-def torch_cmoe_route(torch, act, x, p, k, norm, keep):
+def torch_cmoe_route(torch, act, x, p, r, keep):
     u = p["u"].float()
     h = torch.abs(act(x @ p["gate"].float()) * (x @ p["up"].float()))
     scores = h.reshape(x.shape[0], u.shape[0], -1).sum(-1)
@@ -52,7 +52,7 @@ def torch_cmoe_route(torch, act, x, p, k, norm, keep):
         scores = scores.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     key = probs + p["bias"].float()
-    ids = torch.topk(key if keep is None else key.masked_fill(~keep, float("-inf")), k, dim=-1).indices
+    ids = torch.topk(key if keep is None else key.masked_fill(~keep, float("-inf")), r["top_k"], dim=-1).indices
     return ids, 1.0 + probs.gather(-1, ids) * u[ids]
 
 

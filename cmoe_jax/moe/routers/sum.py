@@ -11,8 +11,8 @@ def sum_route(num_tokens: int, num_experts: int):
     return ids, jnp.ones((num_tokens, num_experts), jnp.float32)
 
 
-def torch_sum_route(torch, act, x, p, k, norm, keep):
-    ids = torch.arange(k, device=x.device).expand(x.shape[0], -1)
+def torch_sum_route(torch, act, x, p, r, keep):
+    ids = torch.arange(r["top_k"], device=x.device).expand(x.shape[0], -1)
     return ids, torch.ones(ids.shape, device=x.device)
 
 

@@ -15,11 +15,11 @@ def topsum_route(x, kernel, top_k: int, keep=None):
     return ids.astype(jnp.int32), jnp.ones(ids.shape, jnp.float32)
 
 
-def torch_topsum_route(torch, act, x, p, k, norm, keep):
+def torch_topsum_route(torch, act, x, p, r, keep):
     logits = x @ p["kernel"].float()
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
-    ids = torch.topk(logits, k, dim=-1).indices
+    ids = torch.topk(logits, r["top_k"], dim=-1).indices
     return ids, torch.ones(ids.shape, device=x.device)
 
 
