@@ -141,7 +141,7 @@ def test_perplexity_and_a_task(hetero, src, tmp_path):
                       "--max-windows", "4", "--json", str(out), "--no-progress"]) == 0
     tok = load_tokenizer(path)
     windows = eval_windows(load_text_tokens("wikitext2", tok, data_path=str(src / "text.txt")), "wikitext2",
-                           32, 4, bos=window_bos(load_config(path), tok))
+                           32, 4, bos=window_bos(load_config(path)[0], tok))
     assert json.loads(out.read_text())["nll"] == pytest.approx(_nll(moe, windows).mean(), abs=1e-5)
 
     data, out = write_arc_like(tmp_path / "arc.jsonl", n=6), tmp_path / "arc.json"
