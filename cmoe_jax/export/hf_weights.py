@@ -60,11 +60,10 @@ def hf_tensors(cfg: ModelConfig, path: tuple, values: Mapping) -> Iterator[tuple
         fused = next((f for f in cfg.family.fused if rel in f.parts), None)
         if fused is None:
             yield name, array
-        elif rel == fused.parts[0]:
-            parts = [dict(_unfused(cfg, p, np.asarray(values[p], np.float32)))
-                     for p in (_layer_path(cfg, int(layer), part) for part in fused.parts)]
-            yield (f"{base}.layers.{layer}.{fused.name}",
-                   np.concatenate([next(iter(p.values())) for p in parts], axis=0))
+        elif rel == fused.parts[0]:  # this part's array, then the others' (their own paths yield nothing)
+            others = [next(_unfused(cfg, p, np.asarray(values[p], np.float32)))[1]
+                      for p in (_layer_path(cfg, int(layer), part) for part in fused.parts[1:])]
+            yield f"{base}.layers.{layer}.{fused.name}", np.concatenate([array, *others], axis=0)
 
 
 def _mlp_tensors(cfg: ModelConfig, layer: int, leaf: str, value: np.ndarray):

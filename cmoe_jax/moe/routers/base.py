@@ -106,9 +106,9 @@ class Router(abc.ABC):
     def validate(self, routing: Routing) -> None:
         """Raise ValueError for a `routing` this kind cannot serve, an optional setting it does
         not implement included (rather than ignoring it)."""
-        defaults = Routing(1, 1, "")
+        defaults = {f.name: f.default for f in dataclasses.fields(Routing)}
         for name, field in OPTIONS.items():
-            if getattr(routing, name) != getattr(defaults, name) and name not in self.options:
+            if getattr(routing, name) != defaults[name] and name not in self.options:
                 raise ValueError(f"{field} is an option of the linear router, not of {self.name!r}")
         self.check(routing)
 
