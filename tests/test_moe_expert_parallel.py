@@ -132,3 +132,87 @@ def test_uneven_splits_fail_with_a_clear_message():
     with pytest.raises(ValueError, match="6 experts do not split over 4 devices"):
         routed_experts_sharded(jnp.zeros((16, 4)), ids[:1].repeat(16, 0), gates[:1].repeat(16, 0),
                                (jnp.zeros((6, 4, 2)),), None, mesh=mesh)
+
+
+PADDED_SCRIPT = textwrap.dedent('''
+    import numpy as np, jax, jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from cmoe_jax.moe import MoEFFN
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
+    d = 32
+
+    def make(factor):
+        layer = MoEFFN(d_model=d, expert_width=16, num_experts=8, top_k=2, shared_width=16,
+                       router_balance=True, capacity_factor=factor, backend="ragged_dot",
+                       activation="silu", rngs=nnx.Rngs(0))
+        layer.router_bias[...] = jnp.linspace(-0.2, 0.2, 8)
+        return nnx.split(layer)
+
+    def run(graphdef, state, x, mask):
+        y, load, r = nnx.merge(graphdef, state)(x, mask=mask, return_load=True, return_router=True)
+        return y, load, r.aux_loss, r.z_loss, r.dropped
+
+    def sharded(state):
+        spec = lambda path, v: P("expert") if path[0].key.startswith("expert_") else P()
+        specs = jax.tree_util.tree_map_with_path(spec, state)
+        return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+
+    def close(got, want):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+    graphdef, state = make(0.0)
+    fn = jax.jit(lambda s, x, m: run(graphdef, s, x, m))
+    for tokens, masked in [(62, False), (2, False), (64, True), (13, True)]:
+        x = jax.random.normal(jax.random.PRNGKey(tokens), (tokens, d))
+        mask = (jnp.arange(tokens) % 5 != 2) if masked else None
+        want = fn(state, x, mask)
+        with jax.set_mesh(mesh):
+            got = fn(sharded(state), x, mask)
+        close(got, want)
+        print("OK", tokens, "masked" if masked else "all")
+
+    # capacity: each device limits its own 8 tokens, as one device does on each block of 8
+    graphdef, state = make(0.75)
+    fn = jax.jit(lambda s, x, m: run(graphdef, s, x, m))
+    x = jax.random.normal(jax.random.PRNGKey(5), (64, d))
+    mask = jnp.arange(64) % 7 != 3
+    blocks = [fn(state, x[i:i + 8], mask[i:i + 8]) for i in range(0, 64, 8)]
+    with jax.set_mesh(mesh):
+        y, load, _, _, dropped = fn(sharded(state), x, mask)
+    close((y, load), (jnp.concatenate([b[0] for b in blocks]), sum(b[1] for b in blocks)))
+    live = [int(mask[i:i + 8].sum()) for i in range(0, 64, 8)]
+    np.testing.assert_allclose(float(dropped), sum(float(b[4]) * n for b, n in zip(blocks, live)) / sum(live), rtol=1e-6)
+    assert float(dropped) > 0
+    print("OK capacity", round(float(dropped), 3))
+
+    # the exchange: ragged_all_to_all where the platform has one, the padded all-to-all on CPU
+    spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+    with jax.set_mesh(mesh):
+        args = (jax.tree.map(spec, sharded(state)),
+                jax.ShapeDtypeStruct((64, d), jnp.float32, sharding=NamedSharding(mesh, P(("data", "expert")))),
+                jax.ShapeDtypeStruct((64,), jnp.bool_, sharding=NamedSharding(mesh, P(("data", "expert")))))
+        checks = [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
+        for platform in ("cuda", "tpu"):
+            text = jax.export.export(fn, platforms=[platform], disabled_checks=checks)(*args).mlir_module()
+            print(platform, "ragged" if "ragged_all_to_all" in text else "padded")
+        hlo = fn.lower(*args).compile().as_text()  # what runs here
+        print("cpu", "ragged" if "ragged-all-to-all" in hlo else "padded" if "all-to-all" in hlo else "none")
+''')
+
+
+def test_expert_parallel_takes_any_token_count_a_mask_and_a_capacity():
+    """Padding inside the layer (masked), the mask and a per-device capacity are what one
+    device computes; GPU and TPU lower the exchange to `ragged_all_to_all`."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", PADDED_SCRIPT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[:4] == ["OK 62 all", "OK 2 all", "OK 64 masked", "OK 13 masked"], lines
+    assert lines[4].startswith("OK capacity")
+    assert lines[5:] == ["cuda ragged", "tpu ragged", "cpu padded"], lines

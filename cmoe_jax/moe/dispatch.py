@@ -6,8 +6,8 @@ expert's weights) and `dense_experts` (every expert on every token, the unchosen
 weighted zero: where most of the experts are active anyway, one wide product beats the
 sort).
 
-Static shapes and no capacity limit, so no token is ever dropped: the `T * k`
-(token, slot) pairs are stably sorted by expert id, their rows gathered into one `[T*k, d]`
+Static shapes. A dropped pair (expert id E, gate 0: `cmoe_jax.moe.token_pairs`) runs nothing
+and counts in no load on every path. The sort path: the `T * k` (token, slot) pairs are stably sorted by expert id, their rows gathered into one `[T*k, d]`
 matrix grouped by expert, run through the experts' SwiGLU with three grouped matmuls, scaled
 by their gate weights and gathered back with the inverse permutation. The result equals the
 per-token sum over the selected experts of `gate * expert(x)`.
@@ -47,7 +47,8 @@ class GLUExperts:
     stacked per expert run through the same grouped matmuls (`cmoe_jax.train`);
     `activation` a `cmoe_jax.moe.activations` name; `glu(x, src, w_gate, w_up, sizes, act)`,
     optional, a backend's fused gather + gate + up + activation (`cmoe_jax.moe.gmm.get_glu`),
-    used when there are no adapters."""
+    used when there are no adapters; `capacity`, optional, the most pairs of one device's
+    tokens an expert runs (a capacity factor's: it bounds the expert-parallel buffers)."""
 
     w_gate: jax.Array
     w_up: jax.Array
@@ -56,6 +57,7 @@ class GLUExperts:
     activation: str
     lora: Callable | None = None
     glu: Callable | None = None
+    capacity: int | None = None
 
     @property
     def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -106,7 +108,8 @@ def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax
     weights, gathered from the stacked `[E, ...]` tensors, so only the chosen experts are
     read. Same products, dtypes and float32 combine as the sort dispatch."""
     num_tokens, top_k = ids.shape
-    flat = ids.reshape(-1)
+    num_experts = w_gate.shape[0]
+    flat = jnp.minimum(ids.reshape(-1), num_experts - 1)  # a dropped pair (id E, gate 0) reads any
     rows = jnp.repeat(x, top_k, axis=0)                                   # [T*k, d]
     mm = lambda a, w, spec: jnp.einsum(spec, a, jnp.take(w, flat, axis=0),
                                        preferred_element_type=jnp.float32).astype(a.dtype)
@@ -114,7 +117,7 @@ def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax
     ys = mm(h.astype(rows.dtype), w_down, "rm,rmd->rd")
     y = jnp.einsum("tkd,tk->td", ys.astype(jnp.float32).reshape(num_tokens, top_k, -1),
                    gates.astype(jnp.float32))
-    return y, jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
+    return y, jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32)
 
 
 def dense_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax.Array,

@@ -107,10 +107,10 @@ def _token_split(mesh, num_tokens: int) -> P:
 
 
 def tokens_sharded(fn: Callable, x: jax.Array, params: Any, mesh=None):
-    """`fn(x, params)` on each device's tokens (`x [T, ...]` split over every mesh axis,
-    `params` replicated); the outputs keep the token split."""
+    """`fn(x, params)` on each device's tokens (`x`, arrays `[T, ...]` or a pytree of them,
+    split over every mesh axis; `params` replicated); the outputs keep the token split."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    tok = _token_split(mesh, x.shape[0])
+    tok = _token_split(mesh, jax.tree.leaves(x)[0].shape[0])
     return jax.shard_map(fn, mesh=mesh, in_specs=(tok, P()), out_specs=tok)(x, params)
 
 
@@ -150,7 +150,7 @@ def routed_experts_sharded(x: jax.Array, expert_ids: jax.Array, gates: jax.Array
 def routed_swiglu_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                           experts: GLUExperts, *, expert_axis: str | None = DEFAULT_EXPERT_AXIS,
                           adapters: dict | None = None, make_lora: Callable | None = None,
-                          expert_parallel: bool | None = None, expert_capacity: int | None = None):
+                          expert_parallel: bool | None = None):
     """The routed GLU `experts`, expert-parallel when the mesh set with `jax.set_mesh` has
     `expert_axis` (size > 1), else the one-device dispatch (`expert_parallel`: that decision
     when the caller already made it, `cmoe_jax.moe.modes`).
@@ -158,7 +158,7 @@ def routed_swiglu_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
     `adapters`, optional: a pytree of per-expert arrays (expert axis first, e.g. stacked LoRA
     factors), split over the devices like the weights; `make_lora(adapters)` turns a
     device's share into the `lora(name, rows, group_sizes)` hook of `GLUExperts` (it replaces
-    `experts.lora`). `expert_capacity`: see `routed_experts_sharded`.
+    `experts.lora`).
     """
     def on(weights, ad) -> GLUExperts:
         lora = make_lora(ad) if make_lora is not None and ad else None
@@ -174,4 +174,4 @@ def routed_swiglu_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
         return expert_swiglu(rows, sizes, on(*params))
 
     return routed_experts_sharded(x, expert_ids, gates, (experts.weights, adapters or {}), apply,
-                                  expert_axis=expert_axis, expert_capacity=expert_capacity)
+                                  expert_axis=expert_axis, expert_capacity=experts.capacity)

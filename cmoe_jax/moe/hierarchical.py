@@ -35,6 +35,7 @@ from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
 from cmoe_jax.moe.dispatch import plan
 from cmoe_jax.moe.expert_parallel import tokens_sharded
+from cmoe_jax.moe.token_pairs import drop_pairs, kept_pairs
 from cmoe_jax.moe.gmm import get_gmm
 from cmoe_jax.moe.layer import LAYER_SETTINGS, MoEFFN
 from cmoe_jax.moe.modes import check_input, dispatch_mode
@@ -134,6 +135,8 @@ class HierMoEFFN(MoEFFN):
         expert_width, sub_router_neurons = spec.expert_width, spec.sub_router_neurons
         unit = get_router(router)  # the top level's
         unit.validate(Routing.of(spec, activation))
+        if spec.capacity_factor:
+            raise ValueError("capacity_factor is an option of MoEFFN, not of HierMoEFFN")
         n_routed = sub_experts - sub_shared
         if not (sub_experts > 0 and 0 <= sub_shared < sub_experts and 1 <= sub_top_k <= n_routed):
             raise ValueError(f"sub-plan S{sub_shared}A{sub_top_k}E{sub_experts} is invalid")
@@ -217,12 +220,14 @@ class HierMoEFFN(MoEFFN):
         return dict(self.LOGICAL_AXES, **{p.attr(top_level=True): p.axes for p in
                                           self.router_unit.params(self.d_model, self.top_routing).values()})
 
-    def forward(self, x: jax.Array, key=None):
-        """`MoEFFN.forward`; the loads are the routed sub-experts' `[N, N'_r]`."""
+    def forward(self, x: jax.Array, key=None, mask=None):
+        """`MoEFFN.forward`; the loads are the routed sub-experts' `[N, N'_r]`; only the
+        mask drops pairs (no capacity factor), so no kept pairs are returned."""
         ids, weights = self.route(x, key)
+        ids, weights = drop_pairs(ids, weights, kept_pairs(ids, self.num_experts, mask), self.num_experts)
         routed, counts = self.routed(x, ids, weights, key)
         y = (self.shared(x, key).astype(jnp.float32) + routed).astype(self.dtype)
-        return ids, y, counts.reshape(-1, self.sub_experts)[:, self.sub_shared:]
+        return ids, y, counts.reshape(-1, self.sub_experts)[:, self.sub_shared:], None
 
     def empty_load(self) -> jax.Array:
         return jnp.zeros((self.u.shape[0], self.sub_experts - self.sub_shared), jnp.int32)

@@ -33,14 +33,16 @@ from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.balance import update_router_bias
 from cmoe_jax.moe.dispatch import GLUExperts, dense_experts, gathered_experts
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_experts, tokens_sharded
-from cmoe_jax.moe.gmm import get_glu, get_gmm, resolve_backend
-from cmoe_jax.moe.modes import DISPATCHES, check_input, dispatch_mode, expert_parallel_active
+from cmoe_jax.moe.gmm import get_glu, get_gmm
+from cmoe_jax.moe.modes import (check_input, check_layer, check_mask, dispatch_mode, expert_parallel_active,
+                                token_devices)
 from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
 from cmoe_jax.moe.router_outputs import router_output
 from cmoe_jax.moe.params import make_param, make_router_params
 from cmoe_jax.moe.routers import Router, Routing, get_router, router_logits
 from cmoe_jax.moe.routers.base import jittered, options_of
 from cmoe_jax.moe.spec import FFNSpec, spec_with
+from cmoe_jax.moe.token_pairs import Pairs, capacity, drop_pairs, kept_pairs, load_of, pad_tokens
 
 # the layer's own settings (not its shape): what a subclass passes on to `MoEFFN.__init__`
 LAYER_SETTINGS = ("dtype", "param_dtype", "backend", "expert_axis", "kernel_init", "sow_router", "dispatch")
@@ -54,19 +56,11 @@ class MoEFFN(nnx.Module):
     rngs=...)`); keywords given with a spec replace its fields.
 
     Args:
-      spec: the layer's shape and routing (`cmoe_jax.moe.spec.FFNSpec`); its fields:
-      expert_width: width m of each routed expert's SwiGLU.
-      num_experts: number E of routed experts.
-      top_k: routed experts per token (`== num_experts` for `router="sum"`).
-      shared_width: width of the always-on shared SwiGLU MLP (0: none).
-      router: "linear" (default: softmax gates, trains from scratch), "cmoe", "topsum" or
-        "sum" (see `cmoe_jax.moe.routers`). A fresh "cmoe" router gets zero gradients (its
-        gates `1 + s' u` start at `u = 0`) and "topsum"/"sum" have constant gates: they are
-        for converted models, whose router weights are carved, not trained.
-      norm_topk_prob: linear router only: renormalise the k gates to sum 1 (Mixtral).
-      router_neurons: cmoe router only: neurons r scoring each expert (their |h| summed).
-      num_prototypes, duplicate_gates, shared_gated: ConMoE's prototype table and Qwen2-MoE's
-        gated shared MLP (see `FFNSpec`).
+      spec: the layer's shape and routing (`cmoe_jax.moe.spec.FFNSpec`, each field documented
+        there): `expert_width` m, `num_experts` E, `top_k` k, `shared_width` of the
+        always-on shared MLP (0: none), the `router` kind ("linear", the default, trains from
+        scratch; "cmoe", "topsum" and "sum" are for carved models: `cmoe_jax.moe.routers`),
+        the linear router's options, a capacity factor, ConMoE's prototypes.
     The layer's own settings:
       d_model: model width d.
       activation: the GLU activation of every expert and router neuron ("silu", or the
@@ -113,13 +107,7 @@ class MoEFFN(nnx.Module):
         router_neurons, num_prototypes = spec.router_neurons, spec.num_prototypes
         unit = get_router(router)
         unit.validate(Routing.of(spec, activation))
-        if min(d_model, expert_width, num_experts) < 1 or shared_width < 0:
-            raise ValueError(f"d_model={d_model}, expert_width={expert_width} and num_experts="
-                             f"{num_experts} must be positive, shared_width={shared_width} >= 0")
-        if not callable(backend):
-            resolve_backend(backend)  # fail early on a typo
-        if dispatch not in DISPATCHES:
-            raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+        check_layer(d_model, spec, backend, dispatch)
         self.d_model, self.expert_width = d_model, expert_width
         self.num_experts, self.top_k, self.shared_width = num_experts, top_k, shared_width
         self.router, self.norm_topk_prob = router, norm_topk_prob
@@ -213,46 +201,55 @@ class MoEFFN(nnx.Module):
             out = out * jax.nn.sigmoid(x @ self.shared_gate_kernel[...].astype(self.dtype))
         return out
 
-    def __call__(self, x: jax.Array, *, return_load: bool = False, return_router: bool = False,
-                 key=None):
+    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None, return_load: bool = False,
+                 return_router: bool = False, key=None):
         """`x [..., d_model] -> [..., d_model]` (in `dtype`); with `return_load` also the int32
         `[E]` loads, with `return_router` also a `RouterOutput` (logits, probabilities, load,
-        Switch and z losses; computed only then), in that order.
+        Switch and z losses, dropped share; computed only then), in that order.
 
-        Adapted weights (`cmoe_jax.lora_variables`) add their low-rank updates, the routed experts'
-        through the same grouped matmuls; `key` drives the adapters' dropout."""
+        `mask` (bool `[...]`, optional): False for padding, which then runs no routed expert
+        and counts in no load or loss (`cmoe_jax.moe.token_pairs`). Adapted weights
+        (`cmoe_jax.lora_variables`) add their low-rank updates, the routed experts' through the
+        same grouped matmuls; `key` drives the adapters' dropout and the router's jitter."""
         check_input(x, self.d_model, type(self).__name__)
-        shape = x.shape
+        shape, mask = x.shape, check_mask(mask, x.shape[:-1], type(self).__name__)
         x = x.reshape(-1, self.d_model).astype(self.dtype)
-        if x.shape[0] == 0:
+        tokens, keep = x.shape[0], None
+        if tokens == 0:
             ids = jnp.zeros((0, self.top_k), jnp.int32)
             y, counts = jnp.zeros(shape, self.dtype), self.empty_load()
-        else:
-            ids, y, counts = self.forward(x, key)
-            y = y.reshape(shape)
-        return self.outputs(x, shape, y, counts, ids, return_load, return_router)
+        else:  # expert-parallel, padded with masked tokens to split over the devices
+            xp, mp = pad_tokens(x, mask, token_devices()) if self._expert_parallel() else (x, mask)
+            ids, y, counts, keep = self.forward(xp, key, mp)
+            ids, y = ids[:tokens], y[:tokens].reshape(shape)
+            keep = None if keep is None else keep[:tokens]
+        return self.outputs(x, shape, y, counts, Pairs(ids, mask, keep), return_load, return_router)
 
-    def forward(self, x: jax.Array, key=None):
-        """Tokens `x [T, d]` (T > 0) -> (router slot ids `[T, k]`, y `[T, d]`, loads)."""
+    def forward(self, x: jax.Array, key=None, mask=None):
+        """Tokens `x [T, d]` (T > 0) and their `mask` -> (router slot ids `[T, k]`, y `[T, d]`,
+        loads, the pairs that ran `[T, k]` (None: all))."""
         ids, gates = self.route(x, key)
         slot_ids = ids
         if self.num_prototypes > 0:  # load per router slot; dispatch on the prototypes
-            slot_counts = jnp.bincount(ids.reshape(-1), length=self.num_experts).astype(jnp.int32)
             ids, gates = to_prototypes(ids, gates, self.slot_map[...], self.duplicate_gates)
+        keep = kept_pairs(ids, self.expert_gate.shape[0], mask, self.spec.capacity_factor,
+                          per_device=self._expert_parallel())
+        ids, gates = drop_pairs(ids, gates, keep, self.expert_gate.shape[0])
         routed, counts = self.routed(x, ids, gates, key)
         if self.num_prototypes > 0:
-            counts = slot_counts
-        return slot_ids, (self.shared(x, key).astype(jnp.float32) + routed).astype(self.dtype), counts
+            counts = load_of(slot_ids, keep, self.num_experts)
+        return slot_ids, (self.shared(x, key).astype(jnp.float32) + routed).astype(self.dtype), counts, keep
 
     def empty_load(self) -> jax.Array:
         """The loads `return_load` gives for zero tokens."""
         return jnp.zeros((self.num_experts,), jnp.int32)
 
-    def outputs(self, x, shape, y, counts, ids, return_load: bool, return_router: bool):
+    def outputs(self, x, shape, y, counts, pairs: Pairs, return_load: bool, return_router: bool):
         """`y`, plus the loads and the router outputs asked for (computed only then)."""
         router = None
         if return_router or self.sow_router:
-            router = router_output(*self.router_logits(x, ids), shape[:-1])
+            router = router_output(*self.router_logits(x, pairs.ids), shape[:-1], mask=pairs.mask,
+                                   keep=pairs.keep)
             if self.sow_router:
                 self.sow(nnx.Intermediate, "router_outputs", router)
         out = (y,) + ((counts,) if return_load else ()) + ((router,) if return_router else ())
@@ -280,7 +277,10 @@ class MoEFFN(nnx.Module):
         if mode in ("gather", "dense"):
             run = gathered_experts if mode == "gather" else dense_experts
             return run(x, ids, gates, *weights, activation=self.activation)
-        experts = GLUExperts(*weights, gmm, activation=self.activation, glu=get_glu(self.backend))
+        limit = (capacity(x.shape[0] // token_devices(), ids.shape[1], weights[0].shape[0],
+                          self.spec.capacity_factor) if self.spec.capacity_factor > 0 else None)
+        experts = GLUExperts(*weights, gmm, activation=self.activation, glu=get_glu(self.backend),
+                             capacity=limit)
         return routed_swiglu_experts(x, ids, gates, experts, expert_axis=self.expert_axis,
                                      adapters=adapters or None, make_lora=make_lora,
                                      expert_parallel=mode == "expert_parallel")

@@ -25,6 +25,8 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from cmoe_jax.moe.gmm import resolve_backend
+
 DEFAULT_EXPERT_AXIS = "expert"
 Mode = Literal["expert_parallel", "gather", "dense", "sort"]
 DISPATCHES = ("auto", "sort", "gather", "dense")
@@ -133,3 +135,35 @@ def check_input(x, d_model: int, owner: str = "MoEFFN") -> None:
                          f"dimension is {shape[-1]} (shape {tuple(shape)})")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{owner} expects a floating-point input, got dtype {x.dtype}")
+
+
+def check_mask(mask, lead_shape: tuple, owner: str = "MoEFFN"):
+    """The token mask as bool `[T]` (None stays None); refuses one whose shape is not the
+    input's leading shape."""
+    if mask is None:
+        return None
+    shape = tuple(getattr(mask, "shape", ()))
+    if shape != tuple(lead_shape):
+        raise ValueError(f"{owner}'s mask must have the input's leading shape {tuple(lead_shape)} "
+                         f"(True: a real token, False: padding), got shape {shape}")
+    return jnp.asarray(mask).astype(bool).reshape(-1)
+
+
+def check_layer(d_model: int, spec, backend, dispatch: str) -> None:
+    """Refuse a layer's shape or settings in one line each, before anything is built."""
+    if min(d_model, spec.expert_width, spec.num_experts) < 1 or spec.shared_width < 0:
+        raise ValueError(f"d_model={d_model}, expert_width={spec.expert_width} and num_experts="
+                         f"{spec.num_experts} must be positive, shared_width={spec.shared_width} >= 0")
+    if not spec.capacity_factor >= 0:
+        raise ValueError(f"capacity_factor={spec.capacity_factor} must be >= 0 (0: no capacity limit)")
+    if not callable(backend):
+        resolve_backend(backend)  # fail early on a typo
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+
+
+def token_devices(mesh=None) -> int:
+    """Devices the tokens split over expert-parallel: every axis of the mesh set with
+    `jax.set_mesh`."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    return max(1, mesh.size)

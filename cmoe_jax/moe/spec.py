@@ -22,8 +22,10 @@ def has_torch_form(field: dataclasses.Field) -> bool:
 class FFNSpec:
     """Shape of one MoE FFN layer (sparse checkpoints and converted models).
 
-    `router` is "linear" for Qwen3-MoE/Mixtral/ExpertWeaver, "cmoe" for the analytical
-    router of a carved model. `shared_width` is the width of the fused always-on MLP.
+    `router` is "linear" for Qwen3-MoE/Mixtral/ExpertWeaver (softmax gates, trains from
+    scratch; `norm_topk_prob` renormalises the k gates to sum 1, as Mixtral), "cmoe" for the
+    analytical router of a carved model (a fresh one gets zero gradients: its gates
+    `1 + s' u` start at `u = 0`), "topsum"/"sum" (constant gates) for carved models too. `shared_width` is the width of the fused always-on MLP.
     `router_neurons` is how many representative neurons score each expert (cmoe router).
     `num_prototypes` > 0 (ConMoE, `cmoe_jax.compress`): the layer stores that many prototype
     experts and an int32 slot -> prototype map (-1: slot pruned); `prototype_owner` >= 0
@@ -67,6 +69,9 @@ class FFNSpec:
     router_scoring: str = "softmax"
     routed_scaling: float = 1.0
     router_jitter: float = 0.0
+    # each expert runs at most ceil(capacity_factor * T * k / E) of a call's T tokens' pairs
+    # (per device, expert-parallel), the rest dropped (`cmoe_jax.moe.token_pairs`); 0: dropless
+    capacity_factor: float = jax_only(0.0)
 
 
 def spec_with(spec: FFNSpec | None, fields: dict, owner: str = "MoEFFN") -> FFNSpec:
