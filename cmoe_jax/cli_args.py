@@ -170,7 +170,7 @@ def add_model(p: Parser, default: str | None = "smollm2", what: str = "model") -
 def add_data(p: Parser, split: str | None, purpose: str, datasets=DATASETS) -> argparse._ArgumentGroup:
     """--dataset (alias --calib), --split (alias --calib-split), --data-path."""
     g = p.add_argument_group("data", f"text for {purpose}: a local file (--data-path), otherwise "
-                                     "downloaded with the `datasets` library")
+                                     "downloaded with the `datasets` library (the `datasets` extra)")
     g.add_argument("--dataset", "--calib", dest="dataset", default=datasets[0], choices=datasets,
                    help="text corpus")
     g.add_argument("--split", "--calib-split", dest="split", default=split,

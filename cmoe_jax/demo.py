@@ -11,7 +11,8 @@ fitted score and gate scales.
 
 Data: --data-path (the WikiText-2 test file) and --calib-path (the validation file; found
 beside --data-path when left out); without them a `shared/data/wikitext-2/` folder beside
-the checkout when present, otherwise WikiText-2 downloaded with `datasets`.
+the checkout when present, otherwise WikiText-2 downloaded with `datasets` (the `datasets`
+extra, which `scripts/demo.sh` installs when it finds no local copy).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data_path, add_mod
                                add_seed, add_seqlen, add_windows, check_writable_file, command_main)
 from cmoe_jax.convert import ConvertSettings, convert
 from cmoe_jax.convert import cli as convert_cli
-from cmoe_jax.data import load_text_tokens, text_windows
+from cmoe_jax.data import check_download, load_text_tokens, text_windows
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.eval import perplexity
 from cmoe_jax.loading import load_config, load_model, window_bos
@@ -83,7 +84,8 @@ def build_parser(prog: str = "python -m cmoe_jax.demo") -> Parser:
     p = Parser(prog, __doc__.split("\n")[0], EXAMPLE.format(prog=prog))
     add_model(p, what="dense model")
     data = p.add_argument_group("data", "WikiText-2: test text for perplexity, validation text for "
-                                        "calibration; local files, else downloaded with `datasets`")
+                                        "calibration; local files, else downloaded with `datasets` "
+                                        "(the `datasets` extra)")
     add_data_path(data)
     data.add_argument("--calib-path", metavar="FILE",
                       help="local validation file for calibration (default: the validation file "
@@ -134,6 +136,8 @@ def data_files(args) -> tuple[str | None, str | None]:
 def run(args) -> list[dict]:
     check_writable_file(args.out, "--out")
     test_path, valid_path = data_files(args)
+    if test_path is None or valid_path is None:
+        check_download("wikitext2")  # no download library: one line, before the model loads
 
     load_config(args.model)  # a missing or unsupported model fails here, in one line
     print(f"data: test {test_path or 'WikiText-2 via datasets'}, calibration "

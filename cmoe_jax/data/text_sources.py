@@ -13,8 +13,8 @@ C4 (`c4`, GPTQ's "c4-new")
     file is JSON lines with a "text" field (``.json``, ``.jsonl``, optionally ``.gz``) or
     plain text with one document per line; its first 1100 documents are used.
 
-Sources, in order: a local file (`data_path`); the `datasets` library
-(a core dependency; ``pip install -e '.[datasets]'`` in a trimmed environment);
+Sources, in order: a local file (`data_path`); the `datasets` library (the `datasets` extra,
+``pip install -e '.[datasets]'``: the core install reads local files only);
 `tensorflow-datasets` (``pip install -e '.[datasets,tfds]'``). TFDS serves WikiText-2 only through its ``huggingface:`` community
 namespace, which itself runs `datasets`; its native ``c4/en`` validation split holds the same
 corpus in a different document order, so its first 1100 documents are not GPTQ's and its
@@ -23,6 +23,7 @@ perplexities are not comparable with the papers' C4 figures.
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 from pathlib import Path
 
@@ -42,6 +43,8 @@ _INSTALL = {("datasets", "wikitext2"): "pip install -e '.[datasets]'",
             ("datasets", "c4"): "pip install -e '.[datasets]'",
             ("tfds", "wikitext2"): "pip install -e '.[datasets,tfds]'",
             ("tfds", "c4"): "pip install -e '.[tfds]'"}
+_LIBRARIES = {"datasets": ("datasets", "the `datasets` library"),
+              "tfds": ("tensorflow_datasets", "tensorflow-datasets")}
 
 
 class DataError(CmoeError, ValueError):
@@ -156,9 +159,26 @@ def load_items(dataset: str, split: str | None = None, data_path: str | None = N
             return loaders[name](dataset, split)
         except ImportError:
             continue
-    wanted = " or ".join(f"`{_INSTALL[n, dataset]}`" for n in (["datasets", "tfds"] if source == "auto" else [source]))
-    raise DataError(f"{dataset} needs a download library that is not installed: {wanted}, "
-                    f"or give a local file with --data-path FILE")
+    raise _no_download_library(dataset, source)
+
+
+def _no_download_library(dataset: str, source: str) -> DataError:
+    """The one-line error of a download without its library: the extra to install (for
+    `auto`, the `datasets` one), or a local file."""
+    name = "datasets" if source == "auto" else source
+    return DataError(f"{dataset} without --data-path is downloaded with {_LIBRARIES[name][1]}, which is "
+                     f"not installed: {_INSTALL[name, dataset]} (in the checkout), or give a local "
+                     "file with --data-path FILE")
+
+
+def check_download(dataset: str, source: str = "auto") -> None:
+    """Before any work: the error `load_items` would give when `dataset` is to be downloaded
+    (no local file) and no library for `source` is installed. Imports nothing."""
+    if source not in ("auto", *_LIBRARIES):
+        return  # `load_items` names what is wrong with the dataset or source
+    names = ["datasets", "tfds"] if source == "auto" else [source]
+    if not any(importlib.util.find_spec(_LIBRARIES[n][0]) for n in names):
+        raise _no_download_library(dataset, source)
 
 
 def join_items(dataset: str, items: list[str]) -> str:
