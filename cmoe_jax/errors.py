@@ -38,6 +38,24 @@ def require(module: str, extra: str, purpose: str):
                                      f"which is not installed: pip install -e '.[{extra}]' (in the checkout)") from None
 
 
+_NOTED: set[tuple[str, str]] = set()
+
+
+def optional(module: str, extra: str, purpose: str):
+    """Import an optional dependency, or return None after one `note:` line on stderr (once
+    per package and purpose in a process) saying that `purpose` is skipped and which extra
+    brings the package."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = module.split(".")[0]
+        if (package, purpose) not in _NOTED:
+            _NOTED.add((package, purpose))
+            print(f"note: {purpose} skipped: the Python package {package!r} is not installed "
+                  f"(pip install -e '.[{extra}]' in the checkout)", file=sys.stderr)
+        return None
+
+
 EXIT_BAD_INPUT = 2
 
 # what the environment refuses, with what to do about it (any other OSError is a bug)

@@ -1,12 +1,10 @@
-"""Training outputs for people: the JSON log and the loss-curve PNG."""
+"""Training outputs for people: the JSON log and the loss-curve PNG (with the `plots` extra)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-import matplotlib.pyplot as plt
-
 from cmoe_jax.atomic_files import write_json_atomic
+from cmoe_jax.errors import optional
 
 
 def write_log(path: Path, summary: dict, steps: list[dict]) -> None:
@@ -14,8 +12,10 @@ def write_log(path: Path, summary: dict, steps: list[dict]) -> None:
 
 
 def plot_loss(path: Path, steps: list[dict], title: str = "") -> None:
-    matplotlib.use("Agg")
-
+    plt = optional("matplotlib.pyplot", "plots", "the loss plot")
+    if plt is None:
+        return
+    plt.switch_backend("Agg")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = [s["step"] for s in steps]
     ys = [s["loss"] for s in steps]

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from cmoe_jax.atomic_files import write_json_atomic
+from cmoe_jax.errors import optional
 
 
 def _mu_stats(r) -> dict | None:
@@ -43,10 +44,10 @@ def _grid(n):
 
 
 def plot_activation_rates(records, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = optional("matplotlib.pyplot", "plots", "PNG plots")
+    if plt is None:
+        return
+    plt.switch_backend("Agg")
 
     cols, rows = _grid(len(records))
     fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.0 * rows), squeeze=False)
@@ -72,10 +73,10 @@ def plot_activation_rates(records, path: Path) -> None:
 
 
 def plot_expert_load(records, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = optional("matplotlib.pyplot", "plots", "PNG plots")
+    if plt is None:
+        return
+    plt.switch_backend("Agg")
 
     width = max(1, max(len(r.load) for r in records))
     load = np.full((len(records), width), np.nan)
@@ -95,10 +96,10 @@ def plot_expert_load(records, path: Path) -> None:
 
 def plot_layers(records, shapes, path: Path) -> None:
     """Each layer's active share (bars, left axis) and stream error (line, log, right axis)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = optional("matplotlib.pyplot", "plots", "PNG plots")
+    if plt is None:
+        return
+    plt.switch_backend("Agg")
 
     n = len(records)
     fig, ax = plt.subplots(figsize=(max(5, 0.28 * n + 2), 3.2))

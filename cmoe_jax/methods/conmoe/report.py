@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from cmoe_jax.atomic_files import write_json_atomic
+from cmoe_jax.errors import optional
 
 
 def slot_matrix(plans, num_experts: int):
@@ -25,10 +26,10 @@ def slot_matrix(plans, num_experts: int):
 
 
 def plot_slot_map(plans, num_experts: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = optional("matplotlib.pyplot", "plots", "PNG plots")
+    if plt is None:
+        return
+    plt.switch_backend("Agg")
 
     src = slot_matrix(plans, num_experts)
     layers = [l for p in plans for l in p.layers]
@@ -52,10 +53,10 @@ def plans_row(plans, layer):
 
 
 def plot_scores(plans, stats, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = optional("matplotlib.pyplot", "plots", "PNG plots")
+    if plt is None:
+        return
+    plt.switch_backend("Agg")
 
     panels = {"contribution a_e": np.concatenate([s.contrib for s in stats.values()]),
               "usage (tokens)": np.concatenate([s.freq for s in stats.values()]).astype(float)}

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from cmoe_jax.atomic_files import write_json_atomic
+from cmoe_jax.errors import optional
 
 
 def layer_summary(records) -> dict:
@@ -20,10 +21,10 @@ def layer_summary(records) -> dict:
 
 
 def plot_alpha(records, name: str, path: Path, mix: str | None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = optional("matplotlib.pyplot", "plots", "PNG plots")
+    if plt is None:
+        return
+    plt.switch_backend("Agg")
 
     layers = np.arange(len(records))
     fig, ax = plt.subplots(figsize=(6, 3.2))
