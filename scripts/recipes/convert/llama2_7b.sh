@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Example conversion job for a Hugging Face checkpoint on an accelerator host, as in the
 # papers: Llama-2-7B, S3A3E16 (25% activation), 8 x 2048 WikiText-2 calibration tokens.
-# MODEL may be a local directory or a Hub id; calibration data comes from `datasets`.
+# MODEL may be a local directory or a Hub id; calibration data comes from `datasets` (the
+# `datasets` extra); the --report plots need the `plots` extra.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY="${VENV:-.venv}/bin/python"   # VENV=DIR picks the environment
