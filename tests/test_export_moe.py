@@ -191,12 +191,16 @@ def test_every_spec_field_reaches_the_torch_layer_or_is_refused():
     assert set(takes) == {f.name for f in dataclasses.fields(FFNSpec) if has_torch_form(f)} | {"router_params"}
 
     entry = hf_config._moe_layer(FFNSpec(4, 2, 8, router="cmoe"), 16, "silu")
-    assert set(entry) == {f.name for f in dataclasses.fields(FFNSpec)} | {"router_params"}
-    wider = dataclasses.make_dataclass("WiderSpec", [("capacity_factor", float, jax_only(0.0))],
-                                       bases=(FFNSpec,), frozen=True)
-    assert "capacity_factor" not in hf_config._moe_layer(wider(4, 2, 8, router="cmoe"), 16, "silu")
+    assert set(entry) == {f.name for f in dataclasses.fields(FFNSpec) if has_torch_form(f)} | {"router_params"}
+    # the capacity factor is JAX-only: left out at its default, refused when set
+    assert not has_torch_form(next(f for f in dataclasses.fields(FFNSpec) if f.name == "capacity_factor"))
+    assert "capacity_factor" not in entry
     with pytest.raises(hf_config.ExportError, match="capacity_factor"):
-        hf_config._moe_layer(wider(4, 2, 8, router="cmoe", capacity_factor=1.25), 16, "silu")
+        hf_config._moe_layer(FFNSpec(4, 2, 8, router="cmoe", capacity_factor=1.25), 16, "silu")
+    wider = dataclasses.make_dataclass("WiderSpec", [("token_order", str, jax_only("slot"))],
+                                       bases=(FFNSpec,), frozen=True)
+    with pytest.raises(hf_config.ExportError, match="token_order"):
+        hf_config._moe_layer(wider(4, 2, 8, router="cmoe", token_order="token"), 16, "silu")
 
 
 
