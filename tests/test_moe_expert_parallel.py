@@ -105,14 +105,19 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_expert_parallel_matches_one_device_and_uses_all_to_all():
+def on_8_devices(script: str) -> str:
+    """`script`'s standard output, run in a fresh interpreter with 8 CPU devices."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env,
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert proc.stdout.split() == ["OK", "cmoe", "cpu", "OK", "linear", "ragged_dot", "OK", "linear-balance",
+    return proc.stdout
+
+
+def test_expert_parallel_matches_one_device_and_uses_all_to_all():
+    assert on_8_devices(SCRIPT).split() == ["OK", "cmoe", "cpu", "OK", "linear", "ragged_dot", "OK", "linear-balance",
                                    "cpu", "OK", "sum", "dense", "OK", "lora", "adapters"]
 
 
@@ -206,13 +211,7 @@ PADDED_SCRIPT = textwrap.dedent('''
 def test_expert_parallel_takes_any_token_count_a_mask_and_a_capacity():
     """Padding inside the layer (masked), the mask and a per-device capacity are what one
     device computes; GPU and TPU lower the exchange to `ragged_all_to_all`."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", PADDED_SCRIPT], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    lines = proc.stdout.splitlines()
+    lines = on_8_devices(PADDED_SCRIPT).splitlines()
     assert lines[:4] == ["OK 62 all", "OK 2 all", "OK 64 masked", "OK 13 masked"], lines
     assert lines[4].startswith("OK capacity")
     assert lines[5:] == ["cuda ragged", "tpu ragged", "cpu padded"], lines
