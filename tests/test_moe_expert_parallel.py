@@ -179,6 +179,18 @@ PADDED_SCRIPT = textwrap.dedent('''
         close(got, want)
         print("OK", tokens, "masked" if masked else "all")
 
+    # a hierarchical layer pads the same way
+    from cmoe_jax.moe import HierMoEFFN
+    hier = HierMoEFFN(d_model=d, expert_width=8, num_experts=4, top_k=2, sub_experts=4, sub_shared=1,
+                      sub_top_k=2, shared_width=16, router="cmoe", activation="silu", rngs=nnx.Rngs(0))
+    hg, hs = nnx.split(hier)
+    hfn = jax.jit(lambda s, x, m: nnx.merge(hg, s)(x, mask=m, return_load=True))
+    x, mask = jax.random.normal(jax.random.PRNGKey(9), (30, d)), jnp.arange(30) % 4 != 1
+    want = hfn(hs, x, mask)
+    with jax.set_mesh(mesh):
+        close(hfn(sharded(hs), x, mask), want)
+    print("OK hierarchical")
+
     # capacity: each device limits its own 8 tokens, as one device does on each block of 8
     graphdef, state = make(0.75)
     fn = jax.jit(lambda s, x, m: run(graphdef, s, x, m))
@@ -213,5 +225,5 @@ def test_expert_parallel_takes_any_token_count_a_mask_and_a_capacity():
     device computes; GPU and TPU lower the exchange to `ragged_all_to_all`."""
     lines = on_8_devices(PADDED_SCRIPT).splitlines()
     assert lines[:4] == ["OK 62 all", "OK 2 all", "OK 64 masked", "OK 13 masked"], lines
-    assert lines[4].startswith("OK capacity")
-    assert lines[5:] == ["cuda ragged", "tpu ragged", "cpu padded"], lines
+    assert lines[4] == "OK hierarchical" and lines[5].startswith("OK capacity"), lines
+    assert lines[6:] == ["cuda ragged", "tpu ragged", "cpu padded"], lines
