@@ -20,4 +20,6 @@ if [ ! -f "$stamp" ]; then
 fi
 "$venv/bin/python" -c "import jax, sys; v = jax.__version__; print('lowest-jax job: jax', v); sys.exit(v != '$lowest')"
 export JAX_PLATFORMS=cpu
-exec "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider tests/test_moe_*.py tests/test_adding_a_router.py "$@"
+# the toy router's whole-model export is checked against torch, which this job has not
+exec "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider tests/test_moe_*.py tests/test_adding_a_router.py \
+  --deselect tests/test_adding_a_router.py::test_a_model_with_the_toy_router_saves_loads_and_exports "$@"
