@@ -69,6 +69,15 @@ def test_auto_follows_the_platform_rule(monkeypatch):
     assert mode(2, 2, 6, dispatch="sort") == "sort"
 
 
+def test_a_dtype_rule_overrides_the_platform_rule(monkeypatch):
+    backend = jax.default_backend()
+    monkeypatch.setitem(DENSE_WHEN, backend, DenseWhen(rows_per_expert=4, gather_share=0.5))
+    monkeypatch.setitem(DENSE_WHEN, f"{backend}:bfloat16", DenseWhen(rows_per_expert=64, gather_share=0.5))
+    mode = lambda dtype: dispatch_mode(13 * 2, 6, None, top_k=2, dtype=dtype)  # noqa: E731
+    assert mode(jnp.bfloat16) == "dense"                 # 4.3 rows per expert <= 64
+    assert mode(jnp.float32) == "sort" and mode(None) == "sort"  # no float32 key: the platform's
+
+
 def test_unknown_dispatch_is_refused():
     with pytest.raises(ValueError, match="dispatch must be one of"):
         layer("fast")
