@@ -125,8 +125,22 @@ class Front:
         return out
 
 
+def damage(sensitivity, measure: str) -> np.ndarray:
+    """The damage table of `measure` ("stream" or "loss") from the measured sensitivity."""
+    return sensitivity.errors if measure == "stream" else sensitivity.damage()
+
+
+def variant(spec: str):
+    """`--screen F:MEASURE:SPREAD` (e.g. 0.75:loss:2, 0.25:stream:any) as a Budget."""
+    from cmoe_jax.methods.cmoe.budget import Budget
+
+    share, measure, spread = spec.split(":")
+    return Budget(float(share), 8, measure_by=measure, spread=None if spread == "any" else int(spread))
+
+
 def sweep(args) -> list[dict]:
     from cmoe_jax.convert import ConvertConfig
+    from cmoe_jax.eval import perplexity
     from cmoe_jax.methods.cmoe.budget import Budget, adaptive_config
     from cmoe_jax.methods.cmoe.job import active_share
 
@@ -134,11 +148,10 @@ def sweep(args) -> list[dict]:
     cells = [front.cell("dense", lambda: dict(front.scores(front.lm.model), kind="dense", active_share=1.0))]
     sensitivity = front.sensitivity(Budget(0.5, 8))
     for share in args.budgets:
-        budget = Budget(share, 8)
+        budget = Budget(share, 8)  # the defaults' measure and spread
         kinds = {"uniform": ConvertConfig(plan=budget.candidates()[budget.uniform_index()]),
-                 "adaptive": adaptive_config(ConvertConfig(plan=None), budget, sensitivity.errors)}
-        if share in args.loss_sensitivity:  # the loss-calibrated errors, for comparison
-            kinds["adaptive-loss"] = adaptive_config(ConvertConfig(plan=None), budget, sensitivity.damage())
+                 "adaptive": adaptive_config(ConvertConfig(plan=None), budget,
+                                             damage(sensitivity, budget.measure_by))}
         for kind, cc in kinds.items():
             def make(cc=cc, kind=kind):
                 model, records = front.converted(cc)
@@ -148,6 +161,16 @@ def sweep(args) -> list[dict]:
                             active_share=active_share(cc.layer_shapes(len(shapes))), shapes=shapes,
                             layer_error=[r.error for r in records])
             cells.append(front.cell(f"{kind}-{share:g}", make))
+    for spec in args.screen:  # allocation variants, perplexity only
+        budget = variant(spec)
+        cc = adaptive_config(ConvertConfig(plan=None), budget, damage(sensitivity, budget.measure_by))
+
+        def make(cc=cc, budget=budget):
+            model, _ = front.converted(cc)
+            return {"kind": "screen", "ppl": perplexity(model, front.test, progress=False)["ppl"],
+                    **budget.to_json(), "active_share": active_share(list(cc.layer_plans)),
+                    "shapes": ["dense" if p is None else p.name for p in cc.layer_plans]}
+        cells.append(front.cell("screen-" + spec.replace(":", "-"), make))
     return cells
 
 
@@ -182,11 +205,17 @@ def markdown(cells: list[dict]) -> str:
     """The front as a table: each cell's share, perplexity, ARC-Easy and speed ratios."""
     rows = ["| kind | active share | shapes | ppl | ARC-Easy acc | prefill b1 | prefill b16 | decode b1 | decode b16 |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for c in sorted(cells, key=lambda c: (c["active_share"], c["kind"])):
+    for c in sorted((c for c in cells if c["kind"] != "screen"), key=lambda c: (c["active_share"], c["kind"])):
         shapes = sorted(set(c.get("shapes", ["dense"])))
         speed = [f"{c[k]:.2f}x" if k in c else "-" for k in ("prefill_b1", "prefill_b16", "decode_b1", "decode_b16")]
         rows.append(f"| {c['kind']} | {c['active_share']:.3f} | {', '.join(shapes)} | {c['ppl']:.3f} | "
                     f"{c['arc_acc']:.4f} | " + " | ".join(speed) + " |")
+    screens = sorted((c for c in cells if c["kind"] == "screen"), key=lambda c: c["name"])
+    if screens:
+        dense = next(c for c in cells if c["kind"] == "dense")["ppl"]
+        rows += ["", "| budget | damage | spread | ppl | x dense |", "| --- | --- | --- | --- | --- |"]
+        rows += [f"| {c['active']:g} | {c['sensitivity']} | {c['spread'] if c['spread'] is not None else 'any'} "
+                 f"| {c['ppl']:.3f} | {c['ppl'] / dense:.2f}x |" for c in screens]
     return "\n".join(rows)
 
 
@@ -194,14 +223,15 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
+    p.add_argument("--budgets", type=float, nargs="*", default=list(BUDGETS),
+                   help="budgets of the front (none: only the --screen variants)")
     p.add_argument("--max-windows", type=int, default=40)
     p.add_argument("--arc-limit", type=int, default=None, help="first N ARC-Easy questions (default all)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--wikitext", type=Path, default=DATA / "wikitext-2", help="valid.txt and test.txt")
     p.add_argument("--arc-path", type=Path, default=DATA / "arc-easy" / "test.jsonl")
-    p.add_argument("--loss-sensitivity", type=float, nargs="*", default=[],
-                   help="budgets also converted with the loss-calibrated damage (--sensitivity loss)")
+    p.add_argument("--screen", nargs="*", default=[], metavar="F:MEASURE:SPREAD",
+                   help="allocation variants scored by perplexity alone, e.g. 0.75:loss:2 0.25:stream:any")
     p.add_argument("--resume", action="store_true", help="keep the cells already saved under OUT")
     args = p.parse_args(argv)
     if args.out.exists() and not args.resume and any(args.out.glob("cells/*.json")):

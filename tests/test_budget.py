@@ -58,6 +58,21 @@ def test_the_allocation_moves_neurons_to_the_sensitive_layer():
     assert np.mean(shares) == pytest.approx(0.25) and shares[1] > 0.25 > min(shares)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 4), st.sampled_from([0.25, 0.375, 0.5, 0.625, 0.75]), st.integers(0, 3),
+       st.integers(0, 2 ** 31 - 1))
+def test_a_spread_keeps_every_layer_near_the_budget(layers, share, spread, seed):
+    """Against the unbounded allocation's optimum over the same allowed shapes (brute force)."""
+    damage = np.sort(np.random.default_rng(seed).random((layers, 8)), axis=1)[:, ::-1]
+    budget = Budget(share, 8, spread=spread)
+    plans = budget.allocate(damage)
+    k = np.array([p.shared + p.active if p else 8 for p in plans])
+    assert k.sum() == round(share * 8 * layers) and np.all(np.abs(k - share * 8) <= spread)
+    allowed = np.where(budget.allowed(), damage, np.inf)
+    got = sum(damage[i, j - 1] for i, j in enumerate(k))
+    assert got == pytest.approx(brute_force(allowed, np.arange(1, 9), k.sum()), rel=1e-12)
+
+
 def test_budget_arithmetic():
     b = Budget(0.25, 8)
     assert [p.name if p else "dense" for p in b.candidates()] == [
@@ -92,6 +107,18 @@ def test_convert_meets_the_budget(tiny_checkpoint, tmp_path, capsys):
     assert "layer  shape" in err and manifest["layers"][1]["shape"] in err
 
 
+def test_convert_keeps_layers_within_the_spread(tiny_checkpoint, tmp_path):
+    from cmoe_jax.convert.cli import main
+
+    _, path, text = tiny_checkpoint
+    out = tmp_path / "spread"
+    assert main(_cli(path, text, out, "--active", "0.375", "--spread", "1", "--sensitivity", "stream")) == 0
+    manifest = json.loads((out / "cmoe_manifest.json").read_text())
+    assert manifest["budget"]["spread"] == 1 and manifest["budget"]["sensitivity"] == "stream"
+    k = [p["shared"] + p["active"] for p in manifest["plan"]]  # a kept dense layer: all shared
+    assert sum(k) == 6 and all(abs(v - 3) <= 1 for v in k)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--active", "0.25", "--config", "S1A1E8"], "give one of them"),
     (["--active", "0.25", "--shared", "1"], "give one of them"),
@@ -99,6 +126,8 @@ def test_convert_meets_the_budget(tiny_checkpoint, tmp_path, capsys):
     (["--active", "0.3"], "cannot be met"),  # 2 layers of 8 experts: 0.3125 is 4% off
     (["--active", "1.5"], "(0, 1]"),
     (["--config", "S1A1E8", "--sensitivity", "loss"], "give --active"),
+    (["--config", "S1A1E8", "--spread", "2"], "give --active"),
+    (["--active", "0.4375", "--spread", "0"], "widen --spread"),  # 3.5 experts: none within 0
 ])
 def test_bad_budgets_fail_before_any_work(tiny_checkpoint, tmp_path, capsys, extra, message):
     from cmoe_jax.convert.cli import main

@@ -3,9 +3,11 @@ one shape for every layer.
 
 Layers are not equally hurt by carving. Each layer's damage at every candidate shape is
 measured on the dense model's own stream (`cmoe_jax.methods.cmoe.sensitivity`: the stream
-error of the carved layer, calibrated per layer by the loss rise it causes). An exact knapsack (`cmoe_jax.carving.allocation`) then picks one shape per layer so the mean
-active share is F and the summed damage least; the conversion carves each layer to its shape
-on the converted stream, as a uniform one does.
+error of the carved layer, calibrated per layer by the loss rise it causes). An exact
+knapsack (`cmoe_jax.carving.allocation`) then picks one shape per layer, each within
+`spread` experts of the uniform one, so the mean active share is F and the summed damage
+least; the conversion carves each layer to its shape on the converted stream, as a uniform
+one does.
 
 Candidates with z experts: k = 1 .. z-1 experts' worth of neurons active, split
 S(k//2)A(k - k//2)Ez (S0A1E8, S1A1E8, S1A2E8, ..., S3A4E8), and k = z, the dense FFN kept.
@@ -22,6 +24,8 @@ from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.methods.cmoe.sensitivity import MEASURES, Measured, Sensitivity, measure
 
 TOLERANCE = 0.01  # the mean active share met to within 1% of the budget
+DEFAULT_MEASURE = "loss"  # the damage measure and the spread: the best measured at 0.25 and 0.75
+DEFAULT_SPREAD: int | None = 2  # (docs/methods/cmoe.md); the spread in experts around F z
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +35,12 @@ class Budget:
 
     active: float
     experts: int = 8
-    measure_by: str = "stream"  # the damage: the stream error, or ("loss") it calibrated by the loss
+    measure_by: str = DEFAULT_MEASURE  # the damage: the stream error, or ("loss") it calibrated by the loss
+    spread: int | None = DEFAULT_SPREAD  # a layer runs within this many experts of F z (None: any shape)
+
+    def to_json(self) -> dict:
+        return {"active": self.active, "experts": self.experts, "sensitivity": self.measure_by,
+                "spread": self.spread}
 
     def candidates(self) -> list[MoEPlan | None]:
         """The shapes a layer may get, the one of index k-1 running k experts' worth of
@@ -62,8 +71,21 @@ class Budget:
         k = self.active * self.experts
         return int(round(k)) - 1 if abs(k - round(k)) < 1e-9 else None
 
+    def allowed(self) -> np.ndarray:
+        """[K] which candidates a layer may get: those within `spread` experts of F z.
+
+        The measured damages are each layer's alone, on the dense model's stream; carved
+        together, far-from-uniform layers compound (a layer carved to one expert feeds every
+        later one), so a bounded spread keeps the allocation where the measure holds."""
+        units = self.units()
+        if self.spread is None:
+            return np.ones(units.shape, bool)
+        return np.abs(units - self.active * self.experts) <= self.spread + 1e-9
+
     def allocate(self, damage: np.ndarray) -> list[MoEPlan | None]:
-        """Each layer's shape: least summed `damage` [L, K] at mean active share F."""
+        """Each layer's shape: least summed `damage` [L, K] at mean active share F, among the
+        `allowed` shapes."""
+        damage = np.where(self.allowed()[None, :], np.asarray(damage, np.float64), np.inf)
         picked = allocate(damage, self.units(), self.target_units(damage.shape[0]), self.uniform_index())
         candidates = self.candidates()
         return [candidates[k] for k in picked]
@@ -73,8 +95,15 @@ def check_budget(budget: Budget, cfg, cc: ConvertConfig) -> None:
     """Refuse, before any work, a budget no allocation can meet or shapes that cannot carve."""
     if budget.measure_by not in MEASURES:
         raise ConversionError(f"--sensitivity {budget.measure_by!r} must be one of {', '.join(MEASURES)}")
+    if budget.spread is not None and budget.spread < 0:
+        raise ConversionError(f"--spread {budget.spread} must be 0 or more experts (or 'any')")
     try:
-        budget.target_units(cfg.num_layers)
+        target = budget.target_units(cfg.num_layers)
+        reach = budget.units()[budget.allowed()]
+        if not (reach.size and reach.min() * cfg.num_layers <= target <= reach.max() * cfg.num_layers):
+            raise BudgetError(f"--active {budget.active:g} with --spread {budget.spread} leaves no "
+                              f"shape within {budget.spread} experts of {budget.active * budget.experts:g}: "
+                              "widen --spread")
         for plan in budget.candidates()[:-1]:
             plan.validate(cfg.intermediate_size, cc.k_act)
     except ValueError as e:
@@ -99,5 +128,5 @@ def adaptive_config(cc: ConvertConfig, budget: Budget, damage: np.ndarray) -> Co
     return dataclasses.replace(cc, plan=None, layer_plans=tuple(budget.allocate(damage)))
 
 
-__all__ = ["Budget", "BudgetError", "Measured", "Sensitivity", "adaptive_config", "check_budget",
+__all__ = ["DEFAULT_MEASURE", "DEFAULT_SPREAD", "Budget", "BudgetError", "Measured", "Sensitivity", "adaptive_config", "check_budget",
            "measure_damage"]

@@ -2,10 +2,10 @@
 (the shared plan, data and output flags are the convert command's)."""
 from __future__ import annotations
 
-from cmoe_jax.cli_args import positive_int
+from cmoe_jax.cli_args import nonneg_int, positive_int
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.methods.cmoe.budget import Budget
+from cmoe_jax.methods.cmoe.budget import DEFAULT_MEASURE, DEFAULT_SPREAD, Budget
 from cmoe_jax.methods.cmoe.convert import ConvertConfig
 from cmoe_jax.methods.cmoe.job import ConvertSettings
 from cmoe_jax.methods.cmoe.plan import MoEPlan
@@ -40,11 +40,19 @@ def add_flags(g) -> None:
                         "token exchange) when it runs forward; the batch uses the rest")
     g.add_argument("--sensitivity", choices=["loss", "stream"], default=None,
                    help="with a budget --active F, each layer's damage at a shape: its stream error "
-                        "(default), or the stream error scaled by the loss rise that layer's carving "
-                        "alone causes (loss)")
+                        "(stream), or the stream error scaled by the loss rise that layer's carving "
+                        f"alone causes (loss); default {DEFAULT_MEASURE}")
+    g.add_argument("--spread", type=spread_arg, default=None, metavar="N",
+                   help="with a budget --active F, each layer runs within N experts' worth of "
+                        f"neurons of F z (default {DEFAULT_SPREAD or 'any'}; 'any': no bound)")
     g.add_argument("--stream", action="store_true",
                    help="read, convert and write one decoder layer at a time (peak host memory "
                         "about one layer: models larger than the host's memory); dense sources")
+
+
+def spread_arg(text: str) -> int | str:
+    """--spread: a whole number of experts, 0 or more, or 'any'."""
+    return text if text == "any" else nonneg_int(text)
 
 
 def check_args(args, error) -> None:
@@ -56,15 +64,17 @@ def check_args(args, error) -> None:
 def budget_from_args(args) -> Budget | None:
     """The budget of `--active F` (a decimal share), None for a shape."""
     if not isinstance(args.active, float):
-        if args.sensitivity is not None:
-            raise CmoeError("--sensitivity measures layers for a budget: give --active F (e.g. 0.25)")
+        for flag, value in (("--sensitivity", args.sensitivity), ("--spread", args.spread)):
+            if value is not None:
+                raise CmoeError(f"{flag} shapes layers for a budget: give --active F (e.g. 0.25)")
         return None
     if args.config or args.shared is not None:
         given = "--config" if args.config else "--shared"
         raise CmoeError(f"--active {args.active:g} is a budget (each layer's shape chosen for it) and "
                         f"{given} a shape: give one of them")
     return Budget(args.active, 8 if args.experts is None else args.experts,
-                  measure_by=args.sensitivity or "stream")
+                  measure_by=args.sensitivity or DEFAULT_MEASURE,
+                  spread={None: DEFAULT_SPREAD, "any": None}.get(args.spread, args.spread))
 
 
 def plan_from_args(args) -> MoEPlan | None:

@@ -95,9 +95,7 @@ def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> 
         "source_model": source_name, "method": "cmoe", "config": cc.label,
         "plan": [plan_entry(p, cfg.intermediate_size, experts) for p in plans],
         "active_share": active_share(plans),
-        "budget": None if settings.budget is None else {"active": settings.budget.active,
-                                                        "experts": settings.budget.experts,
-                                                        "sensitivity": settings.budget.measure_by},
+        "budget": None if settings.budget is None else settings.budget.to_json(),
         "calibration": cal.manifest(cc.seed),
         "k_act": cc.k_act, "normalize": cc.normalize, "kmeans_iters": cc.kmeans_iters,
         "shared_by": cc.shared_by,
@@ -142,8 +140,7 @@ class CmoeSteps:
         budget = self.settings.budget
         return {"model": source.name, **self.settings.method.to_dict(),
                 **self.settings.calibration.settings(),
-                **({} if budget is None else {"active": budget.active, "experts": budget.experts,
-                                              "sensitivity": budget.measure_by})}
+                **({} if budget is None else budget.to_json())}
 
     def prepare(self, source):
         cal = self.settings.calibration

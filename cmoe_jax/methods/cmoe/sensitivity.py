@@ -10,8 +10,8 @@ Two measurements, both on the dense model's own stream:
   The same stream error costs the loss very differently at different depths (the stream
   grows, later layers see it through fewer layers); one pass per layer, one shape each.
 
-The damage is e[l, k] ("stream", the default: the better allocation measured, see
-docs/methods/cmoe.md) or g[l] * e[l, k] ("loss").
+The damage is g[l] * e[l, k] ("loss", the default: the better allocation measured at 25% and
+75% active, see docs/methods/cmoe.md) or e[l, k] alone ("stream").
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def pass_nll(outer, layers, tokens, mesh, on_layer) -> float:
     return stream_nll(outer, layer_pass(layers, h, rope, mesh, on_layer, progress=False), tokens, mesh)
 
 
-def measure(outer, layers, calib: np.ndarray, cc: ConvertConfig, candidates, *, measure_by: str = "stream",
+def measure(outer, layers, calib: np.ndarray, cc: ConvertConfig, candidates, *, measure_by: str = "loss",
             measured: Measured | None = None) -> Sensitivity:
     """Each layer's stream error at each of `candidates` (None: the dense FFN) and, with
     `measure_by` "loss", each layer's loss gain, on the calibration windows `calib` [N, T].
