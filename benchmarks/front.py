@@ -125,11 +125,6 @@ class Front:
         return out
 
 
-def damage(sensitivity, measure: str) -> np.ndarray:
-    """The damage table of `measure` ("stream" or "loss") from the measured sensitivity."""
-    return sensitivity.errors if measure == "stream" else sensitivity.damage()
-
-
 def variant(spec: str):
     """`--screen F:MEASURE:SPREAD` (e.g. 0.75:loss:2, 0.25:stream:any) as a Budget."""
     from cmoe_jax.methods.cmoe.budget import Budget
@@ -151,7 +146,7 @@ def sweep(args) -> list[dict]:
         budget = Budget(share, 8)  # the defaults' measure and spread
         kinds = {"uniform": ConvertConfig(plan=budget.candidates()[budget.uniform_index()]),
                  "adaptive": adaptive_config(ConvertConfig(plan=None), budget,
-                                             damage(sensitivity, budget.measure_by))}
+                                             sensitivity.damage(budget.measure_by))}
         for kind, cc in kinds.items():
             def make(cc=cc, kind=kind):
                 model, records = front.converted(cc)
@@ -163,7 +158,7 @@ def sweep(args) -> list[dict]:
             cells.append(front.cell(f"{kind}-{share:g}", make))
     for spec in args.screen:  # allocation variants, perplexity only
         budget = variant(spec)
-        cc = adaptive_config(ConvertConfig(plan=None), budget, damage(sensitivity, budget.measure_by))
+        cc = adaptive_config(ConvertConfig(plan=None), budget, sensitivity.damage(budget.measure_by))
 
         def make(cc=cc, budget=budget):
             model, _ = front.converted(cc)

@@ -128,5 +128,5 @@ def adaptive_config(cc: ConvertConfig, budget: Budget, damage: np.ndarray) -> Co
     return dataclasses.replace(cc, plan=None, layer_plans=tuple(budget.allocate(damage)))
 
 
-__all__ = ["DEFAULT_MEASURE", "DEFAULT_SPREAD", "Budget", "BudgetError", "Measured", "Sensitivity", "adaptive_config", "check_budget",
-           "measure_damage"]
+__all__ = ["DEFAULT_MEASURE", "DEFAULT_SPREAD", "Budget", "BudgetError", "Measured", "Sensitivity",
+           "adaptive_config", "check_budget", "measure_damage"]

@@ -44,7 +44,8 @@ def add_flags(g) -> None:
                         f"alone causes (loss); default {DEFAULT_MEASURE}")
     g.add_argument("--spread", type=spread_arg, default=None, metavar="N",
                    help="with a budget --active F, each layer runs within N experts' worth of "
-                        f"neurons of F z (default {DEFAULT_SPREAD or 'any'}; 'any': no bound)")
+                        f"neurons of F z (default {'any' if DEFAULT_SPREAD is None else DEFAULT_SPREAD}; "
+                        "'any': no bound)")
     g.add_argument("--stream", action="store_true",
                    help="read, convert and write one decoder layer at a time (peak host memory "
                         "about one layer: models larger than the host's memory); dense sources")

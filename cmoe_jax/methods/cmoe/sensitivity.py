@@ -54,8 +54,11 @@ class Sensitivity:
     errors: np.ndarray  # [L, K] stream error of each layer at each candidate (dense: 0)
     gains: np.ndarray | None  # [L] loss rise per unit stream error (None: not measured)
 
-    def damage(self) -> np.ndarray:
-        return self.errors if self.gains is None else self.gains[:, None] * self.errors
+    def damage(self, measure_by: str | None = None) -> np.ndarray:
+        """The damage table of `measure_by` ("stream", "loss"; None: the one measured)."""
+        if measure_by == "stream" or self.gains is None:
+            return self.errors
+        return self.gains[:, None] * self.errors
 
 
 def carved_candidate(cfg, layer, x, cc: ConvertConfig, plan, mesh, profile=None) -> nnx.Module:
