@@ -126,11 +126,12 @@ class Front:
 
 
 def variant(spec: str):
-    """`--screen F:MEASURE:SPREAD` (e.g. 0.75:loss:2, 0.25:stream:any) as a Budget."""
+    """`--screen F:MEASURE:SPREAD[:EXPERTS]` (e.g. 0.75:loss:2, 0.25:stream:any:16) as a Budget."""
     from cmoe_jax.methods.cmoe.budget import Budget
 
-    share, measure, spread = spec.split(":")
-    return Budget(float(share), 8, measure_by=measure, spread=None if spread == "any" else int(spread))
+    share, measure, spread, *experts = spec.split(":")
+    return Budget(float(share), int(experts[0]) if experts else 8, measure_by=measure,
+                  spread=None if spread == "any" else int(spread))
 
 
 def sweep(args) -> list[dict]:
@@ -158,7 +159,8 @@ def sweep(args) -> list[dict]:
             cells.append(front.cell(f"{kind}-{share:g}", make))
     for spec in args.screen:  # allocation variants, perplexity only
         budget = variant(spec)
-        cc = adaptive_config(ConvertConfig(plan=None), budget, sensitivity.damage(budget.measure_by))
+        damage = front.sensitivity(budget).damage(budget.measure_by)  # measured once per expert count
+        cc = adaptive_config(ConvertConfig(plan=None), budget, damage)
 
         def make(cc=cc, budget=budget):
             model, _ = front.converted(cc)
@@ -208,9 +210,10 @@ def markdown(cells: list[dict]) -> str:
     screens = sorted((c for c in cells if c["kind"] == "screen"), key=lambda c: c["name"])
     if screens:
         dense = next(c for c in cells if c["kind"] == "dense")["ppl"]
-        rows += ["", "| budget | damage | spread | ppl | x dense |", "| --- | --- | --- | --- | --- |"]
-        rows += [f"| {c['active']:g} | {c['sensitivity']} | {c['spread'] if c['spread'] is not None else 'any'} "
-                 f"| {c['ppl']:.3f} | {c['ppl'] / dense:.2f}x |" for c in screens]
+        rows += ["", "| budget | experts | damage | spread | ppl | x dense |", "| --- | --- | --- | --- | --- | --- |"]
+        rows += [f"| {c['active']:g} | {c['experts']} | {c['sensitivity']} | "
+                 f"{c['spread'] if c['spread'] is not None else 'any'} | {c['ppl']:.3f} | {c['ppl'] / dense:.2f}x |"
+                 for c in screens]
     return "\n".join(rows)
 
 
@@ -225,8 +228,9 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--wikitext", type=Path, default=DATA / "wikitext-2", help="valid.txt and test.txt")
     p.add_argument("--arc-path", type=Path, default=DATA / "arc-easy" / "test.jsonl")
-    p.add_argument("--screen", nargs="*", default=[], metavar="F:MEASURE:SPREAD",
-                   help="allocation variants scored by perplexity alone, e.g. 0.75:loss:2 0.25:stream:any")
+    p.add_argument("--screen", nargs="*", default=[], metavar="F:MEASURE:SPREAD[:EXPERTS]",
+                   help="allocation variants scored by perplexity alone, e.g. 0.75:loss:2 0.25:stream:any:16 "
+                        "(EXPERTS: z of every candidate shape, default 8)")
     p.add_argument("--resume", action="store_true", help="keep the cells already saved under OUT")
     args = p.parse_args(argv)
     if args.out.exists() and not args.resume and any(args.out.glob("cells/*.json")):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -89,19 +90,20 @@ def _cli(path, text, out, *extra):
             "--k-act", "4", "--no-progress", "--out", str(out), *extra]
 
 
-def test_convert_meets_the_budget(tiny_checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize("measure", ["marginal", "loss"])
+def test_convert_meets_the_budget(tiny_checkpoint, tmp_path, capsys, measure):
     from cmoe_jax.convert.cli import main
 
     _, path, text = tiny_checkpoint
     out = tmp_path / "adaptive"
-    assert main(_cli(path, text, out, "--active", "0.375")) == 0
+    assert main(_cli(path, text, out, "--active", "0.375", "--sensitivity", measure)) == 0
     manifest = json.loads((out / "cmoe_manifest.json").read_text())
     plan = manifest["plan"]
     assert len(plan) == 2 and set(plan[0]) >= {"shared", "active", "experts", "expert_width"}
     shares = [(p["shared"] + p["active"]) / p["experts"] for p in plan]
     assert abs(np.mean(shares) - 0.375) <= 0.01 * 0.375
     assert manifest["active_share"] == pytest.approx(np.mean(shares))
-    assert np.asarray(manifest["budget"]["damage"]).shape == (2, 8)
+    assert np.asarray(manifest["budget"]["damage"]).shape == (2, 8) and manifest["budget"]["sensitivity"] == measure
     assert all(layer["error"] >= 0 for layer in manifest["layers"])
     err = capsys.readouterr().err
     assert "layer  shape" in err and manifest["layers"][1]["shape"] in err
@@ -138,3 +140,43 @@ def test_bad_budgets_fail_before_any_work(tiny_checkpoint, tmp_path, capsys, ext
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error:") and message in err[-1], err
     assert not out.exists() and not list(tmp_path.glob("out.partial*"))
+
+
+def _nll(model, tokens) -> float:
+    """Mean next-token NLL from the model's own forward (not the calibration pass)."""
+    logits = np.asarray(model(jnp.asarray(tokens)), np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    return float(-np.take_along_axis(logp[:, :-1], tokens[:, 1:, None], -1).mean())
+
+
+def test_marginal_damage_is_each_layers_loss_drop_in_the_uniform_model(tiny_checkpoint):
+    """The default measure, recomputed apart from its pass: `convert_model` to the budget's
+    uniform shape, then each layer's dense FFN put back alone, the loss from the model's
+    forward. The measured drop is that one (negative on a random model: carving can help it;
+    g[l] e[l, uniform] is the drop floored), and e[l, uniform] the conversion's layer error."""
+    from cmoe_jax.convert import ConvertConfig, convert_model
+    from cmoe_jax.loading import load_model
+    from cmoe_jax.methods.cmoe.budget import Measured, measure_damage
+
+    _, path, _ = tiny_checkpoint
+    calib = np.random.default_rng(1).integers(0, 96, (2, 32)).astype(np.int32)
+    budget = Budget(0.375, 8)
+    u = budget.uniform_index()
+    dense = load_model(str(path), progress=False, stack=False).model
+    saved = []  # the drops as the job saves them for a resume
+    s = measure_damage(dense, calib, ConvertConfig(plan=None, k_act=4), budget,
+                       measured=Measured(on_gain=lambda i, drop: saved.append(drop), progress=False))
+    assert budget.measure_by == "marginal" and s.errors.shape == (2, 8)
+    uniform, records = convert_model(load_model(str(path), progress=False, stack=False).model, calib,
+                                     ConvertConfig(plan=budget.candidates()[u], k_act=4), progress=False)
+    np.testing.assert_allclose(s.errors[:, u], [r.error for r in records], rtol=1e-4)
+    carved = _nll(uniform, calib)
+    drops = []
+    for i, layer in enumerate(uniform.layers):
+        moe, layer.mlp = layer.mlp, dense.layers[i].mlp
+        drops.append(carved - _nll(uniform, calib))
+        layer.mlp = moe
+    assert min(abs(d) for d in drops) > 1e-4, drops  # drops large enough to check
+    np.testing.assert_allclose(saved, drops, atol=2e-5)
+    np.testing.assert_allclose(s.gains * s.errors[:, u], np.maximum(saved, 1e-9), rtol=1e-9)

@@ -2,8 +2,9 @@
 one shape for every layer.
 
 Layers are not equally hurt by carving. Each layer's damage at every candidate shape is
-measured on the dense model's own stream (`cmoe_jax.methods.cmoe.sensitivity`: the stream
-error of the carved layer, calibrated per layer by the loss rise it causes). An exact
+measured where the model will run, on the model carved to the budget's uniform shape
+(`cmoe_jax.methods.cmoe.sensitivity`: the stream error of each candidate, scaled per layer
+by the loss the carved model drops when that layer alone is dense again). An exact
 knapsack (`cmoe_jax.carving.allocation`) then picks one shape per layer, each within
 `spread` experts of the uniform one, so the mean active share is F and the summed damage
 least; the conversion carves each layer to its shape on the converted stream, as a uniform
@@ -24,8 +25,8 @@ from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.methods.cmoe.sensitivity import MEASURES, Measured, Sensitivity, measure
 
 TOLERANCE = 0.01  # the mean active share met to within 1% of the budget
-DEFAULT_MEASURE = "loss"  # the damage measure and the spread: the best measured at 0.25 and 0.75
-DEFAULT_SPREAD: int | None = 2  # (docs/methods/cmoe.md); the spread in experts around F z
+DEFAULT_MEASURE = "marginal"  # the damage measure and the spread: the best measured at 0.25 and 0.75
+DEFAULT_SPREAD: int | None = None  # (docs/methods/cmoe.md); the spread in experts around F z
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Budget:
 
     active: float
     experts: int = 8
-    measure_by: str = DEFAULT_MEASURE  # the damage: the stream error, or ("loss") it calibrated by the loss
+    measure_by: str = DEFAULT_MEASURE  # the damage: "marginal", "loss" or "stream" (`sensitivity`)
     spread: int | None = DEFAULT_SPREAD  # a layer runs within this many experts of F z (None: any shape)
 
     def to_json(self) -> dict:
@@ -70,6 +71,11 @@ class Budget:
         whole number of experts per layer)."""
         k = self.active * self.experts
         return int(round(k)) - 1 if abs(k - round(k)) < 1e-9 else None
+
+    def nearest_uniform(self) -> int:
+        """The candidate nearest to F z experts' worth: the operating point the "marginal"
+        damage is measured at (the uniform shape where F z is whole)."""
+        return int(np.clip(round(self.active * self.experts), 1, self.experts)) - 1
 
     def allowed(self) -> np.ndarray:
         """[K] which candidates a layer may get: those within `spread` experts of F z.
@@ -120,7 +126,7 @@ def measure_damage(model, calib: np.ndarray, cc: ConvertConfig, budget: Budget, 
     windows `calib` [N, T] (`Sensitivity.damage()` is what the allocation minimises); the
     streamed job's twin is `cmoe_jax.methods.cmoe.streamed.measure_streamed`."""
     return measure(model, model.layers, calib, cc, budget.candidates(), measure_by=budget.measure_by,
-                   measured=measured)
+                   uniform=budget.nearest_uniform(), measured=measured)
 
 
 def adaptive_config(cc: ConvertConfig, budget: Budget, damage: np.ndarray) -> ConvertConfig:
@@ -128,5 +134,5 @@ def adaptive_config(cc: ConvertConfig, budget: Budget, damage: np.ndarray) -> Co
     return dataclasses.replace(cc, plan=None, layer_plans=tuple(budget.allocate(damage)))
 
 
-__all__ = ["DEFAULT_MEASURE", "DEFAULT_SPREAD", "Budget", "BudgetError", "Measured", "Sensitivity",
+__all__ = ["DEFAULT_MEASURE", "DEFAULT_SPREAD", "MEASURES", "Budget", "BudgetError", "Measured", "Sensitivity",
            "adaptive_config", "check_budget", "measure_damage"]

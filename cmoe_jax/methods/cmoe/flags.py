@@ -5,7 +5,7 @@ from __future__ import annotations
 from cmoe_jax.cli_args import nonneg_int, positive_int
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.methods.cmoe.budget import DEFAULT_MEASURE, DEFAULT_SPREAD, Budget
+from cmoe_jax.methods.cmoe.budget import DEFAULT_MEASURE, DEFAULT_SPREAD, MEASURES, Budget
 from cmoe_jax.methods.cmoe.convert import ConvertConfig
 from cmoe_jax.methods.cmoe.job import ConvertSettings
 from cmoe_jax.methods.cmoe.plan import MoEPlan
@@ -38,10 +38,12 @@ def add_flags(g) -> None:
     g.add_argument("--expert-parallel", type=positive_int, default=1, metavar="N",
                    help="split each converted layer's routed experts over N devices (all-to-all "
                         "token exchange) when it runs forward; the batch uses the rest")
-    g.add_argument("--sensitivity", choices=["loss", "stream"], default=None,
+    g.add_argument("--sensitivity", choices=list(MEASURES), default=None,
                    help="with a budget --active F, each layer's damage at a shape: its stream error "
-                        "(stream), or the stream error scaled by the loss rise that layer's carving "
-                        f"alone causes (loss); default {DEFAULT_MEASURE}")
+                        "scaled by the loss the model carved to F's uniform shape drops when that "
+                        "layer alone is dense again (marginal), the same on the dense model (loss: "
+                        "the rise when that layer alone is carved), or the stream error alone "
+                        f"(stream); default {DEFAULT_MEASURE}")
     g.add_argument("--spread", type=spread_arg, default=None, metavar="N",
                    help="with a budget --active F, each layer runs within N experts' worth of "
                         f"neurons of F z (default {'any' if DEFAULT_SPREAD is None else DEFAULT_SPREAD}; "

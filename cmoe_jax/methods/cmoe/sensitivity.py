@@ -1,17 +1,23 @@
 """How much carving each layer to each candidate shape costs the model (`--active F`).
 
-Two measurements, both on the dense model's own stream:
+Three measures; the default, "marginal", is taken at the budget's operating point:
 
-- **stream error** e[l, k]: carve layer l to candidate k on its FFN input (the conversion's
-  profile, carving and router fit) and take ||h_moe - h_dense||^2 / ||h_dense||^2 of the
-  residual stream after the layer, over all calibration tokens: one pass, every candidate.
-- **loss gain** g[l]: the rise of the model's next-token loss on a few calibration windows
-  when layer l alone is carved to the reference candidate, per unit of its stream error.
-  The same stream error costs the loss very differently at different depths (the stream
-  grows, later layers see it through fewer layers); one pass per layer, one shape each.
+- **marginal** (the default): one pass of the calibration windows through the model carved
+  to the budget's uniform shape (each layer carved on the stream of the carved layers
+  before it, as a uniform conversion does). At each layer every candidate is carved on
+  that stream and its *stream error* e[l, k] taken (below); then, one pass per layer, the
+  drop of the carved model's next-token loss when layer l alone gets its dense FFN back,
+  per unit of e[l, uniform]: g[l]. Measured where the model will run, the drops add up
+  (on SmolLM2 at 25% active the 30 drops sum to 3.03 nats against the uniform model's 2.99
+  above dense); measured one layer at a time on the dense model they do not (a seventh of
+  the damage each at depth).
+- **loss**: the same on the dense model's own stream: e[l, k] of layer l carved on its
+  dense input, g[l] the loss rise when layer l alone is carved to the reference candidate.
+- **stream**: e[l, k] alone.
 
-The damage is g[l] * e[l, k] ("loss", the default: the better allocation measured at 25% and
-75% active, see docs/methods/cmoe.md) or e[l, k] alone ("stream").
+The stream error is ||h_moe - h_dense||^2 / ||h_dense||^2 of the residual stream after the
+layer, over all calibration tokens. The damage is g[l] * e[l, k] ("marginal", "loss") or
+e[l, k] ("stream"); docs/methods/cmoe.md has the screen that chose the default.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from cmoe_jax.methods.cmoe.router_fit import fit_router
 from cmoe_jax.models.ffn import filled_ffn
 from cmoe_jax.calibration_pass.layer_pass import LayerInput, layer_pass, start_pass, stream_nll
 
-MEASURES = ("loss", "stream")
+MEASURES = ("marginal", "loss", "stream")
 REFERENCE = 1  # the candidate whose loss rise calibrates a layer's errors: S1A1E8 with 8 experts
 LOSS_WINDOWS = 2  # calibration windows the loss is measured on
 FLOOR = 1e-9  # least loss rise counted: no layer is free to carve
@@ -73,27 +79,37 @@ def carved_candidate(cfg, layer, x, cc: ConvertConfig, plan, mesh, profile=None)
 
 class ErrorStep:
     """The layer pass's step of the stream errors: carve layer i to every candidate on its
-    dense FFN input, record each one's stream error, hand the dense FFN back (the stream
-    stays the dense model's)."""
+    FFN input and record each one's stream error; the stream goes on through the dense FFN,
+    or with `carry` (a candidate's index) through that candidate's carving, kept in
+    `carried` (a resumed layer, its row already measured, is carved to that one alone)."""
 
-    def __init__(self, cfg, cc: ConvertConfig, candidates, mesh, measured: Measured):
+    def __init__(self, cfg, cc: ConvertConfig, candidates, mesh, measured: Measured, carry: int | None = None):
         self.cfg, self.cc, self.candidates, self.mesh = cfg, cc, candidates, mesh
         self.rows, self.on_row = [list(r) for r in measured.errors], measured.on_error
+        self.carry, self.carried = carry, []
 
     def __call__(self, inputs: LayerInput) -> nnx.Module:
         layer, x = inputs.layer, inputs.ffn_input
+        carry = None if self.carry is None else self.candidates[self.carry]
         if inputs.index < len(self.rows):
-            return layer.mlp
-        dense = inputs.stream_after(layer.mlp, self.mesh)
-        profile = layer_profile(layer, x, self.cc)
-        row = [0.0 if plan is None else  # the dense FFN kept
-               stream_error(inputs, carved_candidate(self.cfg, layer, x, self.cc, plan, self.mesh, profile),
-                            dense, self.mesh)
-               for plan in self.candidates]
-        self.rows.append(row)
-        if self.on_row is not None:
-            self.on_row(inputs.index, row)
-        return layer.mlp
+            ffn = layer.mlp if carry is None else carved_candidate(self.cfg, layer, x, self.cc, carry, self.mesh)
+        else:
+            dense = inputs.stream_after(layer.mlp, self.mesh)
+            profile = layer_profile(layer, x, self.cc)
+            row, ffn = [], layer.mlp
+            for plan in self.candidates:
+                if plan is None:  # the dense FFN kept
+                    row.append(0.0)
+                    continue
+                carved = carved_candidate(self.cfg, layer, x, self.cc, plan, self.mesh, profile)
+                row.append(stream_error(inputs, carved, dense, self.mesh))
+                ffn = carved if plan is carry else ffn
+            self.rows.append(row)
+            if self.on_row is not None:
+                self.on_row(inputs.index, row)
+        if self.carry is not None:
+            self.carried.append(ffn)
+        return ffn
 
 
 def pass_nll(outer, layers, tokens, mesh, on_layer) -> float:
@@ -103,31 +119,63 @@ def pass_nll(outer, layers, tokens, mesh, on_layer) -> float:
     return stream_nll(outer, layer_pass(layers, h, rope, mesh, on_layer, progress=False), tokens, mesh)
 
 
-def measure(outer, layers, calib: np.ndarray, cc: ConvertConfig, candidates, *, measure_by: str = "loss",
-            measured: Measured | None = None) -> Sensitivity:
-    """Each layer's stream error at each of `candidates` (None: the dense FFN) and, with
-    `measure_by` "loss", each layer's loss gain, on the calibration windows `calib` [N, T].
-    `outer`: the dense model (its layers, if any, unused); `layers`: a re-iterable of its
-    decoder layers in order (a streamed job reads each when a pass reaches it)."""
+def measure(outer, layers, calib: np.ndarray, cc: ConvertConfig, candidates, *, measure_by: str = "marginal",
+            uniform: int | None = None, measured: Measured | None = None) -> Sensitivity:
+    """Each layer's stream error at each of `candidates` (None: the dense FFN) and, unless
+    `measure_by` is "stream", each layer's loss gain, on the calibration windows `calib`
+    [N, T]. "marginal" measures both on the model carved to candidate `uniform` (the
+    budget's uniform shape). `outer`: the dense model (its layers, if any, unused); `layers`:
+    a re-iterable of its decoder layers in order (a streamed job reads each when a pass
+    reaches it)."""
     measured = measured or Measured()
     calib = np.asarray(calib, np.int32)
-    mesh = conversion_mesh(cc, calib.shape[0], measured.devices)
-    h, rope = start_pass(outer, calib, mesh)
-    step = ErrorStep(outer.config, cc, candidates, mesh, measured)
-    layer_pass(layers, h, rope, mesh, step, desc="measuring each layer's stream error",
-               progress=measured.progress)
-    errors = np.asarray(step.rows, np.float64)
+    carry = uniform if measure_by == "marginal" and candidates[uniform] is not None else None
+    if len(measured.errors) == len(layers) and (measure_by == "stream" or len(measured.gains) == len(layers)):
+        errors, carried = np.asarray(measured.errors, np.float64), None  # a resume with all measured
+    else:
+        mesh = conversion_mesh(cc, calib.shape[0], measured.devices)
+        h, rope = start_pass(outer, calib, mesh)
+        step = ErrorStep(outer.config, cc, candidates, mesh, measured, carry)
+        layer_pass(layers, h, rope, mesh, step, desc="measuring each layer's stream error",
+                   progress=measured.progress)
+        errors, carried = np.asarray(step.rows, np.float64), step.carried
     if measure_by == "stream":
         return Sensitivity(errors, None)
-    gains = loss_gains(outer, layers, calib[:LOSS_WINDOWS], cc, candidates[REFERENCE], len(errors), measured)
-    return Sensitivity(errors, gains)
+    if measure_by == "loss":
+        gains = loss_gains(outer, layers, calib[:LOSS_WINDOWS], cc, candidates[REFERENCE], len(errors), measured)
+        return Sensitivity(errors, gains)
+    if carry is None:  # the uniform shape is the dense model: nothing to carve
+        return Sensitivity(errors, np.ones(len(errors)))
+    drops = marginal_drops(outer, layers, calib[:LOSS_WINDOWS], cc, carried, measured)
+    return Sensitivity(errors, np.maximum(drops, FLOOR) / np.maximum(errors[:, carry], 1e-30))
+
+
+def marginal_drops(outer, layers, tokens, cc, carried, measured: Measured) -> np.ndarray:
+    """d[l] = loss of the model whose FFNs are `carried` - the same with layer l's dense FFN
+    back, both on `tokens`: what carving layer l costs where the model runs. Saved (and
+    resumed) through `measured`'s gains, as the loss gains are."""
+    drops = list(measured.gains)
+    if len(drops) == len(layers):
+        return np.asarray(drops, np.float64)
+    mesh = conversion_mesh(cc, tokens.shape[0], measured.devices)
+    carved = pass_nll(outer, layers, tokens, mesh, lambda inputs: carried[inputs.index])
+    for index in tqdm(range(len(drops), len(layers)), desc="measuring each layer's marginal loss",
+                      disable=not measured.progress):
+        restored = pass_nll(outer, layers, tokens, mesh, lambda inputs, index=index:
+                            inputs.layer.mlp if inputs.index == index else carried[inputs.index])
+        drops.append(carved - restored)
+        if measured.on_gain is not None:
+            measured.on_gain(index, drops[-1])
+    return np.asarray(drops, np.float64)
 
 
 def loss_gains(outer, layers, tokens, cc, plan, num_layers: int, measured: Measured) -> np.ndarray:
     """g[l] = max(loss with layer l alone carved to `plan` - dense loss, FLOOR) / that
     carving's stream error, both on `tokens` (the layer carved on them, too)."""
-    mesh = conversion_mesh(cc, tokens.shape[0], measured.devices)
     cfg, gains = outer.config, list(measured.gains)
+    if len(gains) == num_layers:
+        return np.asarray(gains, np.float64)
+    mesh = conversion_mesh(cc, tokens.shape[0], measured.devices)
     dense = pass_nll(outer, layers, tokens, mesh, lambda inputs: inputs.layer.mlp)
     for index in tqdm(range(len(gains), num_layers), desc="measuring each layer's loss gain",
                       disable=not measured.progress):

@@ -74,7 +74,7 @@ def measure_streamed(model: Streamed, calib: np.ndarray, cc: ConvertConfig, budg
     mesh = conversion_mesh(cc, np.asarray(calib).shape[0], measured.devices)
     outer = load_outer(source, cfg, dtype=jnp.float32, mesh=mesh)
     return measure(outer, _Layers(model, mesh), calib, cc, budget.candidates(), measure_by=budget.measure_by,
-                   measured=measured)
+                   uniform=budget.nearest_uniform(), measured=measured)
 
 
 def convert_streamed(model: Streamed, calib: np.ndarray, cc: ConvertConfig, *, devices=None,
