@@ -5,8 +5,8 @@
 
 For each budget F (the share of FFN neurons a token runs): the uniform shape of that share
 (S1A1E8 at 0.25, S1A2E8 at 0.375, S2A2E8, S2A3E8, S3A3E8 at 0.75; `Budget.candidates`) and
-the adaptive conversion (`convert --active F`; each layer's sensitivity is measured once per
-model and reused for every budget). Each model is scored on WikiText-2 test perplexity
+the adaptive conversion (`convert --active F` with its defaults; each layer's sensitivity
+is measured at each budget's operating point, saved as a cell of its own). Each model is scored on WikiText-2 test perplexity
 (`--max-windows` windows of 2048) and ARC-Easy (acc), and timed against the dense model in
 the same run: prefill (a batch of 512-token prompts through the model) and decode (128 new
 greedy tokens with the KV cache), batch 1 and 16, the two sides interleaved, medians.
@@ -74,16 +74,20 @@ class Front:
         return cell
 
     def sensitivity(self, budget):
-        """Each layer's stream errors and loss gains, measured once for every budget."""
+        """Each layer's stream errors and loss gains: the marginal measure at each budget's
+        operating point, the dense-stream ones ("loss", "stream") once for every budget."""
         from cmoe_jax.convert import ConvertConfig
         from cmoe_jax.methods.cmoe.budget import Sensitivity, measure_damage
 
-        def make():  # both measures: the stream errors and the loss gains
-            s = measure_damage(self.lm.model, self.calib, ConvertConfig(plan=None),
-                               dataclasses.replace(budget, measure_by="loss"))
+        marginal = budget.measure_by == "marginal"
+        measured = budget if marginal else dataclasses.replace(budget, measure_by="loss")  # both measures
+
+        def make():
+            s = measure_damage(self.lm.model, self.calib, ConvertConfig(plan=None), measured)
             return {"stream_error": s.errors.tolist(), "loss_gain": s.gains.tolist()}
 
-        cell = self.cell(f"sensitivity-E{budget.experts}", make)
+        name = f"sensitivity-{budget.active:g}-E{budget.experts}" if marginal else f"sensitivity-E{budget.experts}"
+        cell = self.cell(name, make)
         return Sensitivity(np.asarray(cell["stream_error"]), np.asarray(cell["loss_gain"]))
 
     def converted(self, cc):
@@ -142,12 +146,11 @@ def sweep(args) -> list[dict]:
 
     front = Front(args)
     cells = [front.cell("dense", lambda: dict(front.scores(front.lm.model), kind="dense", active_share=1.0))]
-    sensitivity = front.sensitivity(Budget(0.5, 8))
     for share in args.budgets:
         budget = Budget(share, 8)  # the defaults' measure and spread
         kinds = {"uniform": ConvertConfig(plan=budget.candidates()[budget.uniform_index()]),
                  "adaptive": adaptive_config(ConvertConfig(plan=None), budget,
-                                             sensitivity.damage(budget.measure_by))}
+                                             front.sensitivity(budget).damage(budget.measure_by))}
         for kind, cc in kinds.items():
             def make(cc=cc, kind=kind):
                 model, records = front.converted(cc)
@@ -159,7 +162,7 @@ def sweep(args) -> list[dict]:
             cells.append(front.cell(f"{kind}-{share:g}", make))
     for spec in args.screen:  # allocation variants, perplexity only
         budget = variant(spec)
-        damage = front.sensitivity(budget).damage(budget.measure_by)  # measured once per expert count
+        damage = front.sensitivity(budget).damage(budget.measure_by)
         cc = adaptive_config(ConvertConfig(plan=None), budget, damage)
 
         def make(cc=cc, budget=budget):
