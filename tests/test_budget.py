@@ -74,6 +74,14 @@ def test_a_spread_keeps_every_layer_near_the_budget(layers, share, spread, seed)
     assert got == pytest.approx(brute_force(allowed, np.arange(1, 9), k.sum()), rel=1e-12)
 
 
+def test_the_defaults_follow_the_budget():
+    """Below half active the marginal damage with any spread, from there the dense-stream
+    loss damage within 2 experts; a measure given takes its own spread."""
+    assert (Budget(0.25).measure_by, Budget(0.25).spread) == ("marginal", None)
+    assert (Budget(0.75).measure_by, Budget(0.75).spread) == ("loss", 2)
+    assert Budget(0.25, measure_by="stream").spread == 2 and Budget(0.75, spread=None).spread is None
+
+
 def test_budget_arithmetic():
     b = Budget(0.25, 8)
     assert [p.name if p else "dense" for p in b.candidates()] == [

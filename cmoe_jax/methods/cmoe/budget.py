@@ -25,8 +25,25 @@ from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.methods.cmoe.sensitivity import MEASURES, Measured, Sensitivity, measure
 
 TOLERANCE = 0.01  # the mean active share met to within 1% of the budget
-DEFAULT_MEASURE = "marginal"  # the damage measure and the spread: the best measured at 0.25 and 0.75
-DEFAULT_SPREAD: int | None = None  # (docs/methods/cmoe.md); the spread in experts around F z
+MARGINAL_BELOW = 0.5  # budgets below it take the marginal damage, the others the dense-stream one
+
+
+def default_measure(active: float) -> str:
+    """The damage measure of the defaults at budget F, each the best measured at its end
+    (docs/methods/cmoe.md). Far from dense, a layer's damage is what it costs inside the
+    carved model ("marginal"); near dense, the carved model's drops stop adding up (on
+    SmolLM2 at 75% they sum to 1.5x its gap to dense) and the dense stream's loss rises
+    ("loss") are the better guide."""
+    return "marginal" if active < MARGINAL_BELOW else "loss"
+
+
+def default_spread(measure_by: str) -> int | None:
+    """The marginal damage holds far from the uniform shape (any spread); the dense-stream
+    ones only near it (2 experts)."""
+    return None if measure_by == "marginal" else 2
+
+
+DEFAULTS_TEXT = f"marginal below F = {MARGINAL_BELOW:g}, loss from there"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +53,15 @@ class Budget:
 
     active: float
     experts: int = 8
-    measure_by: str = DEFAULT_MEASURE  # the damage: "marginal", "loss" or "stream" (`sensitivity`)
-    spread: int | None = DEFAULT_SPREAD  # a layer runs within this many experts of F z (None: any shape)
+    measure_by: str | None = None  # the damage: "marginal", "loss" or "stream" (None: `default_measure`)
+    spread: int | None | str = "default"  # a layer runs within this many experts of F z (None: any
+    #                                       shape; "default": `default_spread` of the measure)
+
+    def __post_init__(self):
+        if self.measure_by is None:
+            object.__setattr__(self, "measure_by", default_measure(self.active))
+        if self.spread == "default":
+            object.__setattr__(self, "spread", default_spread(self.measure_by))
 
     def to_json(self) -> dict:
         return {"active": self.active, "experts": self.experts, "sensitivity": self.measure_by,
@@ -134,5 +158,5 @@ def adaptive_config(cc: ConvertConfig, budget: Budget, damage: np.ndarray) -> Co
     return dataclasses.replace(cc, plan=None, layer_plans=tuple(budget.allocate(damage)))
 
 
-__all__ = ["DEFAULT_MEASURE", "DEFAULT_SPREAD", "MEASURES", "Budget", "BudgetError", "Measured", "Sensitivity",
+__all__ = ["DEFAULTS_TEXT", "MEASURES", "Budget", "BudgetError", "Measured", "Sensitivity",
            "adaptive_config", "check_budget", "measure_damage"]

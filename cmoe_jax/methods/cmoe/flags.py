@@ -5,7 +5,7 @@ from __future__ import annotations
 from cmoe_jax.cli_args import nonneg_int, positive_int
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.methods.cmoe.budget import DEFAULT_MEASURE, DEFAULT_SPREAD, MEASURES, Budget
+from cmoe_jax.methods.cmoe.budget import DEFAULTS_TEXT, MEASURES, Budget
 from cmoe_jax.methods.cmoe.convert import ConvertConfig
 from cmoe_jax.methods.cmoe.job import ConvertSettings
 from cmoe_jax.methods.cmoe.plan import MoEPlan
@@ -43,11 +43,11 @@ def add_flags(g) -> None:
                         "scaled by the loss the model carved to F's uniform shape drops when that "
                         "layer alone is dense again (marginal), the same on the dense model (loss: "
                         "the rise when that layer alone is carved), or the stream error alone "
-                        f"(stream); default {DEFAULT_MEASURE}")
+                        f"(stream); default: {DEFAULTS_TEXT}")
     g.add_argument("--spread", type=spread_arg, default=None, metavar="N",
                    help="with a budget --active F, each layer runs within N experts' worth of "
-                        f"neurons of F z (default {'any' if DEFAULT_SPREAD is None else DEFAULT_SPREAD}; "
-                        "'any': no bound)")
+                        "neurons of F z ('any': no bound; default: any with the marginal damage, 2 "
+                        "with the others)")
     g.add_argument("--stream", action="store_true",
                    help="read, convert and write one decoder layer at a time (peak host memory "
                         "about one layer: models larger than the host's memory); dense sources")
@@ -76,8 +76,8 @@ def budget_from_args(args) -> Budget | None:
         raise CmoeError(f"--active {args.active:g} is a budget (each layer's shape chosen for it) and "
                         f"{given} a shape: give one of them")
     return Budget(args.active, 8 if args.experts is None else args.experts,
-                  measure_by=args.sensitivity or DEFAULT_MEASURE,
-                  spread={None: DEFAULT_SPREAD, "any": None}.get(args.spread, args.spread))
+                  measure_by=args.sensitivity,
+                  spread={None: "default", "any": None}.get(args.spread, args.spread))
 
 
 def plan_from_args(args) -> MoEPlan | None:
