@@ -7,7 +7,8 @@ output as its own checkpoint piece and dropped. Peak host memory is about one de
 (plus its carved copy) and one layer's calibration activations, whatever the depth; the
 embedding and LM head are read once, written, and dropped before the first layer. With a
 budget (`--active F`) a first streamed pass measures each layer's damage at every candidate
-shape (`measure_streamed`), then the conversion reads the layers again.
+shape (`measure_streamed`; the marginal damage also holds each layer's uniform carving, F
+of the FFN weights, until its loss passes end), then the conversion reads the layers again.
 """
 from __future__ import annotations
 
