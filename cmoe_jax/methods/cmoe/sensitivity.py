@@ -131,6 +131,8 @@ def measure(outer, layers, calib: np.ndarray, cc: ConvertConfig, candidates, *, 
     reaches it)."""
     measured = measured or Measured()
     calib = np.asarray(calib, np.int32)
+    if measure_by == "marginal" and uniform is None:
+        raise ValueError("the marginal damage needs `uniform`, the candidate it is measured at")
     carry = uniform if measure_by == "marginal" and candidates[uniform] is not None else None
     if len(measured.errors) == len(layers) and (measure_by == "stream" or len(measured.gains) == len(layers)):
         errors, carried = np.asarray(measured.errors, np.float64), None  # a resume with all measured
