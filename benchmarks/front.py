@@ -14,6 +14,8 @@ greedy tokens with the KV cache), batch 1 and 16, the two sides interleaved, med
 Every finished cell is saved as `OUT/cells/NAME.json` at once; `--resume` skips those, so a
 killed sweep goes on where it stopped. At the end `OUT/front.json` holds every cell and
 `OUT/front.png` the two panels (perplexity and speed against active share, dense as a line).
+`--screen F:MEASURE:SPREAD[:EXPERTS] ...` adds allocation variants scored by perplexity
+alone; `--budgets` with no value runs only those (and the dense perplexity, no ARC-Easy).
 """
 from __future__ import annotations
 
@@ -95,8 +97,13 @@ class Front:
 
         return convert_model(copy.deepcopy(self.lm.model), self.calib, cc, progress=True)
 
-    def scores(self, model) -> dict:
+    def ppl(self, model) -> float:
         from cmoe_jax.eval import perplexity
+
+        return perplexity(model, self.test, progress=False)["ppl"]
+
+    def scores(self, model) -> dict:
+        """Perplexity and ARC-Easy accuracy."""
         from cmoe_jax.eval.tasks import evaluate_task, get_task, load_documents
 
         task = get_task("arc_easy")
@@ -106,7 +113,7 @@ class Front:
         def encode(text):
             return tok.encode(text) if bos is None else [bos, *tok.encode(text)]
         arc = evaluate_task(model, encode, task, docs, progress=False)
-        return {"ppl": perplexity(model, self.test, progress=False)["ppl"], "arc_acc": arc["acc"],
+        return {"ppl": self.ppl(model), "arc_acc": arc["acc"],
                 "arc_acc_stderr": arc.get("acc_stderr"), "arc_questions": len(docs)}
 
     def speed(self, model) -> dict:
@@ -140,12 +147,14 @@ def variant(spec: str):
 
 def sweep(args) -> list[dict]:
     from cmoe_jax.convert import ConvertConfig
-    from cmoe_jax.eval import perplexity
     from cmoe_jax.methods.cmoe.budget import Budget, adaptive_config
     from cmoe_jax.methods.cmoe.job import active_share
 
     front = Front(args)
-    cells = [front.cell("dense", lambda: dict(front.scores(front.lm.model), kind="dense", active_share=1.0))]
+    if args.budgets:  # the front's dense point; the screens need its perplexity alone
+        cells = [front.cell("dense", lambda: dict(front.scores(front.lm.model), kind="dense", active_share=1.0))]
+    else:
+        cells = [front.cell("dense-ppl", lambda: {"kind": "dense-ppl", "ppl": front.ppl(front.lm.model)})]
     for share in args.budgets:
         budget = Budget(share, 8)  # the defaults' measure and spread
         kinds = {"uniform": ConvertConfig(plan=budget.candidates()[budget.uniform_index()]),
@@ -167,7 +176,7 @@ def sweep(args) -> list[dict]:
 
         def make(cc=cc, budget=budget):
             model, _ = front.converted(cc)
-            return {"kind": "screen", "ppl": perplexity(model, front.test, progress=False)["ppl"],
+            return {"kind": "screen", "ppl": front.ppl(model),
                     **budget.to_json(), "active_share": active_share(list(cc.layer_plans)),
                     "shapes": ["dense" if p is None else p.name for p in cc.layer_plans]}
         cells.append(front.cell("screen-" + spec.replace(":", "-"), make))
@@ -205,14 +214,14 @@ def markdown(cells: list[dict]) -> str:
     """The front as a table: each cell's share, perplexity, ARC-Easy and speed ratios."""
     rows = ["| kind | active share | shapes | ppl | ARC-Easy acc | prefill b1 | prefill b16 | decode b1 | decode b16 |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for c in sorted((c for c in cells if c["kind"] != "screen"), key=lambda c: (c["active_share"], c["kind"])):
+    for c in sorted((c for c in cells if c["kind"] in ("dense", "uniform", "adaptive")), key=lambda c: (c["active_share"], c["kind"])):
         shapes = sorted(set(c.get("shapes", ["dense"])))
         speed = [f"{c[k]:.2f}x" if k in c else "-" for k in ("prefill_b1", "prefill_b16", "decode_b1", "decode_b16")]
         rows.append(f"| {c['kind']} | {c['active_share']:.3f} | {', '.join(shapes)} | {c['ppl']:.3f} | "
                     f"{c['arc_acc']:.4f} | " + " | ".join(speed) + " |")
     screens = sorted((c for c in cells if c["kind"] == "screen"), key=lambda c: c["name"])
     if screens:
-        dense = next(c for c in cells if c["kind"] == "dense")["ppl"]
+        dense = next(c for c in cells if c["kind"] in ("dense", "dense-ppl"))["ppl"]
         rows += ["", "| budget | experts | damage | spread | ppl | x dense |", "| --- | --- | --- | --- | --- | --- |"]
         rows += [f"| {c['active']:g} | {c['experts']} | {c['sensitivity']} | "
                  f"{c['spread'] if c['spread'] is not None else 'any'} | {c['ppl']:.3f} | {c['ppl'] / dense:.2f}x |"
@@ -243,7 +252,8 @@ def main(argv=None) -> None:
     summary = {"model": args.model, "machine": machine_line(), "date": time.strftime("%Y-%m-%d"),
                "max_windows": args.max_windows, "cells": cells}
     _save(args.out / "front.json", summary)
-    plot(cells, args.out / "front.png", args.model)
+    if args.budgets:
+        plot(cells, args.out / "front.png", args.model)
     print(markdown(cells))
 
 
