@@ -8,6 +8,7 @@ import pytest
 
 from cmoe_jax.generate import Decoding, generate
 from cmoe_jax.loading import load_model
+from cmoe_jax.models.kv_cache import KVCache
 from tests.conftest import dense_and_converted, tiny_hf_model
 
 PROMPT_LENGTHS = (5, 9, 1, 13, 7, 3)
@@ -101,3 +102,24 @@ def test_cached_decode_equals_uncached_argmax(kind, tmp_path):
     outputs = generate(model, prompts, Decoding(16, batch_size=4))
     assert all(len(o) == 16 for o in outputs)
     _assert_uncached_argmax(model, prompts, outputs)
+
+
+def test_per_layer_cache_holds_what_the_stacked_one_holds(tmp_path):
+    """An unrolled model's per-layer cache (its default) and one `[L, ...]` array give the
+    same hidden states and hold the same keys and values, through a prefill, a growth and
+    a decode step; a stacked model keeps the `[L, ...]` layout."""
+    tiny_hf_model("llama").save_pretrained(tmp_path)
+    stacked = load_model(str(tmp_path), progress=False).model
+    model = stacked.unstacked()
+    assert model.empty_cache(2, 8).per_layer and not stacked.empty_cache(2, 8).per_layer
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 6)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    runs = []
+    for per_layer in (True, False):
+        cache = KVCache.empty(model.config, 2, 8, jnp.float32, per_layer=per_layer).mark(jnp.ones((2, 6), bool), 0)
+        h, cache = model.run_cached(tokens, positions, cache, 0)
+        cache = cache.grow(16).mark(jnp.ones((2, 1), bool), 6)
+        h2, cache = model.run_cached(tokens[:, :1], jnp.full((2, 1), 6), cache, 6)
+        runs.append((h, h2, np.stack(cache.k), np.stack(cache.v)))
+    for got, want in zip(*runs):
+        np.testing.assert_array_equal(got, want)

@@ -87,15 +87,23 @@ class Knobs(NamedTuple):
     top_p: jax.Array
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("greedy",), donate_argnums=(2,))
-def _step(graphdef, state, cache: KVCache, step: StepInput, key, knobs: Knobs, *, greedy: bool):
+def _step(graphdef, treedef, leaves, cache: KVCache, step: StepInput, key, knobs: Knobs, *, greedy: bool):
     """(next token [B] after the last column of `step.tokens [B, T]`, the cache with them
     written): the prefill (T = the padded prompt, slot 0) and every decode step (T = 1)."""
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     cache = cache.mark(step.real, step.slot)
     h, cache = model.run_cached(step.tokens, step.positions, cache, step.slot)
     logits = model.unembed(h[:, -1:])[:, 0]
     return choose(logits, key, *knobs, greedy), cache
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_step(graphdef, treedef):
+    """`_step` compiled for one model structure. The model's state goes in as a flat list of
+    arrays: an unrolled model's nested state, flattened and its graph hashed at every call,
+    costs a decode step more than its layers do at batch 1."""
+    return jax.jit(functools.partial(_step, graphdef, treedef), static_argnames=("greedy",),
+                   donate_argnums=(1,))
 
 
 def _pow2_at_least(n: int, floor: int = 32) -> int:
@@ -174,21 +182,24 @@ class _Batch:
     """Runs one batch of prompts to the end (the prefill, then decode steps)."""
 
     def __init__(self, graphdef, state, model, mesh, rows, sampling, max_new_tokens, max_length):
-        self.graphdef, self.state, self.cfg = graphdef, state, model.config
-        self.dtype = getattr(model, "dtype", jnp.float32)
+        self.leaves, treedef = jax.tree.flatten(state)
+        self.step = _jitted_step(graphdef, treedef)
+        self.empty_cache = model.empty_cache
         self.rows, self.sampling = rows, sampling
         self.max_new_tokens, self.max_length = max_new_tokens, max_length
         self.rows_sharding = NamedSharding(mesh, P("data"))
-        self.cache_sharding = KVCache(NamedSharding(mesh, P(None, "data")),
-                                      NamedSharding(mesh, P(None, "data")), self.rows_sharding)
+        if model.empty_cache(1, 1).per_layer:  # rows split over "data" in either layout
+            kv = tuple(NamedSharding(mesh, P("data")) for _ in range(model.config.num_layers))
+        else:
+            kv = NamedSharding(mesh, P(None, "data"))
+        self.cache_sharding = KVCache(kv, kv, self.rows_sharding)
         s = sampling
         self.knobs = Knobs(jnp.float32(max(s.temperature, 1e-6)), jnp.int32(s.top_k), jnp.float32(s.top_p))
 
     def _call(self, cache, tokens, real, positions, slot, key):
         put = lambda a: jax.device_put(a, self.rows_sharding)
         step = StepInput(put(tokens), put(real), put(positions), jnp.int32(slot))
-        return _step(self.graphdef, self.state, cache, step, key, self.knobs,
-                     greedy=self.sampling.greedy)
+        return self.step(self.leaves, cache, step, key, self.knobs, greedy=self.sampling.greedy)
 
     def __call__(self, batch_index: int, prompts: list[list[int]], emit) -> None:
         """`emit(row, token) -> done` for each row's new token until every row is done."""
@@ -200,8 +211,8 @@ class _Batch:
             tokens[r, width - len(p):], real[r, width - len(p):] = p, True
         positions = np.maximum(np.cumsum(real, axis=1) - 1, 0).astype(np.int32)
         limit = _pow2_at_least(width + self.max_new_tokens)
-        cache = jax.device_put(KVCache.empty(self.cfg, self.rows, min(limit, _pow2_at_least(width + 1)),
-                                             self.dtype), self.cache_sharding)
+        cache = jax.device_put(self.empty_cache(self.rows, min(limit, _pow2_at_least(width + 1))),
+                               self.cache_sharding)
         key = jax.random.fold_in(jax.random.PRNGKey(self.sampling.seed), batch_index)
         nxt, cache = self._call(cache, tokens, real, positions, 0, jax.random.fold_in(key, 0))
         position = real.sum(axis=1).astype(np.int32)

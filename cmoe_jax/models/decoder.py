@@ -251,7 +251,8 @@ class Decoder(nnx.Module):
     def run_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, slot):
         """(residual stream [B, T, d], the cache with the step written): the forward of
         `run_layers` for T new tokens at cache slots `slot...` and RoPE `positions [B, T]`,
-        attending over the cache (`cache.valid` must already mark the new slots)."""
+        attending over the cache (`cache.valid` must already mark the new slots). Any cache
+        layout runs; `empty_cache` makes the one these layers run fastest with."""
         rope = self.rope(tokens.shape[-1], positions)
         h = self.embed_tokens(tokens)
         slot = jnp.asarray(slot, jnp.int32)
@@ -263,8 +264,15 @@ class Decoder(nnx.Module):
                 out = layer(h, rope, cache=cache.layer(i, slot))
                 h = out.h
                 news.append(out.kv)
-            k_new, v_new = (jnp.stack([kv[j] for kv in news]) for j in (0, 1))
+            k_new, v_new = ([kv[j] for kv in news] for j in (0, 1))
         return h, cache.write(k_new, v_new, slot)
+
+    def empty_cache(self, batch: int, length: int, dtype=None) -> KVCache:
+        """An empty KV cache of `length` slots for `batch` rows: one `[L, ...]` array a
+        scanned stack slices, one array a layer for layers run unrolled (`KVCache`)."""
+        dtype = getattr(self, "dtype", jnp.float32) if dtype is None else dtype
+        return KVCache.empty(self.config, batch, length, dtype,
+                             per_layer=not isinstance(self.layers, LayerStack))
 
     def hidden_states(self, tokens: jax.Array, positions=None, segments=None) -> jax.Array:
         """Residual stream after the last layer (before the final norm)."""

@@ -8,6 +8,12 @@ a padded slot is never valid, and each row's RoPE positions count only its real 
 step; `grow` pads it to the next length when it fills, so a long generation compiles a few
 shapes only.
 
+A model whose layers run unrolled (they differ in shape) holds the cache per layer instead, `k/v`
+a tuple of L arrays `[B, S, K, H]` (`KVCache.empty(..., per_layer=True)`): each step then
+updates every layer's array in place, where slices of one `[L, ...]` array written back after
+the last layer make XLA copy the whole cache twice a step (at batch 16 on SmolLM2 about a
+third of the step).
+
 The decoder layers run the same modules with a `LayerCache` (`Attention.__call__`'s `cache`
 argument): they attend over the cached slots plus their own new ones and hand back the new
 keys and values, which `KVCache.write` stores in place (one update of the whole cache).
@@ -36,16 +42,25 @@ class LayerCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values of every layer `[L, B, S, K, H]` and the valid slots `[B, S]`."""
+    """Keys and values of every layer, `[L, B, S, K, H]` or (per layer) a tuple of L
+    `[B, S, K, H]`, and the valid slots `[B, S]`."""
 
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
     valid: jax.Array
 
     @classmethod
-    def empty(cls, cfg, batch: int, length: int, dtype) -> "KVCache":
-        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, length), bool))
+    def empty(cls, cfg, batch: int, length: int, dtype, per_layer: bool = False) -> "KVCache":
+        shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+        if per_layer:
+            k, v = (tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)) for _ in range(2))
+        else:
+            k, v = (jnp.zeros((cfg.num_layers, *shape), dtype) for _ in range(2))
+        return cls(k, v, jnp.zeros((batch, length), bool))
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
 
     @property
     def length(self) -> int:
@@ -56,8 +71,8 @@ class KVCache:
         pad = length - self.length
         if pad <= 0:
             return self
-        kv_pad = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
-        return KVCache(jnp.pad(self.k, kv_pad), jnp.pad(self.v, kv_pad),
+        grown = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 3) + [(0, pad), (0, 0), (0, 0)])  # the slot axis
+        return KVCache(jax.tree.map(grown, self.k), jax.tree.map(grown, self.v),
                        jnp.pad(self.valid, ((0, 0), (0, pad))))
 
     def mark(self, real: jax.Array, slot) -> "KVCache":
@@ -68,8 +83,14 @@ class KVCache:
     def layer(self, i, slot) -> LayerCache:
         return LayerCache(self.k[i], self.v[i], self.valid, jnp.asarray(slot, jnp.int32))
 
-    def write(self, k_new: jax.Array, v_new: jax.Array, slot) -> "KVCache":
-        """Store every layer's new keys and values `[L, B, T, K, H]` at slots `slot...`."""
+    def write(self, k_new, v_new, slot) -> "KVCache":
+        """Store every layer's new keys and values (`[L, B, T, K, H]`, or a sequence of L
+        `[B, T, K, H]`) at slots `slot...`."""
+        if self.per_layer:
+            put = lambda old, new: tuple(jax.lax.dynamic_update_slice(o, n.astype(o.dtype), (0, slot, 0, 0))
+                                         for o, n in zip(old, new, strict=True))
+            return KVCache(put(self.k, k_new), put(self.v, v_new), self.valid)
+        k_new, v_new = (x if isinstance(x, jax.Array) else jnp.stack(list(x)) for x in (k_new, v_new))
         at = (0, 0, slot, 0, 0)
         return KVCache(jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), at),
                        jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), at),

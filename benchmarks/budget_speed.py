@@ -1,0 +1,91 @@
+"""Is a layer-adaptive conversion as fast as the uniform one of the same budget?
+
+    python benchmarks/budget_speed.py --uniform out/u025 --adaptive out/a025 [--model smollm2]
+        [--batches 1 16] [--prompt-len 128] [--new-tokens 128] [--prefill-len 512] [--repeats 3]
+
+The dense model and the two converted ones (their directories as `cmoe-jax convert` wrote
+them) run the same work, interleaved in one process after a compiling warm-up: prefill (a
+batch of `--prefill-len`-token WikiText-2 test prompts through the model, the last position's
+logits) and decode (`--new-tokens` greedy tokens after a `--prompt-len`-token prompt, KV
+cache, no early stop), batch 1 and 16. Each block prints every side's median and min, and ends with
+
+    ratio adaptive/uniform decode batch=1: N.NNx      (uniform time / adaptive time)
+    ratio uniform/dense decode batch=1: N.NNx         (dense time / uniform time)
+
+so 0.95x or more is "within 5% of uniform". Ratios are withheld with a `warning:` when the
+load average at start exceeds the core count.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.decode import ours_side  # noqa: E402
+from benchmarks.harness import interleaved_times, load_average, machine_busy, machine_line, print_load  # noqa: E402
+from benchmarks.prefill import prefill_fn  # noqa: E402
+
+WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2"
+
+
+def sides(models: dict, what: str, prompts: np.ndarray, new_tokens: int) -> list:
+    """One zero-argument callable per model that blocks until its result is ready."""
+    import jax
+
+    if what == "decode":
+        return [ours_side(m, prompts, new_tokens) for m in models.values()]
+    fns = [prefill_fn(m) for m in models.values()]
+    return [lambda f=f: jax.block_until_ready(f(prompts)) for f in fns]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", help="the dense source of both conversions")
+    p.add_argument("--uniform", required=True, help="the uniform conversion's directory")
+    p.add_argument("--adaptive", required=True, help="the layer-adaptive conversion's directory")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--prompt-len", type=int, default=128, help="decode: prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=128, help="decode: greedy tokens generated")
+    p.add_argument("--prefill-len", type=int, default=512, help="prefill: prompt tokens")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--data-path", type=Path, default=WIKITEXT / "test.txt", help="prompt text (WikiText-2 test)")
+    args = p.parse_args(argv)
+    load_start = load_average()
+
+    from cmoe_jax.data import load_text_tokens
+    from cmoe_jax.loading import load_model
+
+    lm = load_model(args.model, progress=False)
+    models = {"dense": lm.model, "uniform": load_model(args.uniform, progress=False).model,
+              "adaptive": load_model(args.adaptive, progress=False).model}
+    tokens = load_text_tokens("wikitext2", lm.tokenizer, "test", str(args.data_path))
+    longest = max(args.prompt_len, args.prefill_len)
+    pool = np.asarray(tokens[:max(args.batches) * longest], np.int32).reshape(max(args.batches), longest)
+    print(machine_line())
+    print(f"model: {args.model}; uniform {args.uniform}, adaptive {args.adaptive}; prefill {args.prefill_len} "
+          f"tokens; decode {args.new_tokens} new after {args.prompt_len}; batches {args.batches}", flush=True)
+    medians = {}
+    for batch in args.batches:
+        for what, length in (("prefill", args.prefill_len), ("decode", args.prompt_len)):
+            times = interleaved_times(sides(models, what, pool[:batch, :length], args.new_tokens), args.repeats)
+            for name, ts in zip(models, times):
+                medians[name, what, batch] = statistics.median(ts)
+                print(f"{what:7s} batch={batch:<3d} {name:9s} median {medians[name, what, batch]:8.3f} s"
+                      f"  min {min(ts):8.3f} s", flush=True)
+    busy = print_load(load_start, args.repeats) or machine_busy(load_start)
+    for batch in args.batches:
+        for what in ("prefill", "decode"):
+            for a, ref in (("adaptive", "uniform"), ("uniform", "dense"), ("adaptive", "dense")):
+                value = "withheld (machine busy)" if busy else \
+                    f"{medians[ref, what, batch] / medians[a, what, batch]:.2f}x"
+                print(f"ratio {a}/{ref} {what} batch={batch}: {value}")
+
+
+if __name__ == "__main__":
+    main()
