@@ -118,20 +118,12 @@ class Front:
 
     def speed(self, model) -> dict:
         """dense time / this model's time (medians, interleaved) of prefill and decode."""
-        import jax
+        from benchmarks.budget_speed import sides
 
-        from benchmarks.decode import ours_side
-        from benchmarks.prefill import prefill_fn
-
-        out = {}
+        out, models = {}, {"dense": self.lm.model, "model": model}
         for batch in (1, 16):
-            prompts = self.prompts[:batch]
-            pairs = {"prefill": [prefill_fn(m) for m in (self.lm.model, model)],
-                     "decode": [ours_side(m, prompts[:, :128], 128) for m in (self.lm.model, model)]}
-            for what, (dense, moe) in pairs.items():
-                if what == "prefill":  # each side blocks until its logits are there
-                    dense, moe = ((lambda f=f: jax.block_until_ready(f(prompts))) for f in (dense, moe))
-                times = interleaved_times([dense, moe], self.args.repeats)
+            for what, prompts in (("prefill", self.prompts[:batch]), ("decode", self.prompts[:batch, :128])):
+                times = interleaved_times(sides(models, what, prompts, 128), self.args.repeats)
                 out[f"{what}_b{batch}"] = statistics.median(times[0]) / statistics.median(times[1])
         return out
 
