@@ -249,3 +249,18 @@ def test_checks_hold_expert_parallel_and_an_unset_mesh_warns():
         print("ok")
     """, devices=2)
     assert out.strip().endswith("ok")
+
+
+def test_a_bf16_cmoe_router_scores_as_its_float64_recomputation():
+    """bf16 input and router weights multiply without an upcast copy (float32 accumulation):
+    the scores equal a float64 numpy recomputation on the same bf16 values."""
+    from cmoe_jax.moe.routers.cmoe import cmoe_scores
+    k = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(k[0], (64, 96)).astype(jnp.bfloat16)
+    gate, up = ((jax.random.normal(kk, (96, 7 * 4)) * 0.1).astype(jnp.bfloat16) for kk in k[1:])
+    got = cmoe_scores(x, gate, up, 7, activation="silu")
+    xs, g, u = (np.asarray(a, np.float64) for a in (x, gate, up))
+    pre = xs @ g
+    want = np.abs(pre / (1 + np.exp(-pre)) * (xs @ u)).reshape(64, 7, 4).sum(-1)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)

@@ -47,9 +47,12 @@ def default_tiles(dtype) -> tuple[int, int, int]:
     return (128, 64, 128) if jnp.dtype(dtype).itemsize == 2 else (64, 32, 128)
 
 
-def launch_params(tiles, dtype) -> plgpu.CompilerParams:
+def launch_params(tiles, dtype, launch=None) -> plgpu.CompilerParams:
     """Triton launch: 8 warps for 128x128 output tiles (4 below), as many pipeline stages
-    (2..4) as fit `SMEM_BUDGET` with one lhs and one rhs tile per stage."""
+    (2..4) as fit `SMEM_BUDGET` with one lhs and one rhs tile per stage; `launch`
+    (num_warps, num_stages) overrides both (benchmarks/moe_breakdown.py's sweep)."""
+    if launch is not None:
+        return plgpu.CompilerParams(num_warps=launch[0], num_stages=launch[1])
     tm, tk, tn = tiles
     stage_bytes = (tm * tk + tk * tn) * jnp.dtype(dtype).itemsize
     return plgpu.CompilerParams(num_warps=8 if tm * tn >= 128 * 128 else 4,
@@ -137,7 +140,7 @@ def _tgmm_kernel(start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, tm, tk, tn, k
 
 
 def gmm_impl(lhs, rhs, group_sizes, transpose_rhs=False, *, tiles=None, precision="highest",
-             interpret=False):
+             interpret=False, launch=None):
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
     tiles = tiles or default_tiles(lhs.dtype)
@@ -156,7 +159,7 @@ def gmm_impl(lhs, rhs, group_sizes, transpose_rhs=False, *, tiles=None, precisio
         out_shape=jax.ShapeDtypeStruct((mp, np_), lhs.dtype),
         grid=(vg.shape[0], np_ // tn),
         input_output_aliases={6: 0},  # rows of no group stay zero
-        compiler_params=launch_params(tiles, lhs.dtype),
+        compiler_params=launch_params(tiles, lhs.dtype, launch=launch),
         interpret=interpret,
         name="cmoe_gmm",
     )(vg, vt, starts, ends, lhs_p, rhs_p, jnp.zeros((mp, np_), lhs.dtype))
@@ -185,15 +188,16 @@ def tgmm_impl(lhs, rhs, group_sizes, *, tiles=None, precision="highest", interpr
     return out.reshape(num_groups, kp, np_)[:, :k, :n]
 
 
-def make_gmm(tiles=None, interpret: bool = False, precision: str = "highest"):
+def make_gmm(tiles=None, interpret: bool = False, precision: str = "highest", launch=None):
     """A differentiable Pallas grouped matmul.
 
     `tiles` (tm, tk, tn), powers of two >= 16 (None: `default_tiles` of the input dtype);
-    `precision` of fp32 products, one of `PRECISIONS`; `interpret=True` runs on CPU (tests).
+    `precision` of fp32 products, one of `PRECISIONS`; `interpret=True` runs on CPU (tests);
+    `launch` (num_warps, num_stages) of the forward kernel (None: `launch_params`).
     """
     _dot_precision(jnp.float32, precision)  # fail early on a typo
     kw = dict(tiles=tiles, precision=precision, interpret=interpret)
-    return differentiable_gmm(functools.partial(gmm_impl, **kw),
+    return differentiable_gmm(functools.partial(gmm_impl, launch=launch, **kw),
                               functools.partial(tgmm_impl, **kw))
 
 
