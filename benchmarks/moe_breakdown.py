@@ -5,7 +5,7 @@
 For each configuration (the same layer as `benchmarks/moe_grid.py`, bf16 by default) it
 times, each as its own jitted call: the dense FFN; the whole layer on its dispatch paths;
 its parts (the router and its scores with and without upcasting the operands, the shared
-MLP, the sort's plan by counting and the argsort alone, the row gather, gate and up as two
+MLP, the sort's plan by counting and by argsort, the argsort alone, the row gather, gate and up as two
 grouped matmuls and the activation, the down projection, the unsort and combine); then, on
 a GPU, the Pallas grouped matmul of the gate and of the down projection at each `--tiles`
 (tm x tk x tn) and `--launches` (warps x stages; `--tiles` with no value: no sweep). A time
@@ -75,7 +75,7 @@ def parts(layer, x, gmm):
     from flax import nnx
 
     from cmoe_jax.moe.activations import glu_activation
-    from cmoe_jax.moe.dispatch import combine, counting_plan, plan
+    from cmoe_jax.moe.dispatch import combine, counting_plan, plan, sorting_plan
     from cmoe_jax.moe.routers.cmoe import cmoe_scores
 
     act = glu_activation(layer.activation)
@@ -100,8 +100,8 @@ def parts(layer, x, gmm):
         "router scores": (scores, (x, *router, lambda a: a)),
         "router scores, upcast operands": (scores, (x, *router, lambda a: a.astype(jnp.float32))),
         "shared MLP": (method("shared"), (state, x)),
-        "plan": (jax.jit(plan, static_argnums=1), (ids, e)),
         "plan by counting": (jax.jit(counting_plan, static_argnums=1), (ids.reshape(-1), e)),
+        "plan by argsort": (jax.jit(sorting_plan, static_argnums=1), (ids.reshape(-1), e)),
         "argsort alone": (jax.jit(argsort), (ids,)),
         "gather rows": (jax.jit(lambda x, s: x[s]), (x, src)),
         "gate + up + act (2 gmm)": (two, (rows, d.group_sizes, w[0], w[1])),

@@ -9,7 +9,7 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 from cmoe_jax.moe import MoEFFN
-from cmoe_jax.moe.dispatch import counting_plan, dense_experts, plan
+from cmoe_jax.moe.dispatch import counting_plan, dense_experts, plan, sorting_plan
 from cmoe_jax.moe.modes import DENSE_WHEN, DenseWhen, dispatch_mode
 
 PATHS = ("sort", "gather", "dense", "auto")
@@ -102,12 +102,13 @@ def test_dense_path_lowers_for_accelerators(platform):
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(st.integers(1, 12), st.integers(1, 300), st.integers(1, 3), st.integers(0, 2**31 - 1))
 def test_counting_plan_is_the_stable_argsort(num_experts, tokens, top_k, seed):
-    """The counting sort and the argsort give numpy's stable sort of the expert ids (a dropped
+    """The counting sort, the argsort and the plan that picks one give numpy's stable sort of the expert ids (a dropped
     pair, id E, after every group), its inverse, and the per-expert counts."""
     ids = np.random.default_rng(seed).integers(0, num_experts + 1, (tokens, top_k)).astype(np.int32)
     flat = ids.reshape(-1)
     order = np.argsort(flat, kind="stable")
-    for d in (counting_plan(jnp.asarray(flat), num_experts), plan(jnp.asarray(ids), num_experts)):
+    for d in (counting_plan(jnp.asarray(flat), num_experts), sorting_plan(jnp.asarray(flat), num_experts),
+              plan(jnp.asarray(ids), num_experts)):
         np.testing.assert_array_equal(d.order, order)
         np.testing.assert_array_equal(np.asarray(d.order)[d.inverse], np.arange(flat.size))
         np.testing.assert_array_equal(d.group_sizes, np.bincount(flat, minlength=num_experts + 1)[:num_experts])

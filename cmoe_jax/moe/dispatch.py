@@ -41,6 +41,11 @@ def plan(expert_ids: jax.Array, num_experts: int) -> Dispatch:
     flat = expert_ids.reshape(-1).astype(jnp.int32)
     if num_experts <= COUNTING_MAX_EXPERTS and flat.shape[0] >= COUNTING_MIN_PAIRS:
         return counting_plan(flat, num_experts)
+    return sorting_plan(flat, num_experts)
+
+
+def sorting_plan(flat: jax.Array, num_experts: int) -> Dispatch:
+    """`plan` by a stable argsort of the flat expert ids."""
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
