@@ -188,16 +188,15 @@ def tgmm_impl(lhs, rhs, group_sizes, *, tiles=None, precision="highest", interpr
     return out.reshape(num_groups, kp, np_)[:, :k, :n]
 
 
-def make_gmm(tiles=None, interpret: bool = False, precision: str = "highest", launch=None):
+def make_gmm(tiles=None, interpret: bool = False, precision: str = "highest"):
     """A differentiable Pallas grouped matmul.
 
     `tiles` (tm, tk, tn), powers of two >= 16 (None: `default_tiles` of the input dtype);
-    `precision` of fp32 products, one of `PRECISIONS`; `interpret=True` runs on CPU (tests);
-    `launch` (num_warps, num_stages) of the forward kernel (None: `launch_params`).
+    `precision` of fp32 products, one of `PRECISIONS`; `interpret=True` runs on CPU (tests).
     """
     _dot_precision(jnp.float32, precision)  # fail early on a typo
     kw = dict(tiles=tiles, precision=precision, interpret=interpret)
-    return differentiable_gmm(functools.partial(gmm_impl, launch=launch, **kw),
+    return differentiable_gmm(functools.partial(gmm_impl, **kw),
                               functools.partial(tgmm_impl, **kw))
 
 

@@ -18,8 +18,8 @@ from cmoe_jax.moe.routers.base import Router, RouterParam
 def _f32_product(x, w):
     """`x @ w` in float32. Operands of one 16-bit dtype stay in it, accumulating in float32:
     their products are exact in float32, so this is the upcast product without the upcast
-    copies, on the hardware's 16-bit matrix units (an H200 ran the upcast form of the 4096-wide
-    router at 4096 tokens in 0.11 ms, a tenth of the whole S1A1E8 layer)."""
+    copies (XLA:CPU: SmolLM2's bf16 router scores at 4096 tokens 9.0 to 4.7 ms; the same on an
+    H200, where XLA fuses the upcast)."""
     if x.dtype == w.dtype and jnp.dtype(x.dtype).itemsize == 2:
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
     return x.astype(jnp.float32) @ w.astype(jnp.float32)
