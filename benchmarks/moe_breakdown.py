@@ -19,7 +19,6 @@ import functools
 import json
 import statistics
 import sys
-import time
 from datetime import date
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import load_average, machine_line  # noqa: E402
+from benchmarks.harness import interleaved_times, load_average, machine_line  # noqa: E402
 from benchmarks.moe_grid import DTYPES, build, parse_config, swiglu, swiglu_f32_acc  # noqa: E402
 
 TILES = ("128x64x128", "128x64x256", "64x64x128", "128x128x128", "64x128x128", "128x32x256",
@@ -36,32 +35,28 @@ TILES = ("128x64x128", "128x64x256", "64x64x128", "128x128x128", "64x128x128", "
 LAUNCHES = ("default", "4x3", "8x3", "8x4", "4x4")
 
 
-def queued_time(fn, args, calls: int) -> float:
-    """Seconds per call of `fn(*args)` over `calls` calls queued before one wait."""
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(calls):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / calls
+def queued(fn, args, calls: int):
+    """A zero-argument side running `fn(*args)` `calls` times, queued before one wait."""
+    def side():
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    return side
 
 
 def timed(sides: dict, calls: int, reps: int) -> dict:
-    """name -> milliseconds (median over `reps` interleaved rounds); sides that fail to
-    compile or run are reported as the error's first line."""
+    """name -> milliseconds per call (median over `reps` interleaved rounds); sides that fail
+    to compile or run are reported as the error's first line."""
     out, live = {}, {}
     for name, (fn, args) in sides.items():
         try:
             jax.block_until_ready(fn(*args))
-            live[name] = (fn, args)
+            live[name] = queued(fn, args, calls)
         except Exception as e:  # noqa: BLE001 - a tile that does not fit is a result too
             out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    samples = {name: [] for name in live}
-    for _ in range(reps):
-        for name, (fn, args) in live.items():
-            samples[name].append(queued_time(fn, args, calls))
-    out.update({name: statistics.median(ts) * 1e3 for name, ts in samples.items()})
+    times = interleaved_times(list(live.values()), reps, warmup=1)
+    out.update({name: statistics.median(ts) / calls * 1e3 for name, ts in zip(live, times)})
     return out
 
 
