@@ -12,7 +12,7 @@ from cmoe_jax.moe import MoEFFN
 from cmoe_jax.moe.dispatch import counting_plan, dense_experts, plan, sorting_plan
 from cmoe_jax.moe.modes import DENSE_WHEN, DenseWhen, dispatch_mode
 
-PATHS = ("sort", "gather", "dense", "auto")
+PATHS = ("sort", "gather", "dense", "padded", "auto")
 
 
 def layer(path, backend="auto", router="cmoe", **kw):

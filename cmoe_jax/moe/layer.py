@@ -32,6 +32,7 @@ from cmoe_jax.lora_variables import factors, grouped_delta, project
 from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.balance import update_router_bias
 from cmoe_jax.moe.dispatch import GLUExperts, dense_experts, gathered_experts
+from cmoe_jax.moe.padded import padded_experts
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_experts, tokens_sharded
 from cmoe_jax.moe.gmm import get_glu, get_gmm
 from cmoe_jax.moe.modes import (check_input, check_layer, check_mask, dispatch_mode, expert_parallel_active,
@@ -78,8 +79,8 @@ class MoEFFN(nnx.Module):
       kernel_init: initializer `init(key, shape, dtype)` of every weight matrix, called with
         the 2-D `[in, out]` shape (stacked experts get one call each); default normal(0.02).
       dispatch: how the routed experts run on one device: "auto" (default) picks at trace time
-        from the token count and shapes (`cmoe_jax.moe.modes`); "sort", "gather" or "dense"
-        force one path (same results; for benchmarks and tests).
+        from the token count and shapes (`cmoe_jax.moe.modes`); "sort", "gather", "dense" or
+        "padded" force one path (same results; for benchmarks and tests).
       sow_router: sow each call's `RouterOutput` as `nnx.Intermediate` "router_outputs" (for
         a layer deep inside a model; `nnx.capture(model, nnx.Intermediate)(x)` returns them).
 
@@ -281,6 +282,8 @@ class MoEFFN(nnx.Module):
                           self.spec.capacity_factor) if self.spec.capacity_factor > 0 else None)
         experts = GLUExperts(*weights, gmm, activation=self.activation, glu=get_glu(self.backend),
                              capacity=limit)
+        if mode == "padded":
+            return padded_experts(x, ids, gates, experts)
         return routed_swiglu_experts(x, ids, gates, experts, expert_axis=self.expert_axis,
                                      adapters=adapters or None, make_lora=make_lora,
                                      expert_parallel=mode == "expert_parallel")

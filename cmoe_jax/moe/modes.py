@@ -1,6 +1,6 @@
 """Where a layer's routed experts run, decided in one place, and the layer's input checks.
 
-Four ways to run the (token, expert) pairs of one call:
+Five ways to run the (token, expert) pairs of one call:
 
 - "expert_parallel": the mesh set with `jax.set_mesh` has the layer's expert axis (size > 1):
   experts split over it, tokens exchanged by all-to-all (`cmoe_jax.moe.expert_parallel`);
@@ -8,6 +8,9 @@ Four ways to run the (token, expert) pairs of one call:
   step) and no adapters: each pair reads only its own expert's weights;
 - "dense": where sparsity cannot pay (`DenseWhen`): every expert on every token, the
   unchosen ones weighted zero, as one wide product (`cmoe_jax.moe.dispatch.dense_experts`);
+- "padded": on platforms whose rule says so (`DenseWhen.padded`), instead of "dense" and
+  "sort": each expert's rows padded to one capacity and run as batched matmuls
+  (`cmoe_jax.moe.padded`);
 - "sort": otherwise, tokens sorted by expert and run through grouped matmuls
   (`cmoe_jax.moe.dispatch`).
 
@@ -28,8 +31,8 @@ import jax.numpy as jnp
 from cmoe_jax.moe.gmm import resolve_backend
 
 DEFAULT_EXPERT_AXIS = "expert"
-Mode = Literal["expert_parallel", "gather", "dense", "sort"]
-DISPATCHES = ("auto", "sort", "gather", "dense")
+Mode = Literal["expert_parallel", "gather", "dense", "padded", "sort"]
+DISPATCHES = ("auto", "sort", "gather", "dense", "padded")
 
 
 class DenseWhen(NamedTuple):
@@ -38,12 +41,14 @@ class DenseWhen(NamedTuple):
     (token, slot) pairs per expert (the sort's fixed cost, a loop step per window, outweighs
     the skipped products), or a token using at least `share` of the experts with at most
     `share_tokens` tokens. The gather path runs below `gather_share` pairs per expert: it
-    copies each pair's expert weights, which on CPU costs a second pass over them."""
+    copies each pair's expert weights, which on CPU costs a second pass over them. With
+    `padded`, the padded path runs wherever "dense" or "sort" would."""
 
     rows_per_expert: float = 0
     share: float = 2.0
     share_tokens: int = 0
     gather_share: float = 1.0
+    padded: bool = False
 
 
 # keyed by platform, or "platform:dtype" where the expert weights' dtype changes the answer:
@@ -128,6 +133,8 @@ def dispatch_mode(num_pairs: int, num_experts: int, expert_axis: str | None, *,
     when = dense_when(dtype)
     if num_pairs <= num_experts * when.gather_share:
         return "gather"
+    if when.padded:
+        return "padded"
     tokens = num_pairs // max(top_k, 1)
     if (num_pairs <= when.rows_per_expert * num_experts
             or (top_k / num_experts >= when.share and tokens <= when.share_tokens)):

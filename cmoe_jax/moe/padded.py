@@ -1,0 +1,84 @@
+"""The padded dispatch: every expert's rows padded to one capacity, three batched matmuls.
+
+The sort path's grouped matmuls visit the experts' row windows one after another (the CPU's
+loop of windows, the GPU's Pallas kernel at about half cuBLAS's rate). Padding each
+expert's group to a common capacity `C` turns them into one batched product
+`[E, C, d] x [E, d, m]`, the platform's plain batched matmul (oneDNN, cuBLAS), at the price
+of computing `E * C` rows instead of `T * k`.
+
+`C` must be static but the largest group is known only at run time, so a ladder of
+capacities (`capacity_ladder`: a few multiples of the mean group, from balanced to twice
+it) is compiled, one `lax.switch` branch each, and the smallest that holds the largest group
+runs. A routing more uneven than the last rung runs the sort path, so no pair is ever
+dropped and the padding costs at most twice the routed products. Same products, dtypes and
+float32 combine as the sort path.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from cmoe_jax.moe.activations import glu_activation
+from cmoe_jax.moe.dispatch import Dispatch, GLUExperts, combine, plan, routed_experts
+
+# capacities as multiples of the mean group `T * k / E`: the first holds a balanced routing,
+# the last an expert with twice its share (more uneven routings sort)
+LADDER = (1.25, 1.5, 2.0)
+ROW_MULTIPLE = 8  # capacities rounded up to whole vector rows
+
+
+def capacity_ladder(num_pairs: int, num_experts: int, factors=LADDER) -> tuple[int, ...]:
+    """Increasing static capacities for `num_pairs` pairs over `num_experts` experts."""
+    mean = num_pairs / num_experts
+    caps = {min(num_pairs, ROW_MULTIPLE * math.ceil(f * mean / ROW_MULTIPLE)) for f in factors}
+    return tuple(sorted(caps))
+
+
+def padded_rows(x: jax.Array, d: Dispatch, top_k: int, capacity: int) -> jax.Array:
+    """`[E, C, d]`: expert e's rows in sorted order, then copies of row 0 as padding."""
+    offsets = jnp.cumsum(d.group_sizes) - d.group_sizes
+    slot = jnp.arange(capacity, dtype=jnp.int32)
+    position = jnp.minimum(offsets[:, None] + slot, d.order.shape[0] - 1)
+    used = slot < d.group_sizes[:, None]
+    return x[jnp.where(used, d.order[position] // top_k, 0)]
+
+
+def padded_outputs(ys: jax.Array, ids: jax.Array, d: Dispatch) -> jax.Array:
+    """`[T*k, d]` in (token, slot) order from the padded outputs `ys [E, C, d]`; a dropped
+    pair (id E) gets zeros."""
+    num_experts, capacity, width = ys.shape
+    flat = ids.reshape(-1)
+    expert = jnp.minimum(flat, num_experts - 1)
+    offsets = jnp.cumsum(d.group_sizes) - d.group_sizes
+    slot = jnp.clip(d.inverse - offsets[expert], 0, capacity - 1)
+    rows = ys.reshape(num_experts * capacity, width)[expert * capacity + slot]
+    return jnp.where((flat < num_experts)[:, None], rows, 0)
+
+
+def padded_glu(rows: jax.Array, experts: GLUExperts) -> jax.Array:
+    """Each expert's GLU on its padded rows `[E, C, d]`, float32 accumulation."""
+    mm = lambda a, w: jnp.einsum("ecd,edm->ecm", a, w, preferred_element_type=jnp.float32)  # noqa: E731
+    h = glu_activation(experts.activation)(mm(rows, experts.w_gate)) * mm(rows, experts.w_up)
+    return mm(h.astype(rows.dtype), experts.w_down)
+
+
+def padded_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, experts: GLUExperts
+                   ) -> tuple[jax.Array, jax.Array]:
+    """`dispatch.routed_experts` with the groups padded to the smallest capacity of the
+    ladder that holds the largest one (module doc); the sort path beyond the last."""
+    num_tokens, top_k = ids.shape
+    num_experts = experts.w_gate.shape[0]
+    d = plan(ids, num_experts)
+
+    def at_capacity(capacity):
+        def run(x, gates):
+            ys = padded_glu(padded_rows(x, d, top_k, capacity), experts)
+            return combine(padded_outputs(ys, ids, d), gates)
+        return run
+
+    caps = capacity_ladder(ids.size, num_experts)
+    branches = [at_capacity(c) for c in caps] + [lambda x, g: routed_experts(x, ids, g, experts)[0]]
+    rung = jnp.sum(jnp.asarray(caps, jnp.int32) < jnp.max(d.group_sizes))
+    return jax.lax.switch(rung, branches, x, gates), d.group_sizes
