@@ -10,7 +10,8 @@ A cell: the dense SwiGLU FFN `d x d_h` (in bf16 the faster of plain and float32-
 dots) and an `MoEFFN` made of the same neurons for the
 configuration SxAyEz (x shared experts as the shared MLP, z - x routed, y active a token,
 the CMoE router with `--router-neurons` representative neurons per expert, whose cost
-counts), random weights and inputs (the router's choices are random, roughly balanced).
+counts; its neurons are each expert's first ones, as CMoE's representative neurons are the
+expert's own, so the loads are as balanced as a converted model's), random weights and inputs.
 `--paths` names the layer's dispatch paths timed beside the dense FFN: "auto" (what the
 layer picks; the ratio column), "sort", "dense", "gather" (at most 64 pairs), each
 optionally "@backend" for the grouped matmul (e.g. "sort@ragged_dot"). The ideal ratio is
@@ -79,8 +80,10 @@ def build(shape: str, config: str, dtype, router_neurons: int, key):
         moe.shared_up[...] = up[:s].transpose(1, 0, 2).reshape(d, s * m)
         moe.shared_down[...] = down[:s].reshape(s * m, d)
         moe.expert_gate[...], moe.expert_up[...], moe.expert_down[...] = gate[s:], up[s:], down[s:]
-        moe.router_gate[...] = jax.random.normal(k[3], (d, (z - s) * r), jnp.float32).astype(dtype)
-        moe.router_up[...] = jax.random.normal(k[4], (d, (z - s) * r), jnp.float32).astype(dtype)
+        # the router's neurons are each expert's first r neurons, as CMoE's representative
+        # neurons are its own: the loads come out as balanced as a converted model's
+        moe.router_gate[...] = gate[s:, :, :r].transpose(1, 0, 2).reshape(d, (z - s) * r)
+        moe.router_up[...] = up[s:, :, :r].transpose(1, 0, 2).reshape(d, (z - s) * r)
         return moe
     return dense, layer
 

@@ -79,6 +79,19 @@ def test_a_dtype_rule_overrides_the_platform_rule(monkeypatch):
     assert mode(jnp.float32) == "sort" and mode(None) == "sort"  # no float32 key: the platform's
 
 
+def test_padded_runs_where_its_rows_are_clearly_fewer_than_the_dense_paths(monkeypatch):
+    monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
+                        DenseWhen(rows_per_expert=4, share=0.5, share_tokens=1 << 30,
+                                  gather_share=0.5, padded_share=0.8))
+    mode = lambda tokens, k, e, **kw: dispatch_mode(tokens * k, e, None, top_k=k, **kw)  # noqa: E731
+    assert mode(3, 1, 8) == "gather"                     # pairs <= experts x gather_share
+    assert mode(100, 1, 8) == "padded"                   # capacity 16 of 100 tokens
+    assert mode(16, 3, 5) == "dense"                     # capacity 16 of 16 tokens: no rows saved
+    assert mode(100, 1, 8, adapters=True) == "sort"      # LoRA rides on the grouped matmuls
+    monkeypatch.setitem(DENSE_WHEN, jax.default_backend(), DenseWhen(rows_per_expert=4))
+    assert mode(100, 1, 8) == "sort"                     # padded_share 0: never padded
+
+
 def test_unknown_dispatch_is_refused():
     with pytest.raises(ValueError, match="dispatch must be one of"):
         layer("fast")

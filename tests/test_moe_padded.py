@@ -11,7 +11,7 @@ from cmoe_jax.moe.gmm import get_gmm, get_glu
 from cmoe_jax.moe.padded import capacity_ladder, padded_experts
 
 E, D, M, T = 4, 16, 8, 160
-LOADS = (40, 60, 70, 100)  # expert 0's tokens: rungs 0, 1, 2 of the ladder (56, 64, 80), then sort
+LOADS = (40, 50, 60, 70, 100)  # expert 0's tokens: each rung of the ladder (48, 56, 64, 80), then sort
 
 
 def weights(seed=0):
@@ -42,7 +42,7 @@ def rung(ids):
 
 
 def test_ladder_runs_from_a_balanced_group_to_twice_it():
-    assert capacity_ladder(4096, 7) == (736, 880, 1176)  # mean 585.1: x1.25, x1.5, x2
+    assert capacity_ladder(4096, 7) == (664, 736, 880, 1176)  # mean 585.1: x1.125 ... x2
     assert capacity_ladder(6, 6) == (6,)                  # capped at the pair count
     assert all(c % 8 == 0 for c in capacity_ladder(48, 4))
 
@@ -50,7 +50,7 @@ def test_ladder_runs_from_a_balanced_group_to_twice_it():
 @pytest.mark.parametrize("load", LOADS)
 def test_every_rung_and_the_fallback_give_the_recomputation(load):
     ids = routing(load)
-    assert capacity_ladder(T, E) == (56, 64, 80)
+    assert capacity_ladder(T, E) == (48, 56, 64, 80)
     assert rung(ids) == LOADS.index(load)  # each case its own branch
     w = weights()
     x = jax.random.normal(jax.random.key(1), (T, D))

@@ -8,9 +8,9 @@ Five ways to run the (token, expert) pairs of one call:
   step) and no adapters: each pair reads only its own expert's weights;
 - "dense": where sparsity cannot pay (`DenseWhen`): every expert on every token, the
   unchosen ones weighted zero, as one wide product (`cmoe_jax.moe.dispatch.dense_experts`);
-- "padded": on platforms whose rule says so (`DenseWhen.padded`), instead of "dense" and
-  "sort": each expert's rows padded to one capacity and run as batched matmuls
-  (`cmoe_jax.moe.padded`);
+- "padded": where the platform's rule allows it (`DenseWhen.padded_share`) and the padded
+  groups are clearly fewer rows than every expert on every token: each expert's rows padded
+  to one capacity and run as batched matmuls (`cmoe_jax.moe.padded`);
 - "sort": otherwise, tokens sorted by expert and run through grouped matmuls
   (`cmoe_jax.moe.dispatch`).
 
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from cmoe_jax.moe.gmm import resolve_backend
+from cmoe_jax.moe.padded import capacity_ladder
 
 DEFAULT_EXPERT_AXIS = "expert"
 Mode = Literal["expert_parallel", "gather", "dense", "padded", "sort"]
@@ -41,22 +42,25 @@ class DenseWhen(NamedTuple):
     (token, slot) pairs per expert (the sort's fixed cost, a loop step per window, outweighs
     the skipped products), or a token using at least `share` of the experts with at most
     `share_tokens` tokens. The gather path runs below `gather_share` pairs per expert: it
-    copies each pair's expert weights, which on CPU costs a second pass over them. With
-    `padded`, the padded path runs wherever "dense" or "sort" would."""
+    copies each pair's expert weights, which on CPU costs a second pass over them. Above
+    it, the padded path runs where its first capacity is at most `padded_share` of the
+    tokens (its `E * C` rows against the dense path's `E * T`; 0: never)."""
 
     rows_per_expert: float = 0
     share: float = 2.0
     share_tokens: int = 0
     gather_share: float = 1.0
-    padded: bool = False
+    padded_share: float = 0.0
 
 
 # keyed by platform, or "platform:dtype" where the expert weights' dtype changes the answer:
 # in bf16 XLA:CPU's grouped matmul upcasts each window while the dense products accumulate in
-# float32 at twice the fp32 rate, so the dense path wins up to more pairs per expert
+# float32 at twice the fp32 rate, so the dense path wins up to more pairs per expert, and the
+# padded path's batched matmuls (float32 accumulation too) win wherever they skip a fifth of
+# the dense path's rows (benchmarks/moe_grid.py, docs/results/performance.md)
 DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.5),
               "cpu:bfloat16": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30,
-                                        gather_share=0.5),
+                                        gather_share=0.5, padded_share=0.8),
               "gpu": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30)}
 
 
@@ -133,9 +137,9 @@ def dispatch_mode(num_pairs: int, num_experts: int, expert_axis: str | None, *,
     when = dense_when(dtype)
     if num_pairs <= num_experts * when.gather_share:
         return "gather"
-    if when.padded:
-        return "padded"
     tokens = num_pairs // max(top_k, 1)
+    if capacity_ladder(num_pairs, num_experts)[0] <= when.padded_share * tokens:
+        return "padded"
     if (num_pairs <= when.rows_per_expert * num_experts
             or (top_k / num_experts >= when.share and tokens <= when.share_tokens)):
         return "dense"
