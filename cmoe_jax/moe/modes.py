@@ -57,11 +57,12 @@ class DenseWhen(NamedTuple):
 # in bf16 XLA:CPU's grouped matmul upcasts each window while the dense products accumulate in
 # float32 at twice the fp32 rate, so the dense path wins up to more pairs per expert, and the
 # padded path's batched matmuls (float32 accumulation too) win wherever they skip a fifth of
-# the dense path's rows (benchmarks/moe_grid.py, docs/results/performance.md)
+# the dense path's rows; on a GPU they run on cuBLAS, twice the Pallas grouped matmul's rate
+# (benchmarks/moe_grid.py, docs/results/performance.md)
 DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.5),
               "cpu:bfloat16": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30,
                                         gather_share=0.5, padded_share=0.8),
-              "gpu": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30)}
+              "gpu": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30, padded_share=0.8)}
 
 
 def dense_when(dtype=None) -> DenseWhen:
