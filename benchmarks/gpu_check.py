@@ -113,7 +113,7 @@ def main() -> int:
         loss = lambda m, x: jnp.sum(jnp.sin(m(x)))  # noqa: E731
         got = {}
         for path, backend in (("sort", "ragged_dot"), ("sort", "pallas_gpu"), ("dense", "auto"),
-                              ("gather", "auto"), ("auto", "auto")):
+                              ("gather", "auto"), ("padded", "auto"), ("auto", "auto")):
             layer = MoEFFN(d_model=256, expert_width=128, num_experts=8, top_k=2, shared_width=128, router="cmoe", router_neurons=8,
                            backend=backend, dispatch=path, activation="silu", rngs=nnx.Rngs(0))
             with jax.default_matmul_precision("highest"):
