@@ -88,11 +88,6 @@ def test_padded_runs_where_its_rows_are_clearly_fewer_than_the_dense_paths(monke
     assert mode(100, 1, 8) == "padded"                   # capacity 16 of 100 tokens
     assert mode(16, 3, 5) == "dense"                     # capacity 16 of 16 tokens: no rows saved
     assert mode(100, 1, 8, adapters=True) == "sort"      # LoRA rides on the grouped matmuls
-    monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
-                        DenseWhen(rows_per_expert=4, gather_share=0.5, padded_share=0.8,
-                                  padded_rows=(6, 12)))
-    assert mode(96, 1, 8) == "padded" and mode(97, 1, 8) == "sort"  # up to 12 pairs per expert
-    assert mode(48, 1, 8) == "sort" and mode(49, 1, 8) == "padded"  # above 6
     monkeypatch.setitem(DENSE_WHEN, jax.default_backend(), DenseWhen(rows_per_expert=4))
     assert mode(100, 1, 8) == "sort"                     # padded_share 0: never padded
 

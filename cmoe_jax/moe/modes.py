@@ -44,27 +44,24 @@ class DenseWhen(NamedTuple):
     `share_tokens` tokens. The gather path runs below `gather_share` pairs per expert: it
     copies each pair's expert weights, which on CPU costs a second pass over them. Above
     it, the padded path runs where its first capacity is at most `padded_share` of the
-    tokens (its `E * C` rows against the dense path's `E * T`; 0: never) and the pairs per
-    expert are above `padded_rows[0]` (below, its gathers cost more than it saves) and at
-    most `padded_rows[1]` (above, the sort's loop of windows is as fast)."""
+    tokens (its `E * C` rows against the dense path's `E * T`; 0: never)."""
 
     rows_per_expert: float = 0
     share: float = 2.0
     share_tokens: int = 0
     gather_share: float = 1.0
     padded_share: float = 0.0
-    padded_rows: tuple[float, float] = (0, float("inf"))
 
 
 # keyed by platform, or "platform:dtype" where the expert weights' dtype changes the answer:
 # in bf16 XLA:CPU's grouped matmul upcasts each window while the dense products accumulate in
 # float32 at twice the fp32 rate, so the dense path wins up to more pairs per expert, and the
 # padded path's batched matmuls (float32 accumulation too) win wherever they skip a fifth of
-# the dense path's rows (in fp32 only from 16 to 256 pairs an expert, e.g. at 128 tokens); on a
-# GPU they run on cuBLAS, at twice the Pallas grouped matmul's rate (benchmarks/moe_grid.py,
+# the dense path's rows; on a GPU they run on cuBLAS, at twice the Pallas grouped matmul's
+# rate. In fp32 on CPU they won only at about 128 tokens in the layer alone, and a whole
+# converted SmolLM2 was no faster with them there, so fp32 keeps the sort (benchmarks/moe_grid.py,
 # docs/results/performance.md)
-DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.5,
-                              padded_share=0.8, padded_rows=(16, 256)),
+DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.5),
               "cpu:bfloat16": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30,
                                         gather_share=0.5, padded_share=0.8),
               "gpu": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30, padded_share=0.8)}
@@ -144,8 +141,7 @@ def dispatch_mode(num_pairs: int, num_experts: int, expert_axis: str | None, *,
     if num_pairs <= num_experts * when.gather_share:
         return "gather"
     tokens = num_pairs // max(top_k, 1)
-    if (capacity_ladder(num_pairs, num_experts)[0] <= when.padded_share * tokens
-            and when.padded_rows[0] * num_experts < num_pairs <= when.padded_rows[1] * num_experts):
+    if capacity_ladder(num_pairs, num_experts)[0] <= when.padded_share * tokens:
         return "padded"
     if (num_pairs <= when.rows_per_expert * num_experts
             or (top_k / num_experts >= when.share and tokens <= when.share_tokens)):
