@@ -5,6 +5,11 @@ header. A figure is quoted once two runs agree, so the runs sit in one cell.
 
     python benchmarks/grid_tables.py run1.json run2.json            # the layer's own path
     python benchmarks/grid_tables.py run1.json run2.json --path dense   # one forced path
+    python benchmarks/grid_tables.py run1.json run2.json --path rule    # what the rule takes now
+
+`--path rule` reads each cell at the path `cmoe_jax.moe.modes` picks today, from the forced
+paths' columns timed in the same run ("-" where that path was not timed): the tables of a
+run made before the rule changed.
 """
 from __future__ import annotations
 
@@ -13,8 +18,19 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def rule_path(cell: dict) -> str:
+    """The path the current rule takes for the cell (imports jax)."""
+    from benchmarks.moe_grid import DTYPES, auto_path
+    return auto_path(cell["tokens"], cell["config"], DTYPES[cell["dtype"]])
+
 
 def ratio(cell: dict, path: str) -> str:
+    if path == "rule":
+        path = rule_path(cell)
+        path = "auto" if path not in cell["moe_s"] and cell["auto_path"] == path else path
     t = cell["moe_s"].get(path)
     if t is None:
         return "-"
@@ -42,7 +58,8 @@ def tables(runs: list[dict], path: str) -> str:
                     row.append("-")
                     continue
                 ratios = " / ".join(ratio(c, path) if c else "-" for c in cells)
-                taken = {c["auto_path"] for c in cells if c} if path == "auto" else set()
+                taken = ({c["auto_path"] for c in cells if c} if path == "auto" else
+                         {rule_path(c) for c in cells if c} if path == "rule" else set())
                 row.append(ratios + (f" ({', '.join(sorted(taken))})" if taken else ""))
             out.append(f"| {tokens} | " + " | ".join(row) + " |")
     return "\n".join(out)
