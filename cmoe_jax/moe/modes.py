@@ -59,8 +59,8 @@ class DenseWhen(NamedTuple):
 # padded path's batched matmuls (float32 accumulation too) win wherever they skip a fifth of
 # the dense path's rows; on a GPU they run on cuBLAS, at twice the Pallas grouped matmul's
 # rate. In fp32 on CPU they won only at about 128 tokens in the layer alone, and a whole
-# converted SmolLM2 was no faster with them there, so fp32 keeps the sort (benchmarks/moe_grid.py,
-# docs/results/performance.md)
+# converted SmolLM2 was not consistently faster with them there, so fp32 keeps the sort
+# (benchmarks/moe_grid.py, benchmarks/model_dispatch.py, docs/results/performance.md)
 DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.5),
               "cpu:bfloat16": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30,
                                         gather_share=0.5, padded_share=0.8),

@@ -1,0 +1,80 @@
+"""A converted model's forward with and without the padded dispatch: whether a path that
+wins in one layer (`benchmarks/moe_grid.py`) also wins in the whole model.
+
+    python benchmarks/model_dispatch.py --model out/s1a1e8 --tokens 128 [--dtype bfloat16]
+
+Two jitted forwards of the same converted model over `--batch` rows of `--tokens` tokens
+(the hidden states, then the LM head on the last position, as `benchmarks/prefill.py`):
+one traced under the platform's rule as it is (`cmoe_jax.moe.modes.DENSE_WHEN`), one under
+the same rule with the padded path switched on, or off where the rule has it on. The
+rule is read when a forward is traced, so each side is traced under its own rule, then the
+two run interleaved (`benchmarks/harness.py`). The last line is the first side's time over
+the second's.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import interleaved_times, load_average, machine_line, report  # noqa: E402
+from benchmarks.prefill import prefill_fn  # noqa: E402
+
+PADDED_ON = 0.8  # the share the bf16 and GPU rules use
+
+
+def traced_under(rule_key: str, rule, model, tokens):
+    """The prefill forward of `model`, traced (and compiled) with `DENSE_WHEN[rule_key]`
+    set to `rule`."""
+    import jax
+
+    from cmoe_jax.moe import modes
+
+    saved = modes.DENSE_WHEN.get(rule_key)
+    modes.DENSE_WHEN[rule_key] = rule
+    try:
+        run = prefill_fn(model)
+        jax.block_until_ready(run(tokens))
+    finally:
+        if saved is None:
+            del modes.DENSE_WHEN[rule_key]
+        else:
+            modes.DENSE_WHEN[rule_key] = saved
+    return run
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a converted model's directory")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from cmoe_jax.loading.load import load_model
+    from cmoe_jax.moe import modes
+
+    load_start = load_average()
+    print(f"# {machine_line()}; {args.model}, {args.batch} x {args.tokens} tokens, {args.dtype}")
+    model = load_model(args.model, dtype=jnp.dtype(args.dtype)).model
+    tokens = jnp.ones((args.batch, args.tokens), jnp.int32)
+    backend = jax.default_backend()
+    key = f"{backend}:{args.dtype}" if f"{backend}:{args.dtype}" in modes.DENSE_WHEN else backend
+    rule = modes.dense_when(jnp.dtype(args.dtype))
+    other = rule._replace(padded_share=0.0 if rule.padded_share > 0 else PADDED_ON)
+    names = ["the rule" + (" (padded on)" if rule.padded_share > 0 else " (padded off)"),
+             "padded " + ("off" if rule.padded_share > 0 else "on")]
+    runs = [traced_under(key, r, model, tokens) for r in (rule, other)]
+    times = interleaved_times([lambda run=run: jax.block_until_ready(run(tokens)) for run in runs],
+                              args.repeats)
+    report(names, times, load_start)
+
+
+if __name__ == "__main__":
+    main()
