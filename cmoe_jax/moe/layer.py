@@ -32,11 +32,11 @@ from cmoe_jax.lora_variables import factors, grouped_delta, project
 from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.balance import update_router_bias
 from cmoe_jax.moe.dispatch import GLUExperts, dense_experts, gathered_experts
-from cmoe_jax.moe.padded import padded_experts
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_experts, tokens_sharded
 from cmoe_jax.moe.gmm import get_glu, get_gmm
 from cmoe_jax.moe.modes import (check_input, check_layer, check_mask, dispatch_mode, expert_parallel_active,
                                 token_devices)
+from cmoe_jax.moe.padded import padded_experts
 from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
 from cmoe_jax.moe.router_outputs import router_output
 from cmoe_jax.moe.params import make_param, make_router_params

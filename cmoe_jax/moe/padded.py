@@ -37,9 +37,14 @@ def capacity_ladder(num_pairs: int, num_experts: int, factors=LADDER) -> tuple[i
     return tuple(sorted(caps))
 
 
+def group_starts(d: Dispatch) -> jax.Array:
+    """int32 `[E]`: each expert's first position in the sorted pairs."""
+    return jnp.cumsum(d.group_sizes) - d.group_sizes
+
+
 def padded_rows(x: jax.Array, d: Dispatch, top_k: int, capacity: int) -> jax.Array:
     """`[E, C, d]`: expert e's rows in sorted order, then copies of row 0 as padding."""
-    offsets = jnp.cumsum(d.group_sizes) - d.group_sizes
+    offsets = group_starts(d)
     slot = jnp.arange(capacity, dtype=jnp.int32)
     position = jnp.minimum(offsets[:, None] + slot, d.order.shape[0] - 1)
     used = slot < d.group_sizes[:, None]
@@ -52,8 +57,7 @@ def padded_outputs(ys: jax.Array, ids: jax.Array, d: Dispatch) -> jax.Array:
     num_experts, capacity, width = ys.shape
     flat = ids.reshape(-1)
     expert = jnp.minimum(flat, num_experts - 1)
-    offsets = jnp.cumsum(d.group_sizes) - d.group_sizes
-    slot = jnp.clip(d.inverse - offsets[expert], 0, capacity - 1)
+    slot = jnp.clip(d.inverse - group_starts(d)[expert], 0, capacity - 1)
     rows = ys.reshape(num_experts * capacity, width)[expert * capacity + slot]
     return jnp.where((flat < num_experts)[:, None], rows, 0)
 
