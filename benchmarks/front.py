@@ -12,7 +12,11 @@ the same run: prefill (a batch of 512-token prompts through the model) and decod
 greedy tokens with the KV cache), batch 1 and 16, the two sides interleaved, medians.
 
 Every finished cell is saved as `OUT/cells/NAME.json` at once; `--resume` skips those, so a
-killed sweep goes on where it stopped. At the end `OUT/front.json` holds every cell and
+killed sweep goes on where it stopped. Quality and speed are cells of their own
+(`uniform-0.25`, `speed-uniform-0.25`), and each converted model is kept in
+`OUT/models/NAME` (a converted directory, `load_model` reads it): `--parts quality` can run
+on a busy machine, and `--parts speed --resume` later times the kept models on a quiet one
+(a speed cell records the load average at its start and is `busy` above the core count). At the end `OUT/front.json` holds every cell and
 `OUT/front.png` the two panels (perplexity and speed against active share, dense as a line).
 `--screen F:MEASURE:SPREAD[:EXPERTS] ...` adds allocation variants scored by perplexity
 alone; `--budgets` with no value runs only those (and the dense perplexity, no ARC-Easy).
@@ -33,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import interleaved_times, load_average, machine_line  # noqa: E402
+from benchmarks.harness import interleaved_times, load_average, machine_busy, machine_line  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 BUDGETS = (0.25, 0.375, 0.5, 0.625, 0.75)
@@ -97,6 +101,28 @@ class Front:
 
         return convert_model(copy.deepcopy(self.lm.model), self.calib, cc, progress=True)
 
+    def kept(self, name: str, cc):
+        """The model of cell `name`: read from `OUT/models/NAME`, or converted and kept there
+        (written beside it, then renamed, so a killed sweep never keeps half a model)."""
+        import shutil
+
+        from cmoe_jax.checkpoint.save import save_converted
+        from cmoe_jax.loading import load_model
+        from cmoe_jax.methods.cmoe.job import active_share, plan_entry
+
+        path = self.args.out / "models" / name
+        if path.exists():
+            return load_model(str(path), progress=False).model, None
+        model, records = self.converted(cc)
+        cfg, plans = self.lm.config, cc.layer_shapes(self.lm.config.num_layers)
+        tmp = path.with_name(name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_converted(model, {"source_model": self.args.model, "method": "cmoe", "config": cc.label,
+                               "plan": [plan_entry(p, cfg.intermediate_size, 8) for p in plans],
+                               "active_share": active_share(plans)}, tmp, tokenizer=self.lm.tokenizer)
+        tmp.rename(path)
+        return model, records
+
     def ppl(self, model) -> float:
         from cmoe_jax.eval import perplexity
 
@@ -120,7 +146,8 @@ class Front:
         """dense time / this model's time (medians, interleaved) of prefill and decode."""
         from benchmarks.budget_speed import sides
 
-        out, models = {}, {"dense": self.lm.model, "model": model}
+        load = load_average()
+        out, models = {"load_at_start": load, "busy": machine_busy(load)}, {"dense": self.lm.model, "model": model}
         for batch in (1, 16):
             for what, prompts in (("prefill", self.prompts[:batch]), ("decode", self.prompts[:batch, :128])):
                 times = interleaved_times(sides(models, what, prompts, 128), self.args.repeats)
@@ -153,14 +180,21 @@ def sweep(args) -> list[dict]:
                  "adaptive": adaptive_config(ConvertConfig(plan=None), budget,
                                              front.sensitivity(budget).damage(budget.measure_by))}
         for kind, cc in kinds.items():
-            def make(cc=cc, kind=kind):
-                model, records = front.converted(cc)
+            name = f"{kind}-{share:g}"
+
+            def make(cc=cc, kind=kind, name=name):
+                model, records = front.kept(name, cc)
                 shapes = ["dense" if p is None else p.name
                           for p in cc.layer_shapes(front.lm.config.num_layers)]
-                return dict(front.scores(model), **front.speed(model), kind=kind, budget=share,
+                return dict(front.scores(model), kind=kind, budget=share,
                             active_share=active_share(cc.layer_shapes(len(shapes))), shapes=shapes,
-                            layer_error=[r.error for r in records])
-            cells.append(front.cell(f"{kind}-{share:g}", make))
+                            layer_error=None if records is None else [r.error for r in records])
+            cell = front.cell(name, make) if "quality" in args.parts else {}
+            if "speed" in args.parts:
+                cell = dict(cell, **front.cell("speed-" + name, lambda cc=cc, name=name: front.speed(
+                    front.kept(name, cc)[0])))
+            if cell.get("kind"):
+                cells.append(cell)
     for spec in args.screen:  # allocation variants, perplexity only
         budget = variant(spec)
         damage = front.sensitivity(budget).damage(budget.measure_by)
@@ -189,7 +223,9 @@ def plot(cells: list[dict], path: Path, title: str) -> None:
         ax.plot(x, [c["ppl"] for c in rows], style, label=kind)
         for key, color in (("prefill_b1", "tab:blue"), ("decode_b1", "tab:orange"),
                            ("decode_b16", "tab:green")):
-            bx.plot(x, [c[key] for c in rows], style, color=color, label=f"{kind} {key}")
+            timed = [c for c in rows if key in c]  # speed cells not measured yet are left out
+            bx.plot([c["active_share"] for c in timed], [c[key] for c in timed], style, color=color,
+                    label=f"{kind} {key}")
     ax.axhline(dense["ppl"], color="gray", lw=1, label="dense")
     ax.set_yscale("log")
     ax.set(xlabel="active share of FFN neurons", ylabel="WikiText-2 perplexity", title=title)
@@ -208,7 +244,8 @@ def markdown(cells: list[dict]) -> str:
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in sorted((c for c in cells if c["kind"] in ("dense", "uniform", "adaptive")), key=lambda c: (c["active_share"], c["kind"])):
         shapes = sorted(set(c.get("shapes", ["dense"])))
-        speed = [f"{c[k]:.2f}x" if k in c else "-" for k in ("prefill_b1", "prefill_b16", "decode_b1", "decode_b16")]
+        busy = " (busy)" if c.get("busy") else ""
+        speed = [f"{c[k]:.2f}x{busy}" if k in c else "-" for k in ("prefill_b1", "prefill_b16", "decode_b1", "decode_b16")]
         rows.append(f"| {c['kind']} | {c['active_share']:.3f} | {', '.join(shapes)} | {c['ppl']:.3f} | "
                     f"{c['arc_acc']:.4f} | " + " | ".join(speed) + " |")
     screens = sorted((c for c in cells if c["kind"] == "screen"), key=lambda c: c["name"])
@@ -235,6 +272,9 @@ def main(argv=None) -> None:
     p.add_argument("--screen", nargs="*", default=[], metavar="F:MEASURE:SPREAD[:EXPERTS]",
                    help="allocation variants scored by perplexity alone, e.g. 0.75:loss:2 0.25:stream:any:16 "
                         "(EXPERTS: z of every candidate shape, default 8)")
+    p.add_argument("--parts", nargs="+", choices=("quality", "speed"), default=["quality", "speed"],
+                   help="what the budgets' cells measure: quality (convert, keep the model, perplexity, "
+                        "ARC-Easy) on any machine, speed (time the kept models) on a quiet one")
     p.add_argument("--resume", action="store_true", help="keep the cells already saved under OUT")
     args = p.parse_args(argv)
     if args.out.exists() and not args.resume and any(args.out.glob("cells/*.json")):

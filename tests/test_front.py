@@ -1,0 +1,56 @@
+"""benchmarks/front.py's bookkeeping: a converted model kept on disk reads back as the model
+it was converted to (so a speed cell timed later times the same model), no half-written
+model is ever kept, and the table and plot take cells whose speed is not measured yet."""
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import front  # noqa: E402
+from cmoe_jax.convert import ConvertConfig  # noqa: E402
+from cmoe_jax.methods.cmoe import MoEPlan  # noqa: E402
+from cmoe_jax.models import Decoder, ModelConfig  # noqa: E402
+
+CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, activation="silu",
+                  max_position_embeddings=64)
+
+
+def tiny_front(out: Path) -> front.Front:
+    sweep = object.__new__(front.Front)  # the model and windows set here, not loaded
+    sweep.args = types.SimpleNamespace(out=out, model="tiny")
+    sweep.lm = types.SimpleNamespace(model=Decoder(CFG, rngs=nnx.Rngs(0)), config=CFG, tokenizer=None)
+    sweep.calib = np.random.default_rng(0).integers(0, 96, (4, 32)).astype(np.int32)
+    return sweep
+
+
+def test_a_kept_model_reads_back_as_converted(tmp_path):
+    sweep = tiny_front(tmp_path)
+    cc = ConvertConfig(plan=MoEPlan.parse("S1A1E8"), k_act=4)
+    made, records = sweep.kept("uniform-0.25", cc)
+    assert len(records) == CFG.num_layers
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["uniform-0.25"]  # no .partial left
+    read, again = sweep.kept("uniform-0.25", cc)
+    assert again is None  # read from disk, not converted again
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, (2, 16)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(read(tokens)), np.asarray(made(tokens)), rtol=1e-6, atol=1e-6)
+
+
+def test_table_and_plot_take_cells_without_speed(tmp_path):
+    cells = [dict(kind="dense", active_share=1.0, ppl=18.0, arc_acc=0.6),
+             dict(kind="uniform", active_share=0.25, ppl=380.0, arc_acc=0.29, shapes=["S1A1E8"],
+                  prefill_b1=1.2, prefill_b16=1.1, decode_b1=1.5, decode_b16=0.9, busy=True),
+             dict(kind="adaptive", active_share=0.25, ppl=190.0, arc_acc=0.31, shapes=["dense", "S0A1E8"])]
+    table = front.markdown(cells).splitlines()
+    uniform = next(r for r in table if r.startswith("| uniform"))
+    adaptive = next(r for r in table if r.startswith("| adaptive"))
+    assert "1.50x (busy)" in uniform and adaptive.endswith("| - | - | - | - |")
+    front.plot(cells, tmp_path / "front.png", "tiny")
+    assert (tmp_path / "front.png").read_bytes()[:4] == b"\x89PNG"
