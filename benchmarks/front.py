@@ -4,8 +4,9 @@
         [--max-windows 40] [--arc-limit N] [--repeats 3] [--resume]
 
 For each budget F (the share of FFN neurons a token runs): the uniform shape of that share
-(S1A1E8 at 0.25, S1A2E8 at 0.375, S2A2E8, S2A3E8, S3A3E8 at 0.75; `Budget.candidates`) and
-the adaptive conversion (`convert --active F` with its defaults; each layer's sensitivity
+of 8 experts (S1A1E8 at 0.25, S1A2E8 at 0.375, S2A2E8, S2A3E8, S3A3E8 at 0.75;
+`Budget.candidates`) and the adaptive conversion (`convert --active F` with its defaults,
+16 experts from F = 0.5; each layer's sensitivity
 is measured at each budget's operating point, saved as a cell of its own). Each model is scored on WikiText-2 test perplexity
 (`--max-windows` windows of 2048) and ARC-Easy (acc), and timed against the dense model in
 the same run: prefill (a batch of 512-token prompts through the model) and decode (128 new
@@ -175,8 +176,8 @@ def sweep(args) -> list[dict]:
     else:
         cells = [front.cell("dense-ppl", lambda: {"kind": "dense-ppl", "ppl": front.ppl(front.lm.model)})]
     for share in args.budgets:
-        budget = Budget(share, 8)  # the defaults' measure and spread
-        kinds = {"uniform": ConvertConfig(plan=budget.candidates()[budget.uniform_index()]),
+        budget, uniform = Budget(share), Budget(share, 8)  # the defaults; the uniform shape of 8 experts
+        kinds = {"uniform": ConvertConfig(plan=uniform.candidates()[uniform.uniform_index()]),
                  "adaptive": adaptive_config(ConvertConfig(plan=None), budget,
                                              front.sensitivity(budget).damage(budget.measure_by))}
         for kind, cc in kinds.items():

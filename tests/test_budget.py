@@ -75,11 +75,14 @@ def test_a_spread_keeps_every_layer_near_the_budget(layers, share, spread, seed)
 
 
 def test_the_defaults_follow_the_budget():
-    """Below half active the marginal damage with any spread, from there the dense-stream
-    loss damage within 2 experts; a measure given takes its own spread."""
-    assert (Budget(0.25).measure_by, Budget(0.25).spread) == ("marginal", None)
-    assert (Budget(0.75).measure_by, Budget(0.75).spread) == ("loss", 2)
-    assert Budget(0.25, measure_by="stream").spread == 2 and Budget(0.75, spread=None).spread is None
+    """Below half active the marginal damage over 8 experts with any spread, from there the
+    dense-stream loss damage over 16 experts within a quarter of the FFN (4 experts); a
+    measure or expert count given takes its own spread."""
+    assert (Budget(0.25).experts, Budget(0.25).measure_by, Budget(0.25).spread) == (8, "marginal", None)
+    assert (Budget(0.75).experts, Budget(0.75).measure_by, Budget(0.75).spread) == (16, "loss", 4)
+    assert Budget(0.75, 8).spread == 2 and Budget(0.25, measure_by="stream").spread == 2
+    assert Budget(0.75, spread=None).spread is None
+    assert [p.name if p else "dense" for p in Budget(0.75).candidates()][-3:] == ["S7A7E16", "S7A8E16", "dense"]
 
 
 def test_budget_arithmetic():

@@ -54,7 +54,8 @@ def add_plan(p: Parser) -> None:
                       help="y, active routed experts per token (a whole number, with --shared and "
                            "--experts, instead of --config); or a budget F such as 0.25: the mean "
                            "share of FFN neurons a token runs, each layer's shape chosen by its "
-                           "measured sensitivity (cmoe; z from --experts, default 8)")
+                           "measured sensitivity (cmoe; z from --experts, default 8 below F = 0.5 "
+                           "and 16 from there)")
     plan.add_argument("--experts", type=positive_int, help="z, total experts (instead of --config; "
                                                            "expertweaver: N_e, default 64)")
 

@@ -37,13 +37,22 @@ def default_measure(active: float) -> str:
     return "marginal" if active < MARGINAL_BELOW else "loss"
 
 
-def default_spread(measure_by: str) -> int | None:
+def default_experts(active: float) -> int:
+    """The expert count z of the candidate shapes at budget F. Near dense, finer candidates
+    (z = 16: steps of 1/16 of the FFN) let the allocation follow the measured damage more
+    closely: on SmolLM2 at 75% the loss damage's excess perplexity fell from 0.86 to 0.73 of
+    the uniform S3A3E8's (docs/methods/cmoe.md)."""
+    return 8 if active < MARGINAL_BELOW else 16
+
+
+def default_spread(measure_by: str, experts: int = 8) -> int | None:
     """The marginal damage holds far from the uniform shape (any spread); the dense-stream
-    ones only near it (2 experts)."""
-    return None if measure_by == "marginal" else 2
+    ones only near it: within a quarter of the FFN (2 experts of 8, 4 of 16)."""
+    return None if measure_by == "marginal" else experts // 4
 
 
-DEFAULTS_TEXT = f"marginal below F = {MARGINAL_BELOW:g}, loss from there"
+DEFAULTS_TEXT = (f"marginal below F = {MARGINAL_BELOW:g} with 8 experts and any spread, loss from there "
+                 "with 16 experts, each layer within 4 of F z")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,16 +61,18 @@ class Budget:
     over the layers), met with shapes of `experts` equal-width experts."""
 
     active: float
-    experts: int = 8
+    experts: int | None = None  # z of every candidate shape (None: `default_experts`)
     measure_by: str | None = None  # the damage: "marginal", "loss" or "stream" (None: `default_measure`)
     spread: int | None | str = "default"  # a layer runs within this many experts of F z (None: any
     #                                       shape; "default": `default_spread` of the measure)
 
     def __post_init__(self):
+        if self.experts is None:
+            object.__setattr__(self, "experts", default_experts(self.active))
         if self.measure_by is None:
             object.__setattr__(self, "measure_by", default_measure(self.active))
         if self.spread == "default":
-            object.__setattr__(self, "spread", default_spread(self.measure_by))
+            object.__setattr__(self, "spread", default_spread(self.measure_by, self.experts))
 
     def to_json(self) -> dict:
         return {"active": self.active, "experts": self.experts, "sensitivity": self.measure_by,

@@ -46,7 +46,7 @@ def add_flags(g) -> None:
                         f"(stream); default: {DEFAULTS_TEXT}")
     g.add_argument("--spread", type=spread_arg, default=None, metavar="N",
                    help="with a budget --active F, each layer runs within N experts' worth of "
-                        "neurons of F z ('any': no bound; default: any with the marginal damage, 2 "
+                        "neurons of F z ('any': no bound; default: any with the marginal damage, z/4 "
                         "with the others)")
     g.add_argument("--stream", action="store_true",
                    help="read, convert and write one decoder layer at a time (peak host memory "
@@ -75,7 +75,7 @@ def budget_from_args(args) -> Budget | None:
         given = "--config" if args.config else "--shared"
         raise CmoeError(f"--active {args.active:g} is a budget (each layer's shape chosen for it) and "
                         f"{given} a shape: give one of them")
-    return Budget(args.active, 8 if args.experts is None else args.experts,
+    return Budget(args.active, args.experts,
                   measure_by=args.sensitivity,
                   spread={None: "default", "any": None}.get(args.spread, args.spread))
 
