@@ -85,6 +85,22 @@ def test_the_defaults_follow_the_budget():
     assert [p.name if p else "dense" for p in Budget(0.75).candidates()][-3:] == ["S7A7E16", "S7A8E16", "dense"]
 
 
+@pytest.mark.parametrize("flags, expected", [
+    (["--active", "0.75"], (16, "loss", 4)),
+    (["--active", "0.25"], (8, "marginal", None)),
+    (["--active", "0.75", "--experts", "8"], (8, "loss", 2)),
+    (["--active", "0.75", "--spread", "any"], (16, "loss", None)),
+])
+def test_the_command_passes_the_defaults_on(flags, expected):
+    """`convert --active F` leaves z, the measure and the spread to the budget's defaults
+    unless given."""
+    from cmoe_jax.convert.cli import parse_args
+    from cmoe_jax.methods.cmoe.flags import budget_from_args
+
+    b = budget_from_args(parse_args(["--model", "smollm2", "--out", "o", *flags]))
+    assert (b.experts, b.measure_by, b.spread) == expected
+
+
 def test_budget_arithmetic():
     b = Budget(0.25, 8)
     assert [p.name if p else "dense" for p in b.candidates()] == [
