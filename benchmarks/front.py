@@ -116,10 +116,11 @@ class Front:
             return load_model(str(path), progress=False).model, None
         model, records = self.converted(cc)
         cfg, plans = self.lm.config, cc.layer_shapes(self.lm.config.num_layers)
+        experts = next((p.total for p in plans if p is not None), 8)  # a kept dense layer's count
         tmp = path.with_name(name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         save_converted(model, {"source_model": self.args.model, "method": "cmoe", "config": cc.label,
-                               "plan": [plan_entry(p, cfg.intermediate_size, 8) for p in plans],
+                               "plan": [plan_entry(p, cfg.intermediate_size, experts) for p in plans],
                                "active_share": active_share(plans)}, tmp, tokenizer=self.lm.tokenizer)
         tmp.rename(path)
         return model, records

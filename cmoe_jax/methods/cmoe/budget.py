@@ -40,7 +40,7 @@ def default_measure(active: float) -> str:
 def default_experts(active: float) -> int:
     """The expert count z of the candidate shapes at budget F. Near dense, finer candidates
     (z = 16: steps of 1/16 of the FFN) let the allocation follow the measured damage more
-    closely: on SmolLM2 at 75% the loss damage's excess perplexity fell from 0.86 to 0.73 of
+    closely: on SmolLM2 at 75% the loss damage's excess perplexity fell from 0.86 to 0.74 of
     the uniform S3A3E8's (docs/methods/cmoe.md)."""
     return 8 if active < MARGINAL_BELOW else 16
 
