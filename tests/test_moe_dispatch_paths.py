@@ -88,8 +88,21 @@ def test_padded_runs_where_its_rows_are_clearly_fewer_than_the_dense_paths(monke
     assert mode(100, 1, 8) == "padded"                   # capacity 16 of 100 tokens
     assert mode(16, 3, 5) == "dense"                     # capacity 16 of 16 tokens: no rows saved
     assert mode(100, 1, 8, adapters=True) == "sort"      # LoRA rides on the grouped matmuls
+    monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
+                        DenseWhen(rows_per_expert=4, gather_share=0.5, padded_share=0.8, padded_experts=8))
+    assert mode(100, 1, 8) == "padded"                   # 8 routed experts: enough
+    assert mode(100, 1, 7) == "sort"                     # fewer than padded_experts
     monkeypatch.setitem(DENSE_WHEN, jax.default_backend(), DenseWhen(rows_per_expert=4))
     assert mode(100, 1, 8) == "sort"                     # padded_share 0: never padded
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU rule")
+def test_the_cpu_rule_pads_16_expert_layers_and_sorts_8_expert_ones():
+    """fp32 on CPU: a 16-expert adaptive layer (10 routed, 6 active) prefills padded, S3A3E8's
+    5 routed experts keep the sort."""
+    mode = lambda tokens, k, e: dispatch_mode(tokens * k, e, None, top_k=k, dtype=jnp.float32)  # noqa: E731
+    assert mode(8192, 6, 10) == "padded"
+    assert mode(8192, 3, 5) == "sort"
 
 
 def test_unknown_dispatch_is_refused():

@@ -44,13 +44,15 @@ class DenseWhen(NamedTuple):
     `share_tokens` tokens. The gather path runs below `gather_share` pairs per expert: it
     copies each pair's expert weights, which on CPU costs a second pass over them. Above
     it, the padded path runs where its first capacity is at most `padded_share` of the
-    tokens (its `E * C` rows against the dense path's `E * T`; 0: never)."""
+    tokens (its `E * C` rows against the dense path's `E * T`; 0: never) and the layer has
+    at least `padded_experts` routed experts."""
 
     rows_per_expert: float = 0
     share: float = 2.0
     share_tokens: int = 0
     gather_share: float = 1.0
     padded_share: float = 0.0
+    padded_experts: int = 0
 
 
 # keyed by platform, or "platform:dtype" where the expert weights' dtype changes the answer:
@@ -58,10 +60,13 @@ class DenseWhen(NamedTuple):
 # float32 at twice the fp32 rate, so the dense path wins up to more pairs per expert, and the
 # padded path's batched matmuls (float32 accumulation too) win wherever they skip a fifth of
 # the dense path's rows; on a GPU they run on cuBLAS, at twice the Pallas grouped matmul's
-# rate. In fp32 on CPU they won only at about 128 tokens in the layer alone, and a whole
-# converted SmolLM2 was not consistently faster with them there, so fp32 keeps the sort
+# rate. In fp32 on CPU they win over 8 or more routed experts, whose windows the sort
+# loops over while the batched matmuls do not care (a whole SmolLM2 of 16-expert layers
+# prefills about 10% faster); over fewer a whole converted SmolLM2 was not consistently
+# faster with them, so those keep the sort
 # (benchmarks/moe_grid.py, benchmarks/model_dispatch.py, docs/results/performance.md)
-DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.5),
+DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.5,
+                               padded_share=0.8, padded_experts=8),
               "cpu:bfloat16": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30,
                                         gather_share=0.5, padded_share=0.8),
               "gpu": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30, padded_share=0.8)}
@@ -141,7 +146,8 @@ def dispatch_mode(num_pairs: int, num_experts: int, expert_axis: str | None, *,
     if num_pairs <= num_experts * when.gather_share:
         return "gather"
     tokens = num_pairs // max(top_k, 1)
-    if capacity_ladder(num_pairs, num_experts)[0] <= when.padded_share * tokens:
+    if (num_experts >= when.padded_experts
+            and capacity_ladder(num_pairs, num_experts)[0] <= when.padded_share * tokens):
         return "padded"
     if (num_pairs <= when.rows_per_expert * num_experts
             or (top_k / num_experts >= when.share and tokens <= when.share_tokens)):
