@@ -61,9 +61,9 @@ class DenseWhen(NamedTuple):
 # padded path's batched matmuls (float32 accumulation too) win wherever they skip a fifth of
 # the dense path's rows; on a GPU they run on cuBLAS, at twice the Pallas grouped matmul's
 # rate. In fp32 on CPU they win over 8 or more routed experts, whose windows the sort
-# loops over while the batched matmuls do not care (a whole SmolLM2 of 16-expert layers
-# prefills about 10% faster); over fewer a whole converted SmolLM2 was not consistently
-# faster with them, so those keep the sort
+# loops over while the batched matmuls do not care (the layer alone mostly faster from 128
+# tokens, by up to a quarter; a whole SmolLM2 of 16-expert layers 1-3%); over fewer a whole
+# converted SmolLM2 was no faster with them, so those keep the sort
 # (benchmarks/moe_grid.py, benchmarks/model_dispatch.py, docs/results/performance.md)
 DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.5,
                                padded_share=0.8, padded_experts=8),
