@@ -260,12 +260,13 @@ def markdown(cells: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--budgets", type=float, nargs="*", default=list(BUDGETS),
-                   help="budgets of the front (none: only the --screen variants)")
+    p.add_argument("--budgets", type=float, nargs="*", default=None,
+                   help=f"budgets of the front (default {' '.join(map(str, BUDGETS))}, or none when "
+                        "--screen is given; a bare --budgets: none)")
     p.add_argument("--max-windows", type=int, default=40)
     p.add_argument("--arc-limit", type=int, default=None, help="first N ARC-Easy questions (default all)")
     p.add_argument("--repeats", type=int, default=3)
@@ -279,8 +280,15 @@ def main(argv=None) -> None:
                         "ARC-Easy) on any machine, speed (time the kept models) on a quiet one")
     p.add_argument("--resume", action="store_true", help="keep the cells already saved under OUT")
     args = p.parse_args(argv)
+    if args.budgets is None:  # a screen alone should not start the whole front
+        args.budgets = [] if args.screen else list(BUDGETS)
     if args.out.exists() and not args.resume and any(args.out.glob("cells/*.json")):
         p.error(f"{args.out} holds a sweep already: pass --resume to go on with it")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     print(machine_line(), flush=True)
     cells = sweep(args)
     summary = {"model": args.model, "machine": machine_line(), "date": time.strftime("%Y-%m-%d"),

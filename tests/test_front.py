@@ -54,3 +54,12 @@ def test_table_and_plot_take_cells_without_speed(tmp_path):
     assert "1.50x (busy)" in uniform and adaptive.endswith("| - | - | - | - |")
     front.plot(cells, tmp_path / "front.png", "tiny")
     assert (tmp_path / "front.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_screen_alone_runs_no_budget(tmp_path):
+    """`--screen` without `--budgets` screens only; the front's budgets need no flag."""
+    out = ["--out", str(tmp_path / "f")]
+    assert front.parse_args(out + ["--screen", "0.75:loss:4:16"]).budgets == []
+    assert front.parse_args(out).budgets == list(front.BUDGETS)
+    assert front.parse_args(out + ["--budgets", "0.5", "--screen", "0.75:loss:4"]).budgets == [0.5]
+    assert front.parse_args(out + ["--budgets"]).budgets == []
