@@ -28,10 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.decode import ours_side  # noqa: E402
-from benchmarks.harness import interleaved_times, load_average, machine_busy, machine_line, print_load  # noqa: E402
+from benchmarks.harness import WIKITEXT, interleaved_times, load_average, machine_busy, machine_line, print_load  # noqa: E402
 from benchmarks.prefill import prefill_fn  # noqa: E402
 
-WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2"
 
 
 def sides(models: dict, what: str, prompts: np.ndarray, new_tokens: int) -> list:

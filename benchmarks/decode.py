@@ -31,9 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import interleaved_times, load_average, machine_busy, machine_line, print_load  # noqa: E402
+from benchmarks.harness import WIKITEXT, interleaved_times, load_average, machine_busy, machine_line, print_load  # noqa: E402
 
-WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2"
 SHAPES = {"llama2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                             num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, activation="silu", rms_norm_eps=1e-5,
                             max_position_embeddings=4096),

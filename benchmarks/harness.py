@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"  # beside the checkout
+
 
 def cpu_model() -> str:
     """The CPU's model name: figures differ between machine kinds, so every benchmark says

@@ -19,10 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import interleaved_times, load_average, machine_line, report  # noqa: E402
+from benchmarks.harness import WIKITEXT, interleaved_times, load_average, machine_line, report  # noqa: E402
 from benchmarks.prefill import prefill_fn  # noqa: E402
 
-WIKITEXT_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
 PADDED_ON = 0.8  # the share the bf16 and GPU rules use
 
 
@@ -53,7 +52,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--data-path", type=Path, default=WIKITEXT_TEST, help="prompt text (WikiText-2 test)")
+    p.add_argument("--data-path", type=Path, default=WIKITEXT / "test.txt", help="prompt text (WikiText-2 test)")
     args = p.parse_args(argv)
 
     import jax
