@@ -29,12 +29,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import interleaved_times, load_average, machine_line, report  # noqa: E402
+from benchmarks.harness import WIKITEXT, interleaved_times, load_average, machine_line, report  # noqa: E402
 from benchmarks.torch_reference import load_torch_causal_lm  # noqa: E402
 
 
 def local_wikitext_test() -> str | None:
-    f = ROOT.parent / "shared" / "data" / "wikitext-2" / "test.txt"
+    f = WIKITEXT / "test.txt"
     return str(f) if f.exists() else None
 
 

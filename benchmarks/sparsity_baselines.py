@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"  # beside the checkout
+from benchmarks.harness import WIKITEXT  # noqa: E402
 
 
 def wanda_layerwise(model, calib, sparsity: float) -> None:

@@ -50,14 +50,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import interleaved_times, load_average, machine_line, report  # noqa: E402
+from benchmarks.harness import WIKITEXT, interleaved_times, load_average, machine_line, report  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DEFAULT_CONVERTED = ROOT.parent / "bases" / "smollm2-S1A1E8"
 
 
 def local_wikitext_valid() -> str | None:
-    f = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+    f = WIKITEXT / "valid.txt"
     return str(f) if f.exists() else None
 
 
