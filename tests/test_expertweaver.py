@@ -182,7 +182,10 @@ def test_shared_by_energy_picks_the_neurons_of_highest_output_energy(tiny_checkp
                                             (["--sparsity", "1.0"], "--sparsity"),
                                             (["--experts", "5"], "divide"),
                                             (["--alpha-min", "0.8"], "--alpha-min"),
-                                            (["--config", "S1A1E8"], "--experts and --sparsity")])
+                                            (["--config", "S1A1E8"], "--experts and --sparsity"),
+                                            (["--active", "3"], "budget F in (0, 1)"),
+                                            (["--active", "1.0"], "budget F in (0, 1)"),
+                                            (["--active", "0.5", "--sparsity", "0.3"], "give one")])
 def test_cli_rejects_bad_settings(tiny_checkpoint, tmp_path, capsys, extra, message):
     _, path, _ = tiny_checkpoint
     out = tmp_path / "out"
@@ -190,6 +193,17 @@ def test_cli_rejects_bad_settings(tiny_checkpoint, tmp_path, capsys, extra, mess
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err, err
     assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_budget_is_its_sparsity(tiny_checkpoint, tmp_path):
+    """`--active F` (the budget flag CMoE allocates per layer) converts exactly as
+    `--sparsity 1 - F`: the same layers, the same shapes."""
+    _, path, _ = tiny_checkpoint
+    data = _articles(tmp_path / "a.txt")
+    for name, flags in (("budget", ["--active", "0.5"]), ("sparsity", ["--sparsity", "0.5"])):
+        assert convert_main(_cli(path, data, tmp_path / name) + flags) == 0
+    a, b = (json.loads((tmp_path / n / "cmoe_manifest.json").read_text()) for n in ("budget", "sparsity"))
+    assert a["layers"] == b["layers"] and a["config"] == b["config"]
 
 
 def test_interrupted_weave_resumes_identically(tiny_checkpoint, tmp_path):

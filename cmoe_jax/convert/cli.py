@@ -55,7 +55,7 @@ def add_plan(p: Parser) -> None:
                            "--experts, instead of --config); or a budget F such as 0.25: the mean "
                            "share of FFN neurons a token runs, each layer's shape chosen by its "
                            "measured sensitivity (cmoe; z from --experts, default 8 below F = 0.5 "
-                           "and 16 from there)")
+                           "and 16 from there; expertweaver: the same as --sparsity 1 - F)")
     plan.add_argument("--experts", type=positive_int, help="z, total experts (instead of --config; "
                                                            "expertweaver: N_e, default 64)")
 

@@ -18,7 +18,7 @@ METHOD = Method(name="expertweaver", command="convert", choices=("expertweaver",
                 summary="expertweaver (layer-adaptive shared experts, gate-centroid router)",
                 settings=WeaverSettings, steps=WeaverSteps, add_flags=flags.add_flags,
                 from_args=flags.settings_from_args, check_args=flags.check_args, refuses=flags.REFUSES,
-                refuse_note="it sizes experts by --experts and --sparsity", single_process=True)
+                refuse_note="it sizes experts by --experts and --sparsity, or --active F", single_process=True)
 
 __all__ = ["arc_text", "task_windows", "wikitext_articles", "FORMATS", "diverse_task_windows",
            "format_counts", "pseudo_tasks", "WeaveConfig", "layer_spec", "validate",

@@ -5,8 +5,9 @@ from cmoe_jax.cli_args import nonneg_float, positive_float, positive_int, share
 from cmoe_jax.methods.expertweaver.convert import WeaveConfig
 from cmoe_jax.methods.expertweaver.job import DIVERSE_NEEDS_ARC, MIXES, TaskCalibration, WeaverSettings
 
-# the convert command's shared flags that ExpertWeaver does not take (it sizes experts itself)
-REFUSES = ("config", "shared", "active", "dataset", "split", "calib_samples")
+# the convert command's shared flags that ExpertWeaver does not take (it sizes experts itself;
+# `--active F`, the budget CMoE allocates per layer, is its `--sparsity 1 - F`)
+REFUSES = ("config", "shared", "dataset", "split", "calib_samples")
 
 
 def add_flags(g) -> None:
@@ -29,6 +30,12 @@ def add_flags(g) -> None:
 
 
 def check_args(args, error) -> None:
+    if args.active is not None:
+        if not isinstance(args.active, float) or args.active >= 1:
+            error(f"--active {args.active} with --method expertweaver: give a budget F in (0, 1), the "
+                  "share of each token's FFN neurons (--sparsity 1 - F), e.g. --active 0.75")
+        if "sparsity" in args.given:
+            error("--active F and --sparsity both set the share of experts a token runs: give one")
     if args.calib_mix == "diverse" and not args.arc_path:
         error(DIVERSE_NEEDS_ARC)
     if args.shared_by in ("rate", "rate-energy"):
@@ -37,7 +44,8 @@ def check_args(args, error) -> None:
 
 
 def settings_from_args(args) -> WeaverSettings:
-    cc = WeaveConfig(experts=64 if args.experts is None else args.experts, sparsity=args.sparsity,
+    sparsity = args.sparsity if args.active is None else 1.0 - args.active  # the budget as --sparsity
+    cc = WeaveConfig(experts=64 if args.experts is None else args.experts, sparsity=sparsity,
                      alpha_min=args.alpha_min, alpha_max=args.alpha_max, tau=args.tau,
                      assignment=args.assignment, seed=args.seed,
                      shared_by=args.shared_by or WeaveConfig.shared_by)
