@@ -204,6 +204,7 @@ def test_a_budget_is_its_sparsity(tiny_checkpoint, tmp_path):
         assert convert_main(_cli(path, data, tmp_path / name) + flags) == 0
     a, b = (json.loads((tmp_path / n / "cmoe_manifest.json").read_text()) for n in ("budget", "sparsity"))
     assert a["layers"] == b["layers"] and a["config"] == b["config"]
+    assert a["active_share"] == a["active_experts"] / 8 == 0.5
 
 
 def test_interrupted_weave_resumes_identically(tiny_checkpoint, tmp_path):

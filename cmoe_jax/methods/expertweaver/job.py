@@ -120,6 +120,7 @@ class WeaverSteps:
         cc, cal = self.settings.method, self.settings.calibration
         return {
             "source_model": source.name, **cc.to_dict(), "config": cc.name, "active_experts": cc.active,
+            "active_share": cc.active / cc.experts,  # the budget met, as `convert --active F` records it
             "expert_width": source.config.intermediate_size // cc.experts,
             "calibration": {"mix": cal.mix, "wikitext_path": cal.data_path, "arc_path": cal.arc_path,
                             "tasks": self.names, "samples_per_task": cal.samples_per_task,
