@@ -81,10 +81,11 @@ def main(argv=None) -> None:
         x = inputs[i].reshape(n, -1)
         mlp = model.layers[i].mlp
         moe = isinstance(mlp, MoEFFN)
-        calls = [ffn_call(source.model.layers[i].mlp, "auto")]
-        calls += [ffn_call(mlp, p) for p in args.paths] if moe else [calls[0]] * len(args.paths)
+        calls = [ffn_call(source.model.layers[i].mlp, "auto")]  # a kept dense layer: this alone
+        calls += [ffn_call(mlp, p) for p in args.paths] if moe else []
         times = interleaved_times([lambda f=f: jax.block_until_ready(f(x)) for f in calls], args.repeats)
         ms = np.array([statistics.median(t) * 1e3 for t in times])
+        ms = ms if moe else np.repeat(ms, 1 + len(args.paths))
         sums += ms
         shape = (f"S{mlp.shared_width // mlp.expert_width}A{mlp.top_k}E{mlp.num_experts + mlp.shared_width // mlp.expert_width}"
                  f" m{mlp.expert_width}") if moe else "dense"
