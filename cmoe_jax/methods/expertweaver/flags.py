@@ -44,7 +44,7 @@ def check_args(args, error) -> None:
 
 
 def settings_from_args(args) -> WeaverSettings:
-    sparsity = args.sparsity if args.active is None else 1.0 - args.active  # the budget as --sparsity
+    sparsity = args.sparsity if args.active is None else round(1.0 - args.active, 12)  # F as --sparsity (0.7 records 0.3)
     cc = WeaveConfig(experts=64 if args.experts is None else args.experts, sparsity=sparsity,
                      alpha_min=args.alpha_min, alpha_max=args.alpha_max, tau=args.tau,
                      assignment=args.assignment, seed=args.seed,
