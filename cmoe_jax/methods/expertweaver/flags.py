@@ -44,7 +44,8 @@ def check_args(args, error) -> None:
 
 
 def settings_from_args(args) -> WeaverSettings:
-    sparsity = args.sparsity if args.active is None else round(1.0 - args.active, 12)  # F as --sparsity (0.7 records 0.3)
+    # the budget F as --sparsity 1 - F, rounded so that 0.7 records 0.3
+    sparsity = args.sparsity if args.active is None else round(1.0 - args.active, 12)
     cc = WeaveConfig(experts=64 if args.experts is None else args.experts, sparsity=sparsity,
                      alpha_min=args.alpha_min, alpha_max=args.alpha_max, tau=args.tau,
                      assignment=args.assignment, seed=args.seed,
