@@ -19,7 +19,6 @@ import pickle
 
 import jax
 import numpy as np
-from jax._src import distributed as _state
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -84,7 +83,7 @@ def initialize() -> None:
     if not auto and (settings is None or settings[1] == 1):
         return
 
-    if _state.global_state.client is not None:
+    if jax.distributed.is_initialized():
         return
     # CPU processes exchange data with gloo (the CPU client's default has no collectives)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
