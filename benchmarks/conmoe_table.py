@@ -27,12 +27,16 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import WIKITEXT  # noqa: E402
 from cmoe_jax.methods.conmoe import apply_plans, collect_stats, materialize, routed_bytes
 from cmoe_jax.methods.conmoe import CompressConfig, make_plans
 from cmoe_jax.methods.conmoe.expert_stats import LayerStats
@@ -41,7 +45,6 @@ from cmoe_jax.eval.perplexity import perplexity
 from cmoe_jax.eval.tasks import evaluate_task, get_task, load_documents
 from cmoe_jax.loading import load_model
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"  # beside the checkout
 CORE = [("conmoe", 1, "adaptive"), ("frequency", 1, ""), ("reap", 1, ""), ("conmoe", 4, "adaptive"),
         ("msmoe", 1, ""), ("hcsmoe", 1, "")]
 MORE = [("conmoe", 4, "fixed"), ("conmoe", 4, "usage"), ("conmoe", 4, "reap"),

@@ -38,9 +38,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import interleaved_times, load_average, machine_busy, machine_line  # noqa: E402
+from benchmarks.harness import DATA, interleaved_times, load_average, machine_busy, machine_line  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data"
 BUDGETS = (0.25, 0.375, 0.5, 0.625, 0.75)
 
 

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"  # beside the checkout
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # beside the checkout
+WIKITEXT = DATA / "wikitext-2"
 
 
 def cpu_model() -> str:
