@@ -63,7 +63,8 @@ def sides(d: int, d_h: int, num_experts: int, top_k: int, seed: int = 0):
     w_gate, w_up, w_down = normal(num_experts, d, m), normal(num_experts, d, m), normal(num_experts, m, d)
     own = [(w_gate[e] + 0, w_up[e] + 0, w_down[e] + 0) for e in range(num_experts)]  # fresh buffers
     chosen = rng.choice(num_experts, top_k, replace=False)
-    flat = [jnp.concatenate([w[e] for e in chosen], axis=-1 if i < 2 else 0) for i, w in enumerate(zip(*own))]
+    contiguous = [jnp.concatenate([w[e] for e in chosen], axis=-1 if i < 2 else 0)  # the k chosen, side by side
+                  for i, w in enumerate(zip(*own))]
     dense = (normal(d, d_h), normal(d, d_h), normal(d_h, d))
     x = normal(1, d) * 50
     ids = jnp.asarray(chosen[None], jnp.int32)
@@ -73,11 +74,11 @@ def sides(d: int, d_h: int, num_experts: int, top_k: int, seed: int = 0):
     ffn = jax.jit(swiglu)
     ref = np.asarray(gather(x, ids, gates, w_gate, w_up, w_down))
     np.testing.assert_allclose(np.asarray(switch(x, ids, gates, own)), ref, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(ffn(x, *flat)), ref, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ffn(x, *contiguous)), ref, rtol=1e-4, atol=1e-6)
     run = lambda f, *a: lambda: jax.block_until_ready(f(*a))  # noqa: E731
     return {"gather": run(gather, x, ids, gates, w_gate, w_up, w_down),
             "switch": run(switch, x, ids, gates, own),
-            "contiguous": run(ffn, x, *flat),
+            "contiguous": run(ffn, x, *contiguous),
             "dense FFN": run(ffn, x, *dense)}
 
 
