@@ -205,8 +205,10 @@ class Decoder(nnx.Module):
         return h if scale == 1.0 else h * jnp.asarray(scale, jnp.float32).astype(h.dtype)
 
     def unembed(self, h: jax.Array) -> jax.Array:
-        """Final norm and LM head (tied to the embedding when the config says so)."""
-        return self.norm(h) @ self.lm_head_matrix()
+        """Final norm and LM head; tied, it reads the embedding in place (`.T` copied it)."""
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("...d,vd->...v", self.norm(h), self.embed[...])
+        return self.norm(h) @ self.lm_head[...]
 
     def lm_head_matrix(self) -> jax.Array:
         """[d, vocab]: the LM head, or the transposed embedding when they are tied."""

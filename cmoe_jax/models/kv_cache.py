@@ -1,7 +1,10 @@
 """A static-shape key/value cache for incremental decoding, and the attention that reads it.
 
-The cache holds every layer's keys and values, `k/v [L, B, S, K, H]` (L layers, B rows, S
-slots, K kv heads), and which slots hold a real token, `valid [B, S]`. All rows write the
+The cache holds every layer's keys and values, `k/v [L, B, K, S, H]` (L layers, B rows, K kv
+heads, S slots), and which slots hold a real token, `valid [B, S]`. The kv-head axis comes
+before the slots so that both attention products are batched over (row, kv head) with the
+cache as it lies: slots before heads made XLA:CPU transpose and copy every layer's whole cache
+at every step (at batch 16 on SmolLM2, half the attention's time). All rows write the
 same slots at the same step (`slot`), so a batch of prompts is left-padded to one length:
 a padded slot is never valid, and each row's RoPE positions count only its real tokens
 (`prompt_positions`), as `transformers` does with an attention mask. S is fixed for a jitted
@@ -9,7 +12,7 @@ step; `grow` pads it to the next length when it fills, so a long generation comp
 shapes only.
 
 A model whose layers run unrolled (they differ in shape) holds the cache per layer instead, `k/v`
-a tuple of L arrays `[B, S, K, H]` (`KVCache.empty(..., per_layer=True)`): each step then
+a tuple of L arrays `[B, K, S, H]` (`KVCache.empty(..., per_layer=True)`): each step then
 updates every layer's array in place, where slices of one `[L, ...]` array written back after
 the last layer make XLA copy the whole cache twice a step (at batch 16 on SmolLM2 about a
 third of the step).
@@ -42,8 +45,8 @@ class LayerCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values of every layer, `[L, B, S, K, H]` or (per layer) a tuple of L
-    `[B, S, K, H]`, and the valid slots `[B, S]`."""
+    """Keys and values of every layer, `[L, B, K, S, H]` or (per layer) a tuple of L
+    `[B, K, S, H]`, and the valid slots `[B, S]`."""
 
     k: jax.Array | tuple[jax.Array, ...]
     v: jax.Array | tuple[jax.Array, ...]
@@ -51,7 +54,7 @@ class KVCache:
 
     @classmethod
     def empty(cls, cfg, batch: int, length: int, dtype, per_layer: bool = False) -> "KVCache":
-        shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
         if per_layer:
             k, v = (tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)) for _ in range(2))
         else:
@@ -71,7 +74,7 @@ class KVCache:
         pad = length - self.length
         if pad <= 0:
             return self
-        grown = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 3) + [(0, pad), (0, 0), (0, 0)])  # the slot axis
+        grown = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, pad), (0, 0)])  # the slot axis
         return KVCache(jax.tree.map(grown, self.k), jax.tree.map(grown, self.v),
                        jnp.pad(self.valid, ((0, 0), (0, pad))))
 
@@ -84,14 +87,14 @@ class KVCache:
         return LayerCache(self.k[i], self.v[i], self.valid, jnp.asarray(slot, jnp.int32))
 
     def write(self, k_new, v_new, slot) -> "KVCache":
-        """Store every layer's new keys and values (`[L, B, T, K, H]`, or a sequence of L
-        `[B, T, K, H]`) at slots `slot...`."""
+        """Store every layer's new keys and values (`[L, B, K, T, H]`, or a sequence of L
+        `[B, K, T, H]`) at slots `slot...`."""
         if self.per_layer:
-            put = lambda old, new: tuple(jax.lax.dynamic_update_slice(o, n.astype(o.dtype), (0, slot, 0, 0))
+            put = lambda old, new: tuple(jax.lax.dynamic_update_slice(o, n.astype(o.dtype), (0, 0, slot, 0))
                                          for o, n in zip(old, new, strict=True))
             return KVCache(put(self.k, k_new), put(self.v, v_new), self.valid)
         k_new, v_new = (x if isinstance(x, jax.Array) else jnp.stack(list(x)) for x in (k_new, v_new))
-        at = (0, 0, slot, 0, 0)
+        at = (0, 0, 0, slot, 0)
         return KVCache(jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), at),
                        jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), at),
                        self.valid)
@@ -107,27 +110,31 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache
                      scale: float | None = None, window: int = 0):
     """GQA attention of the new queries `q [B, T, N, H]` (slots `slot..slot+T-1`) over the
     cache with the new keys/values `k/v [B, T, K, H]` written in: (output [B, T, N, H], the
-    new (k, v)). A query sees the valid slots up to its own and always itself (so a pad
-    query has a finite softmax); with `window` > 0 only the `window` latest slots (a
-    sliding-window layer: slots, pads included, as `transformers` counts cache positions).
-    `scale` multiplies the scores (None: H ** -0.5). Queries go in blocks of `block`, so a long prefill's score
-    tiles stay `[block, S]`; scores and softmax in float32, as `causal_attention`."""
+    new (k, v) as the cache holds them, `[B, K, T, H]`). A query sees the valid slots up to
+    its own and always itself (so a pad query has a finite softmax); with `window` > 0 only
+    the `window` latest slots (a sliding-window layer: slots, pads included, as
+    `transformers` counts cache positions). `scale` multiplies the scores (None: H ** -0.5).
+    Queries go in blocks of `block`, so a long prefill's score tiles stay `[block, S]`;
+    scores and softmax in float32, as `causal_attention`. Both products are batched over
+    (row, kv head), the cache's leading axes, so the cache is read where it lies."""
     b, t, n, h = q.shape
     kv = k.shape[2]
-    keys = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), cache.slot, axis=1)
-    values = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), cache.slot, axis=1)
-    k_slot = jnp.arange(keys.shape[1])[None, :]
-    qg = q.reshape(b, t, kv, n // kv, h) * (h ** -0.5 if scale is None else scale)
+    k, v = (jnp.swapaxes(x, 1, 2).astype(cache.k.dtype) for x in (k, v))  # [B, K, T, H]: the step's
+    keys = jax.lax.dynamic_update_slice_in_dim(cache.k, k, cache.slot, axis=2)
+    values = jax.lax.dynamic_update_slice_in_dim(cache.v, v, cache.slot, axis=2)
+    k_slot = jnp.arange(keys.shape[2])[None, :]
+    qg = jnp.transpose(q.reshape(b, t, kv, n // kv, h), (0, 2, 3, 1, 4))  # [B, K, G, T, H]
+    qg = qg * (h ** -0.5 if scale is None else scale)
     outs = []
     for start in range(0, t, block):
         end = min(t, start + block)
-        scores = jnp.einsum("btkgh,bskh->bkgts", qg[:, start:end], keys.astype(q.dtype),
+        scores = jnp.einsum("bkgth,bksh->bkgts", qg[:, :, :, start:end], keys.astype(q.dtype),
                             preferred_element_type=jnp.float32)
         q_slot = cache.slot + jnp.arange(start, end)[:, None]
         near = (k_slot <= q_slot) & ((k_slot > q_slot - window) if window else True)
         seen = (near[None] & cache.valid[:, None, :]) | (k_slot == q_slot)[None]
         p = jax.nn.softmax(jnp.where(seen[:, None, None], scores, -jnp.inf), axis=-1)
-        outs.append(jnp.einsum("bkgts,bskh->btkgh", p.astype(values.dtype), values,
+        outs.append(jnp.einsum("bkgts,bksh->bkgth", p.astype(values.dtype), values,
                                preferred_element_type=jnp.float32))
-    out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
-    return out.astype(q.dtype).reshape(b, t, n, h), (k, v)
+    out = jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0]     # [B, K, G, T, H]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).astype(q.dtype).reshape(b, t, n, h), (k, v)

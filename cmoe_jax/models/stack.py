@@ -78,7 +78,7 @@ class LayerStack(nnx.Module):
 
         Layer i's dropout key is `fold_in(key, i)`, as in the unrolled forward. With `cache`
         (a `KVCache`, the step's tokens at slots `slot...`) the second item is the new keys
-        and values `([L, B, T, K, H], same)` instead of the FFN inputs."""
+        and values `([L, B, K, T, H], same)` instead of the FFN inputs."""
         graphdef, state = nnx.split(self.stacked)
         cached = cache is not None
         kv = (cache.k, cache.v) if cached else (None, None)
