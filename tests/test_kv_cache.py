@@ -104,22 +104,25 @@ def test_cached_decode_equals_uncached_argmax(kind, tmp_path):
     _assert_uncached_argmax(model, prompts, outputs)
 
 
-def test_per_layer_cache_holds_what_the_stacked_one_holds(tmp_path):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_per_layer_cache_holds_what_the_stacked_one_holds(batch, tmp_path):
     """An unrolled model's per-layer cache (its default) and one `[L, ...]` array give the
     same hidden states and hold the same keys and values, through a prefill, a growth and
-    a decode step; a stacked model keeps the `[L, ...]` layout."""
+    a decode step; a stacked model keeps the `[L, ...]` layout. From batch 2 a per-layer
+    cache is written before it is read (`KVCache.in_place`), the stacked one never is."""
     tiny_hf_model("llama").save_pretrained(tmp_path)
     stacked = load_model(str(tmp_path), progress=False).model
     model = stacked.unstacked()
     assert model.empty_cache(2, 8).per_layer and not stacked.empty_cache(2, 8).per_layer
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 6)), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    assert model.empty_cache(batch, 8).in_place == (batch > 1) and not stacked.empty_cache(2, 8).in_place
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, 6)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(6), (batch, 6))
     runs = []
     for per_layer in (True, False):
-        cache = KVCache.empty(model.config, 2, 8, jnp.float32, per_layer=per_layer).mark(jnp.ones((2, 6), bool), 0)
-        h, cache = model.run_cached(tokens, positions, cache, 0)
-        cache = cache.grow(16).mark(jnp.ones((2, 1), bool), 6)
-        h2, cache = model.run_cached(tokens[:, :1], jnp.full((2, 1), 6), cache, 6)
+        cache = KVCache.empty(model.config, batch, 8, jnp.float32, per_layer=per_layer)
+        h, cache = model.run_cached(tokens, positions, cache.mark(jnp.ones((batch, 6), bool), 0), 0)
+        cache = cache.grow(16).mark(jnp.ones((batch, 1), bool), 6)
+        h2, cache = model.run_cached(tokens[:, :1], jnp.full((batch, 1), 6), cache, 6)
         runs.append((h, h2, np.stack(cache.k), np.stack(cache.v)))
     for got, want in zip(*runs):
-        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -18,8 +18,16 @@ the last layer make XLA copy the whole cache twice a step (at batch 16 on SmolLM
 third of the step).
 
 The decoder layers run the same modules with a `LayerCache` (`Attention.__call__`'s `cache`
-argument): they attend over the cached slots plus their own new ones and hand back the new
-keys and values, which `KVCache.write` stores in place (one update of the whole cache).
+argument). How a layer writes its step decides whether XLA:CPU copies the cache, so each
+layout has its own order: a layer of its own (`in_place`) writes its new keys and values into
+its arrays, then attends over them, and hands back the arrays; a scanned layer reads its slice
+of the stacked cache as it lies, attends over it and its step's own keys beside it, and hands
+back only those, which `KVCache.write` stores after the last layer (one update of the whole
+cache). Reading a layer's own arrays before writing them costs two whole copies of each a
+step, and reading a stacked slice after writing it one. At batch 1 XLA:CPU copies a layer's
+own arrays four times when they are read after the write (the product's operand drops the
+unit batch axis, and the update is fused once for each shape), so there the layers of their
+own read first and write after, as a scanned one does (`KVCache.in_place`).
 """
 from __future__ import annotations
 
@@ -33,13 +41,15 @@ import jax.numpy as jnp
 @dataclasses.dataclass(frozen=True)
 class LayerCache:
     """One layer's view of the cache for a step of T new tokens written at slots
-    `slot .. slot+T-1`: `k/v [B, S, K, H]` the cached slots, `valid [B, S]` (the new slots
-    included), `slot` int32 scalar."""
+    `slot .. slot+T-1`: `k/v [B, K, S, H]` the cached slots, `valid [B, S]` (the new slots
+    included), `slot` int32 scalar; `in_place`: k/v are the layer's own arrays, which the
+    step is written into before attending (else a slice of the stacked cache, only read)."""
 
     k: jax.Array
     v: jax.Array
     valid: jax.Array
     slot: jax.Array
+    in_place: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -83,12 +93,22 @@ class KVCache:
         valid = jax.lax.dynamic_update_slice_in_dim(self.valid, real.astype(bool), slot, axis=1)
         return KVCache(self.k, self.v, valid)
 
+    @property
+    def in_place(self) -> bool:
+        """Whether a layer writes its step into its arrays before attending (module docstring)."""
+        return self.per_layer and self.valid.shape[0] > 1
+
     def layer(self, i, slot) -> LayerCache:
-        return LayerCache(self.k[i], self.v[i], self.valid, jnp.asarray(slot, jnp.int32))
+        return LayerCache(self.k[i], self.v[i], self.valid, jnp.asarray(slot, jnp.int32),
+                          in_place=self.in_place)
 
     def write(self, k_new, v_new, slot) -> "KVCache":
-        """Store every layer's new keys and values (`[L, B, K, T, H]`, or a sequence of L
-        `[B, K, T, H]`) at slots `slot...`."""
+        """The cache after a step: `in_place`, `k_new/v_new` are the L layers' arrays with the
+        step written in (`cached_attention`'s), kept as they are; else the step's own keys
+        and values (`[L, B, K, T, H]`, or a sequence of L `[B, K, T, H]`), stored at slots
+        `slot...`."""
+        if self.in_place:
+            return KVCache(tuple(k_new), tuple(v_new), self.valid)
         if self.per_layer:
             put = lambda old, new: tuple(jax.lax.dynamic_update_slice(o, n.astype(o.dtype), (0, 0, slot, 0))
                                          for o, n in zip(old, new, strict=True))
@@ -109,32 +129,61 @@ def prompt_positions(real: jax.Array) -> jax.Array:
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache, block: int = 128,
                      scale: float | None = None, window: int = 0):
     """GQA attention of the new queries `q [B, T, N, H]` (slots `slot..slot+T-1`) over the
-    cache with the new keys/values `k/v [B, T, K, H]` written in: (output [B, T, N, H], the
-    new (k, v) as the cache holds them, `[B, K, T, H]`). A query sees the valid slots up to
-    its own and always itself (so a pad query has a finite softmax); with `window` > 0 only
-    the `window` latest slots (a sliding-window layer: slots, pads included, as
-    `transformers` counts cache positions). `scale` multiplies the scores (None: H ** -0.5).
-    Queries go in blocks of `block`, so a long prefill's score tiles stay `[block, S]`;
-    scores and softmax in float32, as `causal_attention`. Both products are batched over
-    (row, kv head), the cache's leading axes, so the cache is read where it lies."""
+    cached slots and the step's keys/values `k/v [B, T, K, H]`: (output [B, T, N, H], what
+    `KVCache.write` stores: the layer's arrays with the step written in when `cache.in_place`,
+    else the step's own `(k, v) [B, K, T, H]`). A query sees the valid slots up to its own
+    and always itself (so a pad query has a finite softmax); with `window` > 0 only the
+    `window` latest slots (a sliding-window layer: slots, pads included, as `transformers`
+    counts cache positions). `scale` multiplies the scores (None: H ** -0.5). Queries go in
+    blocks of `block`, so a long prefill's score tiles stay `[block, S (+ T)]`; scores and
+    softmax in float32, as `causal_attention`. Both products are batched over (row, kv head),
+    the cache's leading axes, with a kv head's G query heads and the block's tokens as rows,
+    so the cache is read where it lies (the module docstring says why write and read are
+    ordered as they are)."""
     b, t, n, h = q.shape
-    kv = k.shape[2]
-    k, v = (jnp.swapaxes(x, 1, 2).astype(cache.k.dtype) for x in (k, v))  # [B, K, T, H]: the step's
-    keys = jax.lax.dynamic_update_slice_in_dim(cache.k, k, cache.slot, axis=2)
-    values = jax.lax.dynamic_update_slice_in_dim(cache.v, v, cache.slot, axis=2)
-    k_slot = jnp.arange(keys.shape[2])[None, :]
-    qg = jnp.transpose(q.reshape(b, t, kv, n // kv, h), (0, 2, 3, 1, 4))  # [B, K, G, T, H]
+    kv, g = k.shape[2], n // k.shape[2]
+    k, v = (jnp.swapaxes(x, 1, 2).astype(cache.k.dtype) for x in (k, v))  # [B, K, T, H]
+    slots = jnp.arange(cache.k.shape[2])
+    if cache.in_place:
+        keys, values = (jax.lax.dynamic_update_slice_in_dim(c, x, cache.slot, axis=2)
+                        for c, x in ((cache.k, k), (cache.v, v)))
+        sources, written = [(keys, values, slots, cache.valid, True)], (keys, values)
+    else:  # the slice's slots of this step are not written yet: its own keys stand beside it
+        own_valid = jax.lax.dynamic_slice_in_dim(cache.valid, cache.slot, t, axis=1)
+        sources = [(cache.k, cache.v, slots, cache.valid & (slots < cache.slot)[None], False),
+                   (k, v, cache.slot + jnp.arange(t), own_valid, True)]
+        written = (k, v)
+    qg = jnp.transpose(q.reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))  # [B, K, G, T, H]
     qg = qg * (h ** -0.5 if scale is None else scale)
     outs = []
     for start in range(0, t, block):
-        end = min(t, start + block)
-        scores = jnp.einsum("bkgth,bksh->bkgts", qg[:, :, :, start:end], keys.astype(q.dtype),
-                            preferred_element_type=jnp.float32)
-        q_slot = cache.slot + jnp.arange(start, end)[:, None]
-        near = (k_slot <= q_slot) & ((k_slot > q_slot - window) if window else True)
-        seen = (near[None] & cache.valid[:, None, :]) | (k_slot == q_slot)[None]
-        p = jax.nn.softmax(jnp.where(seen[:, None, None], scores, -jnp.inf), axis=-1)
-        outs.append(jnp.einsum("bkgts,bksh->bkgth", p.astype(values.dtype), values,
-                               preferred_element_type=jnp.float32))
+        rows = qg[:, :, :, start:start + block]
+        q_slot = cache.slot + jnp.arange(start, start + rows.shape[3])
+        outs.append(_attend(rows, q_slot, sources, window))
     out = jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0]     # [B, K, G, T, H]
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).astype(q.dtype).reshape(b, t, n, h), (k, v)
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).astype(q.dtype).reshape(b, t, n, h), written
+
+
+def _attend(rows, q_slot, sources, window):
+    """[B, K, G, Tb, H] f32: `rows [B, K, G, Tb, H]` (the queries at slots `q_slot [Tb]`)
+    attending over every source `(keys, values [B, K, S_i, H], their slots [S_i], valid
+    [B, S_i], whether a query sees its own slot there)`, one softmax over them all. The G
+    heads and Tb queries of a kv head are the rows of one product per source."""
+    b, kv, g, tb, h = rows.shape
+    flat = rows.reshape(b, kv, g * tb, h)
+    scores, seen = [], []
+    for keys, _, slots, valid, itself in sources:
+        near = (slots[None] <= q_slot[:, None]) & ((slots[None] > q_slot[:, None] - window) if window else True)
+        mask = near[None] & valid[:, None, :]                                # [B, Tb, S_i]
+        seen.append(mask | (slots[None] == q_slot[:, None])[None] if itself else mask)
+        scores.append(jnp.einsum("bkqh,bksh->bkqs", flat, keys.astype(rows.dtype),
+                                 preferred_element_type=jnp.float32).reshape(b, kv, g, tb, -1))
+    scores, seen = jnp.concatenate(scores, axis=-1), jnp.concatenate(seen, axis=-1)
+    p = jax.nn.softmax(jnp.where(seen[:, None, None], scores, -jnp.inf), axis=-1)
+    p = p.reshape(b, kv, g * tb, -1)
+    out, at = 0.0, 0
+    for _, values, slots, _, _ in sources:
+        part = p[..., at:at + slots.shape[0]].astype(values.dtype)
+        out = out + jnp.einsum("bkqs,bksh->bkqh", part, values, preferred_element_type=jnp.float32)
+        at += slots.shape[0]
+    return out.reshape(b, kv, g, tb, h)
