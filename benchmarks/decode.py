@@ -10,9 +10,10 @@ every step, and tokens/s = batch x new tokens / time. Sides: cmoe_jax's dense mo
 S1A1E8 and S3A3E8 conversions (converted here from a few WikiText-2 validation windows, or read
 from `--s1a1e8/--s3a3e8` directories), and `transformers` `generate` (float32, SDPA, torch's
 default threads) on the same dense weights. The sides alternate after a warm-up that compiles
-(`benchmarks/harness.py`); medians are compared. With no flags the output ends with
+(`benchmarks/harness.py`); medians are compared. The output ends with each converted model's
+and the dense model's ratios at each batch,
 
-    ratio S1A1E8/dense batch=1: N.NNx
+    ratio S1A1E8/dense batch=1: N.NNx   (... S3A3E8/dense, and batch=16)
     ratio dense/transformers batch=1: N.NNx
 
 (tokens/s over tokens/s), withheld with the harness's warning when the load average at start
@@ -153,12 +154,12 @@ def main(argv=None) -> None:
             print(f"batch={batch:<3d} {name:13s} median {medians[name, batch]:8.3f} s  min {min(ts):8.3f} s"
                   f"  {batch * args.new_tokens / medians[name, batch]:9.1f} tokens/s")
     busy = print_load(load_start, args.repeats)
-    b = 1 if 1 in args.batches else args.batches[0]
-    pairs = [("S1A1E8", "dense")] + ([("dense", "transformers")] if torch_model is not None else [])
+    pairs = [(name, "dense") for name in converted] + ([("dense", "transformers")] if torch_model is not None else [])
     for a, ref in pairs:
-        value = "withheld (machine busy)" if busy or machine_busy(load_start) else \
-            f"{medians[ref, b] / medians[a, b]:.2f}x"
-        print(f"ratio {a}/{ref} batch={b}: {value}")
+        for b in args.batches:
+            value = "withheld (machine busy)" if busy or machine_busy(load_start) else \
+                f"{medians[ref, b] / medians[a, b]:.2f}x"
+            print(f"ratio {a}/{ref} batch={b}: {value}")
 
 
 if __name__ == "__main__":
