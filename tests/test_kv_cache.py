@@ -128,44 +128,20 @@ def test_per_layer_cache_holds_what_the_stacked_one_holds(batch, tmp_path):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def _step_copies(model, batch: int) -> list[str]:
-    """The copies and transposes in the compiled decode step (one token a row, 64 slots)
-    whose shape is a layer's whole cache or the embedding table."""
-    import re
-
-    import jax
-
-    from cmoe_jax.generate import engine
-    from cmoe_jax.sharding import make_mesh, placed_split
-
-    graphdef, state = placed_split(model, make_mesh())
-    leaves, treedef = jax.tree.flatten(state)
-    cache = model.empty_cache(batch, 64).mark(jnp.ones((batch, 1), bool), 10)
-    ones = jnp.ones((batch, 1), jnp.int32)
-    step = engine.StepInput(ones, ones.astype(bool), ones * 10, jnp.int32(10))
-    knobs = engine.Knobs(jnp.float32(1), jnp.int32(0), jnp.float32(1))
-    text = engine._jitted_step(graphdef, treedef).lower(
-        leaves, cache, step, jax.random.PRNGKey(0), knobs, greedy=True).compile().as_text()
-    cfg = model.config
-    whole = {(batch, cfg.num_kv_heads, 64, cfg.head_dim), (batch, cfg.num_kv_heads, cfg.head_dim, 64),
-             (cfg.vocab_size, cfg.hidden_size), (cfg.hidden_size, cfg.vocab_size)}
-    found = re.findall(r"= \w+\[([\d,]*)\]\S* (copy|transpose)\(", text)
-    return [f"{kind} [{dims}]" for dims, kind in found
-            if tuple(int(d) for d in dims.split(",") if d)[-4:] in whole
-            or tuple(int(d) for d in dims.split(",") if d)[-2:] in whole]
-
-
 @pytest.mark.parametrize("batch", [1, 4])
 def test_decode_step_copies_no_cache_and_no_embedding(batch, tmp_path):
     """A decode step reads each layer's cache and the tied embedding where they lie: no copy
     or transpose of either in the compiled step of a scanned model; one whose layers run
     on their own copies none from batch 2 (at batch 1 XLA:CPU copies it, `KVCache.in_place`)."""
+    from benchmarks.decode_step import compiled_step, whole_copies
+
     tiny_hf_model("llama_tied").save_pretrained(tmp_path)
     stacked = load_model(str(tmp_path), progress=False).model
-    assert stacked.config.tie_word_embeddings
-    assert _step_copies(stacked, batch) == []
-    unrolled = _step_copies(stacked.unstacked(), batch)
-    assert not [c for c in unrolled if c.endswith(f"[{stacked.config.vocab_size},{stacked.config.hidden_size}]")
-                or c.endswith(f"[{stacked.config.hidden_size},{stacked.config.vocab_size}]")]
-    if batch > 1:
-        assert unrolled == []
+    cfg = stacked.config
+    assert cfg.tie_word_embeddings
+    copies = {name: whole_copies(m, compiled_step(m, batch, 64)[1], batch, 64)
+              for name, m in (("scanned", stacked), ("unrolled", stacked.unstacked()))}
+    assert copies["scanned"] == []
+    table = (f"[{cfg.vocab_size},{cfg.hidden_size}]", f"[{cfg.hidden_size},{cfg.vocab_size}]")
+    assert not [c for c in copies["unrolled"] if c.endswith(table)]
+    assert copies["unrolled"] == [] or batch == 1
