@@ -4,7 +4,7 @@ The cache holds every layer's keys and values, `k/v [L, B, K, S, H]` (L layers, 
 heads, S slots), and which slots hold a real token, `valid [B, S]`. The kv-head axis comes
 before the slots so that both attention products are batched over (row, kv head) with the
 cache as it lies: slots before heads made XLA:CPU transpose and copy every layer's whole cache
-at every step (at batch 16 on SmolLM2, half the attention's time). All rows write the
+at every step. All rows write the
 same slots at the same step (`slot`), so a batch of prompts is left-padded to one length:
 a padded slot is never valid, and each row's RoPE positions count only its real tokens
 (`prompt_positions`), as `transformers` does with an attention mask. S is fixed for a jitted
