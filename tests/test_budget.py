@@ -48,7 +48,9 @@ def test_equal_sensitivities_give_the_uniform_shape():
     assert plans == [MoEPlan(1, 2, 8)] * 6
     # a linear curve makes every allocation equally good: the uniform one is still chosen
     linear = np.tile(np.linspace(1, 0, 8), (5, 1))
-    assert Budget(0.5, 8).allocate(linear) == [MoEPlan(2, 2, 8)] * 5
+    assert Budget(0.5, 8, spread=None).allocate(linear) == [MoEPlan(2, 2, 8)] * 5
+    auto = Budget(0.5, 8)  # every band `--spread auto` tries allocates the uniform shape too
+    assert all(auto.with_spread(s).allocate(linear) == [MoEPlan(2, 2, 8)] * 5 for s in auto.spreads())
 
 
 def test_the_allocation_moves_neurons_to_the_sensitive_layer():
@@ -76,20 +78,23 @@ def test_a_spread_keeps_every_layer_near_the_budget(layers, share, spread, seed)
 
 def test_the_defaults_follow_the_budget():
     """Below half active the marginal damage over 8 experts with any spread, from there the
-    dense-stream loss damage over 16 experts within a quarter of the FFN (4 experts); a
-    measure or expert count given takes its own spread."""
+    dense-stream loss damage over 16 experts in the band of least held-out loss (a streamed
+    job: within a quarter of the FFN); a measure or expert count given takes its own spread."""
     assert (Budget(0.25).experts, Budget(0.25).measure_by, Budget(0.25).spread) == (8, "marginal", None)
-    assert (Budget(0.75).experts, Budget(0.75).measure_by, Budget(0.75).spread) == (16, "loss", 4)
-    assert Budget(0.75, 8).spread == 2 and Budget(0.25, measure_by="stream").spread == 2
+    assert (Budget(0.75).experts, Budget(0.75).measure_by, Budget(0.75).spread) == (16, "loss", "auto")
+    assert Budget(0.75, 8).spread == "auto" and Budget(0.25, measure_by="stream").spread == "auto"
+    assert Budget(0.75).spreads() == [2, 3, 4, 5, 6] and Budget(0.75, 8).spreads() == [1, 2, 3]
+    assert Budget(0.75).streamed().spread == 4 and Budget(0.75, spread=5).streamed().spread == 5
     assert Budget(0.75, spread=None).spread is None
     assert [p.name if p else "dense" for p in Budget(0.75).candidates()][-3:] == ["S7A7E16", "S7A8E16", "dense"]
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--active", "0.75"], (16, "loss", 4)),
+    (["--active", "0.75"], (16, "loss", "auto")),
     (["--active", "0.25"], (8, "marginal", None)),
-    (["--active", "0.75", "--experts", "8"], (8, "loss", 2)),
+    (["--active", "0.75", "--experts", "8"], (8, "loss", "auto")),
     (["--active", "0.75", "--spread", "any"], (16, "loss", None)),
+    (["--active", "0.75", "--spread", "3"], (16, "loss", 3)),
 ])
 def test_the_command_passes_the_defaults_on(flags, expected):
     """`convert --active F` leaves z, the measure and the spread to the budget's defaults
@@ -157,6 +162,7 @@ def test_convert_keeps_layers_within_the_spread(tiny_checkpoint, tmp_path):
     (["--config", "S1A1E8", "--sensitivity", "loss"], "give --active"),
     (["--config", "S1A1E8", "--spread", "2"], "give --active"),
     (["--active", "0.4375", "--spread", "0"], "widen --spread"),  # 3.5 experts: none within 0
+    (["--active", "0.75", "--spread", "auto", "--stream"], "give --spread N"),
 ])
 def test_bad_budgets_fail_before_any_work(tiny_checkpoint, tmp_path, capsys, extra, message):
     from cmoe_jax.convert.cli import main

@@ -17,7 +17,7 @@ from cmoe_jax.cli_args import (Parser, active_amount, add_calib_samples, add_dat
                                nonneg_int, positive_int)
 from cmoe_jax.convert.api import convert
 from cmoe_jax.methods import registry
-from cmoe_jax.methods.cmoe import layer_table
+from cmoe_jax.methods.cmoe import band_table, layer_table
 
 EXAMPLE = ("{prog} --model smollm2 --config S3A3E8 --shared-by energy "
            "--data-path wikitext-2/wiki.valid.raw --out out/s3a3e8")
@@ -78,13 +78,16 @@ def settings_from_args(args):
 
 
 def report(args, result: dict) -> None:
-    """The result as JSON on stdout; each layer's shape and error as a table on stderr."""
+    """The result as JSON on stdout; each layer's shape and error as a table on stderr (and
+    with `--spread auto` each band's held-out loss)."""
     if distributed.is_main():
         print(json.dumps({k: result[k] for k in ("out", "config", "active_share", "seconds")
                           if k in result}, indent=1))
         layers = result.get("layers") or []
         if layers and all("shape" in entry for entry in layers):
             print(layer_table(layers), file=sys.stderr)
+        if (result.get("budget") or {}).get("band_trials"):
+            print(band_table(result["budget"]), file=sys.stderr)
 
 
 def main(argv=None, prog: str = "python -m cmoe_jax.convert") -> int:

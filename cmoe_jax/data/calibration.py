@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from cmoe_jax.data.text_sources import load_text_tokens
-from cmoe_jax.data.windows import calibration_windows
+from cmoe_jax.data.windows import calibration_windows, held_out_windows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +30,10 @@ class Calibration:
     def windows(self, tokens: np.ndarray, seed: int) -> np.ndarray:
         """[samples, seqlen] random windows of `tokens` (a shortage names --calib-samples)."""
         return calibration_windows(tokens, self.samples, self.seqlen, seed, flag="--calib-samples")
+
+    def held_out(self, tokens: np.ndarray, seed: int, limit: int) -> np.ndarray:
+        """Up to `limit` windows of `seqlen` tokens that none of `windows(tokens, seed)` touches."""
+        return held_out_windows(tokens, self.samples, self.seqlen, seed, limit)
 
     def settings(self) -> dict:
         """The fields a resume fingerprint records, under the command line's names."""

@@ -79,9 +79,27 @@ def calibration_windows(tokens, n_samples: int, seqlen: int, seed: int,
         raise DataError(f"{flag} {n_samples}: {name} has {len(tokens)} tokens, {len(tokens) // seqlen} "
                         f"windows of {seqlen}; give at most that many samples, a longer text or a "
                         "smaller --seqlen")
-    rng = np.random.default_rng(seed)
-    starts = rng.integers(0, len(tokens) - seqlen, size=n_samples)
+    starts = _calibration_starts(len(tokens), n_samples, seqlen, seed)
     return np.stack([tokens[s:s + seqlen] for s in starts]).astype(np.int32)
+
+
+def _calibration_starts(n_tokens: int, n_samples: int, seqlen: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, n_tokens - seqlen, size=n_samples)
+
+
+def held_out_windows(tokens, n_samples: int, seqlen: int, seed: int, limit: int) -> np.ndarray:
+    """Up to `limit` int32 [N, seqlen] windows of `tokens` that no calibration window of
+    (`n_samples`, `seqlen`, `seed`) touches: the aligned windows from the start of the stream,
+    in order, skipping each that overlaps one (N may be 0). A choice made on them is made on
+    text the conversion did not fit to."""
+    tokens = _as_tokens(tokens)
+    _check_seqlen(seqlen)
+    if len(tokens) <= seqlen:
+        return np.zeros((0, seqlen), np.int32)
+    starts = _calibration_starts(len(tokens), n_samples, seqlen, seed)
+    free = [i * seqlen for i in range(len(tokens) // seqlen)
+            if not np.any(np.abs(starts - i * seqlen) < seqlen)]
+    return np.asarray([tokens[s:s + seqlen] for s in free[:limit]], np.int32).reshape(-1, seqlen)
 
 
 def length_bucket(n: int, limit: int) -> int:

@@ -21,7 +21,7 @@ from cmoe_jax.methods.cmoe.router import (gate_fit_sums, representative_neurons,
 from cmoe_jax.methods.cmoe.shared import split_shared
 
 _MODULES = {  # loaded on first use
-    "report": ("layer_table", "plot_expert_load", "write_report"),
+    "report": ("band_table", "layer_table", "plot_expert_load", "write_report"),
     "budget": ("Budget", "BudgetError", "adaptive_config", "measure_damage"),
     "streamed": ("Streamed", "convert_streamed"),
     "job": ("CmoeSteps", "ConvertSettings", "base_manifest", "check_context", "is_dense", "stage_seconds"),

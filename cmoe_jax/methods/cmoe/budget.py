@@ -8,7 +8,8 @@ by the loss the carved model drops when that layer alone is dense again). An exa
 knapsack (`cmoe_jax.carving.allocation`) then picks one shape per layer, each within
 `spread` experts of the uniform one, so the mean active share is F and the summed damage
 least; the conversion carves each layer to its shape on the converted stream, as a uniform
-one does.
+one does. With the dense-stream damages the band is chosen per model on held-out text
+(`cmoe_jax.methods.cmoe.spread_choice`).
 
 Candidates with z experts: k = 1 .. z-1 experts' worth of neurons active, split
 S(k//2)A(k - k//2)Ez (S0A1E8, S1A1E8, S1A2E8, ..., S3A4E8), and k = z, the dense FFN kept.
@@ -45,14 +46,23 @@ def default_experts(active: float) -> int:
     return 8 if active < MARGINAL_BELOW else 16
 
 
-def default_spread(measure_by: str, experts: int = 8) -> int | None:
+def default_spread(measure_by: str) -> int | str | None:
     """The marginal damage holds far from the uniform shape (any spread); the dense-stream
-    ones only near it: within a quarter of the FFN (2 experts of 8, 4 of 16)."""
-    return None if measure_by == "marginal" else experts // 4
+    ones only near it, and how near differs between models (at 75% the best band screened on
+    test windows was 5 of 16 experts on SmolLM2, 6 on Gemma 3 270M): "auto" chooses it on
+    held-out text (`cmoe_jax.methods.cmoe.spread_choice`)."""
+    return None if measure_by == "marginal" else AUTO
 
 
+def auto_spreads(experts: int) -> list[int]:
+    """The bands `--spread auto` tries: z/8 to 3z/8 experts (2 to 6 of 16, 1 to 3 of 8)."""
+    return list(range(max(1, experts // 8), max(1, 3 * experts // 8) + 1))
+
+
+AUTO = "auto"
 DEFAULTS_TEXT = (f"marginal below F = {MARGINAL_BELOW:g} with 8 experts and any spread, loss from there "
-                 "with 16 experts, each layer within 4 of F z")
+                 "with 16 experts, each layer within 2 to 6 of F z, the band of least held-out loss "
+                 "(auto; a streamed job: within z/4)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +74,7 @@ class Budget:
     experts: int | None = None  # z of every candidate shape (None: `default_experts`)
     measure_by: str | None = None  # the damage: "marginal", "loss" or "stream" (None: `default_measure`)
     spread: int | None | str = "default"  # a layer runs within this many experts of F z (None: any
-    #                                       shape; "default": `default_spread` of the measure)
+    #              shape; "auto": the band of least held-out loss; "default": `default_spread`)
 
     def __post_init__(self):
         if self.experts is None:
@@ -72,11 +82,22 @@ class Budget:
         if self.measure_by is None:
             object.__setattr__(self, "measure_by", default_measure(self.active))
         if self.spread == "default":
-            object.__setattr__(self, "spread", default_spread(self.measure_by, self.experts))
+            object.__setattr__(self, "spread", default_spread(self.measure_by))
 
     def to_json(self) -> dict:
         return {"active": self.active, "experts": self.experts, "sensitivity": self.measure_by,
                 "spread": self.spread}
+
+    def spreads(self) -> list[int | None]:
+        """The bands this budget tries: `auto_spreads` for "auto", else its own."""
+        return auto_spreads(self.experts) if self.spread == AUTO else [self.spread]
+
+    def with_spread(self, spread: int | None) -> "Budget":
+        return dataclasses.replace(self, spread=spread)
+
+    def streamed(self) -> "Budget":
+        """This budget for a job that streams its layers: "auto" becomes a quarter of the FFN."""
+        return self.with_spread(self.experts // 4) if self.spread == AUTO else self
 
     def candidates(self) -> list[MoEPlan | None]:
         """The shapes a layer may get, the one of index k-1 running k experts' worth of
@@ -119,6 +140,8 @@ class Budget:
         together, far-from-uniform layers compound (a layer carved to one expert feeds every
         later one), so a bounded spread keeps the allocation where the measure holds."""
         units = self.units()
+        if self.spread == AUTO:
+            raise ValueError("--spread auto allocates once per band: use with_spread(band)")
         if self.spread is None:
             return np.ones(units.shape, bool)
         return np.abs(units - self.active * self.experts) <= self.spread + 1e-9
@@ -136,15 +159,14 @@ def check_budget(budget: Budget, cfg, cc: ConvertConfig) -> None:
     """Refuse, before any work, a budget no allocation can meet or shapes that cannot carve."""
     if budget.measure_by not in MEASURES:
         raise ConversionError(f"--sensitivity {budget.measure_by!r} must be one of {', '.join(MEASURES)}")
-    if budget.spread is not None and budget.spread < 0:
-        raise ConversionError(f"--spread {budget.spread} must be 0 or more experts (or 'any')")
+    if budget.spread not in (None, AUTO) and budget.spread < 0:
+        raise ConversionError(f"--spread {budget.spread} must be 0 or more experts (or 'any', 'auto')")
     try:
         target = budget.target_units(cfg.num_layers)
-        reach = budget.units()[budget.allowed()]
-        if not (reach.size and reach.min() * cfg.num_layers <= target <= reach.max() * cfg.num_layers):
+        if not any(reaches(budget.with_spread(s), cfg.num_layers, target) for s in budget.spreads()):
             raise BudgetError(f"--active {budget.active:g} with --spread {budget.spread} leaves no "
-                              f"shape within {budget.spread} experts of {budget.active * budget.experts:g}: "
-                              "widen --spread")
+                              f"shape within {max(budget.spreads())} experts of "
+                              f"{budget.active * budget.experts:g}: widen --spread")
         for plan in budget.candidates()[:-1]:
             plan.validate(cfg.intermediate_size, cc.k_act)
     except ValueError as e:
@@ -153,6 +175,12 @@ def check_budget(budget: Budget, cfg, cc: ConvertConfig) -> None:
     if cc.router_neurons is not None and not 1 <= cc.router_neurons <= m:
         raise ConversionError(f"--router-neurons {cc.router_neurons} must be between 1 and the "
                               f"expert width {m}")
+
+
+def reaches(budget: Budget, num_layers: int, target: int) -> bool:
+    """Whether `num_layers` layers of `budget`'s allowed shapes can sum to `target` units."""
+    reach = budget.units()[budget.allowed()]
+    return bool(reach.size and reach.min() * num_layers <= target <= reach.max() * num_layers)
 
 
 def measure_damage(model, calib: np.ndarray, cc: ConvertConfig, budget: Budget, *,
@@ -169,5 +197,5 @@ def adaptive_config(cc: ConvertConfig, budget: Budget, damage: np.ndarray) -> Co
     return dataclasses.replace(cc, plan=None, layer_plans=tuple(budget.allocate(damage)))
 
 
-__all__ = ["DEFAULTS_TEXT", "MEASURES", "Budget", "BudgetError", "Measured", "Sensitivity",
+__all__ = ["AUTO", "DEFAULTS_TEXT", "MEASURES", "Budget", "BudgetError", "Measured", "Sensitivity",
            "adaptive_config", "check_budget", "measure_damage"]

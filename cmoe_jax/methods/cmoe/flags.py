@@ -5,7 +5,7 @@ from __future__ import annotations
 from cmoe_jax.cli_args import nonneg_int, positive_int
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.methods.cmoe.budget import DEFAULTS_TEXT, MEASURES, Budget
+from cmoe_jax.methods.cmoe.budget import AUTO, DEFAULTS_TEXT, MEASURES, Budget
 from cmoe_jax.methods.cmoe.convert import ConvertConfig
 from cmoe_jax.methods.cmoe.job import ConvertSettings
 from cmoe_jax.methods.cmoe.plan import MoEPlan
@@ -46,16 +46,18 @@ def add_flags(g) -> None:
                         f"(stream); default: {DEFAULTS_TEXT}")
     g.add_argument("--spread", type=spread_arg, default=None, metavar="N",
                    help="with a budget --active F, each layer runs within N experts' worth of "
-                        "neurons of F z ('any': no bound; default: any with the marginal damage, z/4 "
-                        "with the others)")
+                        "neurons of F z ('any': no bound; 'auto': the band of z/8 to 3z/8 whose "
+                        "conversion has the least loss on calibration text outside the calibration "
+                        "windows; default: any with the marginal damage, auto with the others, z/4 "
+                        "with --stream)")
     g.add_argument("--stream", action="store_true",
                    help="read, convert and write one decoder layer at a time (peak host memory "
                         "about one layer: models larger than the host's memory); dense sources")
 
 
 def spread_arg(text: str) -> int | str:
-    """--spread: a whole number of experts, 0 or more, or 'any'."""
-    return text if text == "any" else nonneg_int(text)
+    """--spread: a whole number of experts, 0 or more, 'any' or 'auto'."""
+    return text if text in ("any", AUTO) else nonneg_int(text)
 
 
 def check_args(args, error) -> None:
@@ -71,6 +73,9 @@ def budget_from_args(args) -> Budget | None:
             if value is not None:
                 raise CmoeError(f"{flag} shapes layers for a budget: give --active F (e.g. 0.25)")
         return None
+    if args.spread == AUTO and args.stream:
+        raise CmoeError("--spread auto converts the model once per band, which a streamed job "
+                        "(--stream) cannot hold: give --spread N")
     if args.config or args.shared is not None:
         given = "--config" if args.config else "--shared"
         raise CmoeError(f"--active {args.active:g} is a budget (each layer's shape chosen for it) and "

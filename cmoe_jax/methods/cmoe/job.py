@@ -14,11 +14,13 @@ from cmoe_jax.checkpoint import PER_LAYER, save_converted, write_manifest
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.loading import open_source
-from cmoe_jax.methods.cmoe.budget import Budget, Measured, adaptive_config, check_budget, measure_damage
+from cmoe_jax.methods.cmoe.budget import (AUTO, Budget, Measured, adaptive_config, check_budget,
+                                          measure_damage)
 from cmoe_jax.methods.cmoe.convert import (ConvertConfig, LayerRecord, check_plans,
                                            check_router, conversion_mesh, convert_model)
 from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.methods.cmoe.report import write_report
+from cmoe_jax.methods.cmoe.spread_choice import HELD_OUT_WINDOWS, BandRun, choose_band
 from cmoe_jax.methods.cmoe.streamed import Streamed, convert_streamed, measure_streamed
 
 
@@ -108,18 +110,33 @@ def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> 
     }
 
 
+def held_out_windows(cal: Calibration, tokens, seed: int):
+    """This process's share of the windows `--spread auto` scores the bands on; an error
+    before any work when the text holds too few beside the calibration windows."""
+    held_out = cal.held_out(tokens, seed, HELD_OUT_WINDOWS)
+    if len(held_out) < distributed.process_count():
+        raise CmoeError(f"--spread auto scores each band on windows of {cal.seqlen} tokens that no "
+                        f"calibration window touches, and the calibration text holds "
+                        f"{len(held_out)}: give a longer text, fewer --calib-samples, a smaller "
+                        "--seqlen, or a fixed --spread N")
+    return distributed.split_for_process(held_out)
+
+
 class CmoeSteps:
     """The job's steps of a CMoE conversion of a dense source (with a budget: first each
     layer's damage at every candidate shape, saved per layer for a resume, then the shapes)."""
 
     kind = "convert"
-    resumable = ("layers/*.json", "damage/*.json", "gains/*.json")
+    resumable = ("layers/*.json", "damage/*.json", "gains/*.json", "bands/*.json")
     record = LayerRecord
 
     def __init__(self, settings: ConvertSettings):
+        if settings.stream and settings.budget is not None:  # no band choice: a layer at a time
+            settings = dataclasses.replace(settings, budget=settings.budget.streamed())
         self.settings = settings
         self.windows = self.moe_config = None  # the calibration windows; a streamed result's config
-        self.sensitivity = None  # each layer's, with a budget
+        self.held_out = None  # windows no calibration window touches (`--spread auto`)
+        self.sensitivity = self.band = None  # each layer's, with a budget; `--spread auto`'s choice
 
     def validate(self, source, options) -> None:
         s = self.settings
@@ -146,6 +163,8 @@ class CmoeSteps:
         cal = self.settings.calibration
         tokens = cal.tokens(source.require_tokenizer("calibration text cannot be tokenized"))
         self.windows = distributed.split_for_process(cal.windows(tokens, self.settings.method.seed))
+        if self.settings.budget is not None and self.settings.budget.spread == AUTO:
+            self.held_out = held_out_windows(cal, tokens, self.settings.method.seed)
         return self.fingerprint_settings(source), tokens
 
     def carve(self, run, lm, done, on_layer):
@@ -203,8 +222,21 @@ class CmoeSteps:
         else:
             self.sensitivity = measure_damage(lm.model, self.windows, self.settings.method, budget,
                                               measured=measured)
-        method = adaptive_config(self.settings.method, budget, self.sensitivity.damage())
+        if budget.spread == AUTO:
+            method = self.choose_band(run, lm)
+        else:
+            method = adaptive_config(self.settings.method, budget, self.sensitivity.damage())
         self.settings = dataclasses.replace(self.settings, method=method)
+
+    def choose_band(self, run, lm) -> ConvertConfig:
+        """`--spread auto`: each band's allocation converted and scored on the held-out
+        windows (each band's loss saved as it comes), the best kept."""
+        saved, save = run.json_rows("bands")
+        s = self.settings
+        self.band = choose_band(lm.model, s.method, s.budget, self.sensitivity.damage(),
+                                BandRun(self.windows, self.held_out, saved, save, run.options.progress,
+                                        s.expert_parallel))
+        return dataclasses.replace(s.method, plan=None, layer_plans=tuple(self.band.plans))
 
     def manifest(self, source, records) -> dict:
         manifest = base_manifest(source.name, source.config, self.settings, records)
@@ -212,6 +244,8 @@ class CmoeSteps:
             s = self.sensitivity
             manifest["budget"].update(damage=s.damage().tolist(), stream_error=s.errors.tolist(),
                                       loss_gain=None if s.gains is None else s.gains.tolist())
+        if self.band is not None:
+            manifest["budget"].update(self.band.to_json())
         return manifest
 
     def interrupted(self, after: int) -> dict:

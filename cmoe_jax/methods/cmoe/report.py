@@ -129,6 +129,16 @@ def layer_table(layers: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def band_table(budget: dict) -> str:
+    """`--spread auto`'s lines: each band tried, its held-out loss, the one chosen."""
+    rows = ["band  held-out nll"]
+    for trial in budget["band_trials"]:
+        nll = trial["held_out_nll"]
+        rows.append(f"{trial['spread']:>4}  " + ("no allocation" if nll is None else f"{nll:.5f}")
+                    + ("  chosen" if trial["spread"] == budget["spread_chosen"] else ""))
+    return "\n".join(rows)
+
+
 def write_report(records, plan_name: str, stage_seconds: dict, directory: Path, shapes=None) -> dict:
     """report.json, activation_rates.png, expert_load.png and (with `shapes`) layers.png."""
     directory = Path(directory)
