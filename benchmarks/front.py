@@ -20,7 +20,8 @@ on a busy machine, and `--parts speed --resume` later times the kept models on a
 (a speed cell records the load average at its start and is `busy` above the core count). At the end `OUT/front.json` holds every cell and
 `OUT/front.png` the two panels (perplexity and speed against active share, dense as a line).
 `--screen F:MEASURE:SPREAD[:EXPERTS] ...` adds allocation variants scored by perplexity
-alone; `--budgets` with no value runs only those (and the dense perplexity, no ARC-Easy).
+alone (SPREAD `auto`: the band `convert` would choose, each band's held-out loss kept in
+`OUT/cells/band-F-Ez.json`); `--budgets` with no value runs only those (and the dense perplexity, no ARC-Easy).
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class Front:
     """One model's sweep: the dense model, its windows and damage, each cell cached on disk."""
 
     def __init__(self, args):
-        from cmoe_jax.data import calibration_windows
+        from cmoe_jax.data import calibration_windows, held_out_windows
+        from cmoe_jax.methods.cmoe.spread_choice import HELD_OUT_WINDOWS
         from cmoe_jax.loading import load_model
 
         from benchmarks.cmoe_ablation import windows
@@ -63,7 +65,8 @@ class Front:
         self.lm = load_model(args.model, progress=False)
         args.data_dir = args.wikitext
         valid, self.bos, self.test = windows(self.lm, args)
-        self.calib = calibration_windows(valid, 8, 2048, 0)
+        self.calib = calibration_windows(valid, 8, 2048, 0)  # the conversion's defaults
+        self.held_out = held_out_windows(valid, 8, 2048, 0, HELD_OUT_WINDOWS)  # `--spread auto`'s
         self.prompts = np.asarray(valid[:16 * 512], np.int32).reshape(16, 512)  # speed only
         self.cells = args.out / "cells"
 
@@ -95,6 +98,20 @@ class Front:
         name = f"sensitivity-{budget.active:g}-E{budget.experts}" if marginal else f"sensitivity-E{budget.experts}"
         cell = self.cell(name, make)
         return Sensitivity(np.asarray(cell["stream_error"]), np.asarray(cell["loss_gain"]))
+
+    def adaptive(self, budget):
+        """The conversion settings of `budget`'s allocation; with `--spread auto` the band
+        chosen as `convert` chooses it, each band's held-out loss kept in a cell of its own."""
+        from cmoe_jax.convert import ConvertConfig
+        from cmoe_jax.methods.cmoe.budget import AUTO, adaptive_config
+        from cmoe_jax.methods.cmoe.spread_choice import BandRun, choose_band
+
+        damage = self.sensitivity(budget).damage(budget.measure_by)
+        if budget.spread != AUTO:
+            return adaptive_config(ConvertConfig(plan=None), budget, damage)
+        band = self.cell(f"band-{budget.active:g}-E{budget.experts}", lambda: choose_band(
+            self.lm.model, ConvertConfig(plan=None), budget, damage, BandRun(self.calib, self.held_out)).to_json())
+        return adaptive_config(ConvertConfig(plan=None), budget.with_spread(band["spread_chosen"]), damage)
 
     def converted(self, cc):
         from cmoe_jax.convert import convert_model
@@ -162,12 +179,12 @@ def variant(spec: str):
 
     share, measure, spread, *experts = spec.split(":")
     return Budget(float(share), int(experts[0]) if experts else 8, measure_by=measure,
-                  spread=None if spread == "any" else int(spread))
+                  spread=None if spread == "any" else spread if spread == "auto" else int(spread))
 
 
 def sweep(args) -> list[dict]:
     from cmoe_jax.convert import ConvertConfig
-    from cmoe_jax.methods.cmoe.budget import Budget, adaptive_config
+    from cmoe_jax.methods.cmoe.budget import Budget
     from cmoe_jax.methods.cmoe.job import active_share
 
     front = Front(args)
@@ -178,8 +195,7 @@ def sweep(args) -> list[dict]:
     for share in args.budgets:
         budget, uniform = Budget(share), Budget(share, 8)  # the defaults; the uniform shape of 8 experts
         kinds = {"uniform": ConvertConfig(plan=uniform.candidates()[uniform.uniform_index()]),
-                 "adaptive": adaptive_config(ConvertConfig(plan=None), budget,
-                                             front.sensitivity(budget).damage(budget.measure_by))}
+                 "adaptive": front.adaptive(budget)}
         for kind, cc in kinds.items():
             name = f"{kind}-{share:g}"
 
@@ -198,8 +214,7 @@ def sweep(args) -> list[dict]:
                 cells.append(cell)
     for spec in args.screen:  # allocation variants, perplexity only
         budget = variant(spec)
-        damage = front.sensitivity(budget).damage(budget.measure_by)
-        cc = adaptive_config(ConvertConfig(plan=None), budget, damage)
+        cc = front.adaptive(budget)
 
         def make(cc=cc, budget=budget):
             model, _ = front.converted(cc)
@@ -273,7 +288,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--arc-path", type=Path, default=DATA / "arc-easy" / "test.jsonl")
     p.add_argument("--screen", nargs="*", default=[], metavar="F:MEASURE:SPREAD[:EXPERTS]",
                    help="allocation variants scored by perplexity alone, e.g. 0.75:loss:2 0.25:stream:any:16 "
-                        "(EXPERTS: z of every candidate shape, default 8)")
+                        "0.75:loss:auto:16 (SPREAD: experts, any or auto; EXPERTS: z of every "
+                        "candidate shape, default 8)")
     p.add_argument("--parts", nargs="+", choices=("quality", "speed"), default=["quality", "speed"],
                    help="what the budgets' cells measure: quality (convert, keep the model, perplexity, "
                         "ARC-Easy) on any machine, speed (time the kept models) on a quiet one")

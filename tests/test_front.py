@@ -63,3 +63,23 @@ def test_a_screen_alone_runs_no_budget(tmp_path):
     assert front.parse_args(out).budgets == list(front.BUDGETS)
     assert front.parse_args(out + ["--budgets", "0.5", "--screen", "0.75:loss:4"]).budgets == [0.5]
     assert front.parse_args(out + ["--budgets"]).budgets == []
+
+
+def test_an_auto_band_is_chosen_once_and_kept(tmp_path, monkeypatch):
+    """A budget of `--spread auto` takes the band of least held-out loss, kept in its cell so
+    a resumed sweep converts no band again."""
+    from cmoe_jax.methods.cmoe import spread_choice
+    from cmoe_jax.methods.cmoe.budget import Budget
+
+    sweep = tiny_front(tmp_path)
+    sweep.args.resume, sweep.cells = True, tmp_path / "cells"
+    sweep.held_out = np.random.default_rng(2).integers(0, 96, (2, 32)).astype(np.int32)
+    budget = Budget(0.75, 8)
+    cc = sweep.adaptive(budget)
+    band = front.json.loads((sweep.cells / "band-0.75-E8.json").read_text())
+    assert [t["spread"] for t in band["band_trials"]] == [1, 2, 3]
+    assert band["spread_chosen"] == min(band["band_trials"], key=lambda t: (t["held_out_nll"], t["spread"]))["spread"]
+    damage = sweep.sensitivity(budget).damage("loss")
+    assert list(cc.layer_plans) == budget.with_spread(band["spread_chosen"]).allocate(damage)
+    monkeypatch.setattr(spread_choice, "held_out_nll", lambda *a, **k: 1 / 0)
+    assert sweep.adaptive(budget).layer_plans == cc.layer_plans
