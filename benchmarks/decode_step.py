@@ -1,13 +1,14 @@
 """One KV-cache decode step of each model, timed, and what its compiled program copies.
 
     python benchmarks/decode_step.py [--model smollm2 out/u025 ...] [--batch 1 16]
-        [--length 256] [--repeats 40]
+        [--length 256] [--repeats 40] [--unrolled]
 
 Each model's jitted decode step (`cmoe_jax.generate.engine`'s, one token a row over a cache
 of `--length` slots) is compiled and run `--repeats` times, the models interleaved after a
 warm-up. For each model and batch it prints the median step time and the copies and
 transposes in the compiled step whose shape is a layer's whole cache or the embedding table:
-the arrays a step should read where they lie. To compare two versions of the code, run it in
+the arrays a step should read where they lie. `--unrolled` also times each model whose layers
+stack run unrolled, with a cache of its own for each layer, as a model of differing layers runs. To compare two versions of the code, run it in
 a checkout of each, alternately, on a quiet machine (the load average is printed).
 """
 from __future__ import annotations
@@ -51,15 +52,17 @@ def compiled_step(model, batch: int, length: int, slot: int = 10):
 
 
 def whole_copies(model, hlo: str, batch: int, length: int) -> list[str]:
-    """The copies and transposes in `hlo` of a layer's whole cache ([B, K, S, H] in either
-    order of the last two) or of the embedding table (either orientation)."""
+    """The copies and transposes in `hlo` of a layer's whole cache ([B, K, S, H] or a layer's
+    own [B K, S, H], in either order of the last two) or of the embedding table (either
+    orientation)."""
     cfg = model.config
-    cache = {(batch, cfg.num_kv_heads, length, cfg.head_dim), (batch, cfg.num_kv_heads, cfg.head_dim, length)}
+    kv, h = cfg.num_kv_heads, cfg.head_dim
+    cache = {(batch, kv, length, h), (batch, kv, h, length), (batch * kv, length, h), (batch * kv, h, length)}
     table = {(cfg.vocab_size, cfg.hidden_size), (cfg.hidden_size, cfg.vocab_size)}
     found = []
     for dims, kind in re.findall(r"= \w+\[([\d,]*)\]\S* (copy|transpose)\(", hlo):
         shape = tuple(int(d) for d in dims.split(",") if d)
-        if shape[-4:] in cache or shape in table:
+        if shape[-4:] in cache or shape[-3:] in cache or shape in table:
             found.append(f"{kind} [{dims}]")
     return found
 
@@ -70,11 +73,15 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--length", type=int, default=256, help="cache slots")
     p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--unrolled", action="store_true", help="also time each stacked model unrolled")
     args = p.parse_args(argv)
     load = load_average()
     from cmoe_jax.loading import load_model
 
     models = {name: load_model(name, progress=False).model for name in args.model}
+    if args.unrolled:
+        models.update({f"{name} (unrolled)": m.unstacked() for name, m in list(models.items())
+                       if m.unstacked() is not m})
     print(machine_line(), flush=True)
     for batch in args.batch:
         steps = {name: compiled_step(m, batch, args.length) for name, m in models.items()}

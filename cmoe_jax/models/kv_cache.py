@@ -12,10 +12,10 @@ step; `grow` pads it to the next length when it fills, so a long generation comp
 shapes only.
 
 A model whose layers run unrolled (they differ in shape) holds the cache per layer instead, `k/v`
-a tuple of L arrays `[B, K, S, H]` (`KVCache.empty(..., per_layer=True)`): each step then
-updates every layer's array in place, where slices of one `[L, ...]` array written back after
-the last layer make XLA copy the whole cache twice a step (at batch 16 on SmolLM2 about a
-third of the step).
+a tuple of L arrays `[B K, S, H]` (`KVCache.empty(..., per_layer=True)`; rows and kv heads on
+one axis): each step then updates every layer's array in place, where slices of one `[L, ...]`
+array written back after the last layer make XLA copy the whole cache twice a step (at batch
+16 on SmolLM2 about a third of the step).
 
 The decoder layers run the same modules with a `LayerCache` (`Attention.__call__`'s `cache`
 argument). How a layer writes its step decides whether XLA:CPU copies the cache, so each
@@ -24,10 +24,12 @@ its arrays, then attends over them, and hands back the arrays; a scanned layer r
 of the stacked cache as it lies, attends over it and its step's own keys beside it, and hands
 back only those, which `KVCache.write` stores after the last layer (one update of the whole
 cache). Reading a layer's own arrays before writing them costs two whole copies of each a
-step, and reading a stacked slice after writing it one. At batch 1 XLA:CPU copies a layer's
-own arrays four times when they are read after the write (the product's operand drops the
-unit batch axis, and the update is fused once for each shape), so there the layers of their
-own read first and write after, as a scanned one does (`KVCache.in_place`).
+step, and reading a stacked slice after writing it one. A product batched over a unit axis
+makes XLA:CPU drop that axis from its operand and copy a layer's own arrays four times when
+they are read after the write (the update is fused once for each shape); rows and kv heads
+on one axis keep it above 1 unless both are (a model of one kv head decoding one row), and
+only then do the layers of their own read first and write after, as a scanned one does
+(`KVCache.in_place`).
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ class LayerCache:
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """Keys and values of every layer, `[L, B, K, S, H]` or (per layer) a tuple of L
-    `[B, K, S, H]`, and the valid slots `[B, S]`."""
+    `[B K, S, H]`, and the valid slots `[B, S]`."""
 
     k: jax.Array | tuple[jax.Array, ...]
     v: jax.Array | tuple[jax.Array, ...]
@@ -64,11 +66,12 @@ class KVCache:
 
     @classmethod
     def empty(cls, cfg, batch: int, length: int, dtype, per_layer: bool = False) -> "KVCache":
-        shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
         if per_layer:
+            shape = (batch * cfg.num_kv_heads, length, cfg.head_dim)
             k, v = (tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)) for _ in range(2))
         else:
-            k, v = (jnp.zeros((cfg.num_layers, *shape), dtype) for _ in range(2))
+            shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
+            k, v = (jnp.zeros(shape, dtype) for _ in range(2))
         return cls(k, v, jnp.zeros((batch, length), bool))
 
     @property
@@ -96,7 +99,7 @@ class KVCache:
     @property
     def in_place(self) -> bool:
         """Whether a layer writes its step into its arrays before attending (module docstring)."""
-        return self.per_layer and self.valid.shape[0] > 1
+        return self.per_layer and self.k[0].shape[0] > 1
 
     def layer(self, i, slot) -> LayerCache:
         return LayerCache(self.k[i], self.v[i], self.valid, jnp.asarray(slot, jnp.int32),
@@ -105,12 +108,12 @@ class KVCache:
     def write(self, k_new, v_new, slot) -> "KVCache":
         """The cache after a step: `in_place`, `k_new/v_new` are the L layers' arrays with the
         step written in (`cached_attention`'s), kept as they are; else the step's own keys
-        and values (`[L, B, K, T, H]`, or a sequence of L `[B, K, T, H]`), stored at slots
+        and values (`[L, B, K, T, H]`, or a sequence of L `[B K, T, H]`), stored at slots
         `slot...`."""
         if self.in_place:
             return KVCache(tuple(k_new), tuple(v_new), self.valid)
         if self.per_layer:
-            put = lambda old, new: tuple(jax.lax.dynamic_update_slice(o, n.astype(o.dtype), (0, 0, slot, 0))
+            put = lambda old, new: tuple(jax.lax.dynamic_update_slice(o, n.astype(o.dtype), (0, slot, 0))
                                          for o, n in zip(old, new, strict=True))
             return KVCache(put(self.k, k_new), put(self.v, v_new), self.valid)
         k_new, v_new = (x if isinstance(x, jax.Array) else jnp.stack(list(x)) for x in (k_new, v_new))
@@ -131,7 +134,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache
     """GQA attention of the new queries `q [B, T, N, H]` (slots `slot..slot+T-1`) over the
     cached slots and the step's keys/values `k/v [B, T, K, H]`: (output [B, T, N, H], what
     `KVCache.write` stores: the layer's arrays with the step written in when `cache.in_place`,
-    else the step's own `(k, v) [B, K, T, H]`). A query sees the valid slots up to its own
+    else the step's own `(k, v)` in the cache's layout, `[B, K, T, H]` or `[B K, T, H]`). A query sees the valid slots up to its own
     and always itself (so a pad query has a finite softmax); with `window` > 0 only the
     `window` latest slots (a sliding-window layer: slots, pads included, as `transformers`
     counts cache positions). `scale` multiplies the scores (None: H ** -0.5). Queries go in
@@ -143,9 +146,11 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache
     b, t, n, h = q.shape
     kv, g = k.shape[2], n // k.shape[2]
     k, v = (jnp.swapaxes(x, 1, 2).astype(cache.k.dtype) for x in (k, v))  # [B, K, T, H]
-    slots = jnp.arange(cache.k.shape[2])
+    if cache.k.ndim == 3:  # a layer's own arrays: rows and kv heads on one axis
+        k, v = (x.reshape(b * kv, t, h) for x in (k, v))
+    slots = jnp.arange(cache.k.shape[-2])
     if cache.in_place:
-        keys, values = (jax.lax.dynamic_update_slice_in_dim(c, x, cache.slot, axis=2)
+        keys, values = (jax.lax.dynamic_update_slice_in_dim(c, x, cache.slot, axis=c.ndim - 2)
                         for c, x in ((cache.k, k), (cache.v, v)))
         sources, written = [(keys, values, slots, cache.valid, True)], (keys, values)
     else:  # the slice's slots of this step are not written yet: its own keys stand beside it
@@ -166,24 +171,29 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache
 
 def _attend(rows, q_slot, sources, window):
     """[B, K, G, Tb, H] f32: `rows [B, K, G, Tb, H]` (the queries at slots `q_slot [Tb]`)
-    attending over every source `(keys, values [B, K, S_i, H], their slots [S_i], valid
-    [B, S_i], whether a query sees its own slot there)`, one softmax over them all. The G
-    heads and Tb queries of a kv head are the rows of one product per source."""
+    attending over every source `(keys, values [B, K, S_i, H] or [B K, S_i, H], their slots
+    [S_i], valid [B, S_i], whether a query sees its own slot there)`, one softmax over them
+    all. The G heads and Tb queries of a kv head are the rows of one product per source,
+    batched over the sources' leading axes."""
     b, kv, g, tb, h = rows.shape
-    flat = rows.reshape(b, kv, g * tb, h)
+    merged = sources[0][0].ndim == 3
+    lead = (b * kv,) if merged else (b, kv)
+    flat = rows.reshape(*lead, g * tb, h)
+    batch = "b" if merged else "bk"
     scores, seen = [], []
     for keys, _, slots, valid, itself in sources:
         near = (slots[None] <= q_slot[:, None]) & ((slots[None] > q_slot[:, None] - window) if window else True)
         mask = near[None] & valid[:, None, :]                                # [B, Tb, S_i]
         seen.append(mask | (slots[None] == q_slot[:, None])[None] if itself else mask)
-        scores.append(jnp.einsum("bkqh,bksh->bkqs", flat, keys.astype(rows.dtype),
+        scores.append(jnp.einsum(f"{batch}qh,{batch}sh->{batch}qs", flat, keys.astype(rows.dtype),
                                  preferred_element_type=jnp.float32).reshape(b, kv, g, tb, -1))
     scores, seen = jnp.concatenate(scores, axis=-1), jnp.concatenate(seen, axis=-1)
     p = jax.nn.softmax(jnp.where(seen[:, None, None], scores, -jnp.inf), axis=-1)
-    p = p.reshape(b, kv, g * tb, -1)
+    p = p.reshape(*lead, g * tb, -1)
     out, at = 0.0, 0
     for _, values, slots, _, _ in sources:
         part = p[..., at:at + slots.shape[0]].astype(values.dtype)
-        out = out + jnp.einsum("bkqs,bksh->bkqh", part, values, preferred_element_type=jnp.float32)
+        out = out + jnp.einsum(f"{batch}qs,{batch}sh->{batch}qh", part, values,
+                               preferred_element_type=jnp.float32)
         at += slots.shape[0]
     return out.reshape(b, kv, g, tb, h)
