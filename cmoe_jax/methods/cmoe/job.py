@@ -137,6 +137,7 @@ class CmoeSteps:
         self.windows = self.moe_config = None  # the calibration windows; a streamed result's config
         self.held_out = None  # windows no calibration window touches (`--spread auto`)
         self.sensitivity = self.band = None  # each layer's, with a budget; `--spread auto`'s choice
+        self.band_seconds = 0.0
 
     def validate(self, source, options) -> None:
         s = self.settings
@@ -199,7 +200,9 @@ class CmoeSteps:
         model, records = self.carve(run, lm, done, on_layer)
         seconds = stage_seconds(records, run.t_start, t_load, t_conv, time.perf_counter())
         if self.sensitivity is not None:
-            seconds["measure_damage"] = t_shapes - t_conv
+            seconds["measure_damage"] = t_shapes - t_conv - self.band_seconds
+        if self.band is not None:
+            seconds["choose_band"] = self.band_seconds
         return model, self.manifest(run.source, records), seconds, records
 
     def choose_shapes(self, run, lm) -> None:
@@ -223,7 +226,9 @@ class CmoeSteps:
             self.sensitivity = measure_damage(lm.model, self.windows, self.settings.method, budget,
                                               measured=measured)
         if budget.spread == AUTO:
+            t0 = time.perf_counter()
             method = self.choose_band(run, lm)
+            self.band_seconds = time.perf_counter() - t0
         else:
             method = adaptive_config(self.settings.method, budget, self.sensitivity.damage())
         self.settings = dataclasses.replace(self.settings, method=method)
