@@ -19,13 +19,17 @@ WIKITEXT = DATA / "wikitext-2"
 
 
 def cpu_model() -> str:
-    """The CPU's model name: figures differ between machine kinds, so every benchmark says
-    which one made them."""
+    """The CPU's model name, with its family and model numbers where the name alone does not
+    tell kinds apart (a virtual machine's "AMD EPYC" may be any generation): figures differ
+    between machine kinds, so every benchmark says which one made them."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        if "model name" in fields:
+            numbers = [f"{k} {fields[k]}" for k in ("cpu family", "model") if k in fields]
+            return fields["model name"] + (f" ({', '.join(numbers)})" if numbers else "")
+    except (OSError, ValueError):
         pass
     return platform.processor() or platform.machine()
 
