@@ -43,7 +43,8 @@ import jax.numpy as jnp
 @dataclasses.dataclass(frozen=True)
 class LayerCache:
     """One layer's view of the cache for a step of T new tokens written at slots
-    `slot .. slot+T-1`: `k/v [B, K, S, H]` the cached slots, `valid [B, S]` (the new slots
+    `slot .. slot+T-1`: `k/v` the cached slots (`[B, K, S, H]` a slice of the stacked cache,
+    `[B K, S, H]` a layer's own arrays), `valid [B, S]` (the new slots
     included), `slot` int32 scalar; `in_place`: k/v are the layer's own arrays, which the
     step is written into before attending (else a slice of the stacked cache, only read)."""
 
