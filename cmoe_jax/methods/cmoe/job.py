@@ -110,7 +110,7 @@ def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> 
     }
 
 
-def held_out_windows(cal: Calibration, tokens, seed: int):
+def band_windows(cal: Calibration, tokens, seed: int):
     """This process's share of the windows `--spread auto` scores the bands on; an error
     before any work when the text holds too few beside the calibration windows."""
     held_out = cal.held_out(tokens, seed, HELD_OUT_WINDOWS)
@@ -165,7 +165,7 @@ class CmoeSteps:
         tokens = cal.tokens(source.require_tokenizer("calibration text cannot be tokenized"))
         self.windows = distributed.split_for_process(cal.windows(tokens, self.settings.method.seed))
         if self.settings.budget is not None and self.settings.budget.spread == AUTO:
-            self.held_out = held_out_windows(cal, tokens, self.settings.method.seed)
+            self.held_out = band_windows(cal, tokens, self.settings.method.seed)
         return self.fingerprint_settings(source), tokens
 
     def carve(self, run, lm, done, on_layer):

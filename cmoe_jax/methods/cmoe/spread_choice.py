@@ -86,8 +86,9 @@ def choose_band(model, cc: ConvertConfig, budget: Budget, damage: np.ndarray, ru
     """The band whose allocation on `damage` has the least held-out loss."""
     trials: list[BandTrial] = []
     by_shapes: dict[tuple, float] = {}
+    plans_of: dict[int, list] = {}
     for i, spread in enumerate(budget.spreads()):
-        plans = band_plans(budget, spread, damage)
+        plans = plans_of[spread] = band_plans(budget, spread, damage)
         names = None if plans is None else shape_names(plans)
         if i < len(run.saved):
             nll = run.saved[i]["held_out_nll"]
@@ -103,4 +104,4 @@ def choose_band(model, cc: ConvertConfig, budget: Budget, damage: np.ndarray, ru
         if run.on_trial is not None and i >= len(run.saved):
             run.on_trial(i, trials[-1].to_json())
     best = min((t for t in trials if t.held_out_nll is not None), key=lambda t: (t.held_out_nll, t.spread))
-    return BandChoice(band_plans(budget, best.spread, damage), best.spread, trials)
+    return BandChoice(plans_of[best.spread], best.spread, trials)
