@@ -2,6 +2,7 @@
 
     python benchmarks/budget_speed.py --uniform out/u025 --adaptive out/a025 [--model smollm2]
         [--batches 1 16] [--prompt-len 128] [--new-tokens 128] [--prefill-len 512] [--repeats 3]
+        [--unrolled]
 
 The dense model and the two converted ones (their directories as `cmoe-jax convert` wrote
 them) run the same work, interleaved in one process after a compiling warm-up: prefill (a
@@ -12,7 +13,9 @@ cache, no early stop), batch 1 and 16. Each block prints every side's median and
     ratio adaptive/uniform decode batch=1: N.NNx      (uniform time / adaptive time)
     ratio uniform/dense decode batch=1: N.NNx         (dense time / uniform time)
 
-so 0.95x or more is "within 5% of uniform". Ratios are withheld with a `warning:` when the
+so 0.95x or more is "within 5% of uniform". `--unrolled` adds a fourth side, the adaptive
+model with one module per layer run unrolled (`Decoder.unstacked`), against the runs of
+same-shape layers it scans (`ratio adaptive/unrolled`: unrolled time / scanned time). Ratios are withheld with a `warning:` when the
 load average at start exceeds the core count.
 """
 from __future__ import annotations
@@ -53,6 +56,8 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=128, help="decode: greedy tokens generated")
     p.add_argument("--prefill-len", type=int, default=512, help="prefill: prompt tokens")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--unrolled", action="store_true",
+                   help="also time the adaptive model unrolled, one module per layer")
     p.add_argument("--data-path", type=Path, default=WIKITEXT / "test.txt", help="prompt text (WikiText-2 test)")
     args = p.parse_args(argv)
     load_start = load_average()
@@ -63,6 +68,8 @@ def main(argv=None) -> None:
     lm = load_model(args.model, progress=False)
     models = {"dense": lm.model, "uniform": load_model(args.uniform, progress=False).model,
               "adaptive": load_model(args.adaptive, progress=False).model}
+    if args.unrolled:
+        models["unrolled"] = models["adaptive"].unstacked()
     tokens = load_text_tokens("wikitext2", lm.tokenizer, "test", str(args.data_path))
     longest = max(args.prompt_len, args.prefill_len)
     pool = np.asarray(tokens[:max(args.batches) * longest], np.int32).reshape(max(args.batches), longest)
@@ -80,7 +87,8 @@ def main(argv=None) -> None:
     busy = print_load(load_start, args.repeats) or machine_busy(load_start)
     for batch in args.batches:
         for what in ("prefill", "decode"):
-            for a, ref in (("adaptive", "uniform"), ("uniform", "dense"), ("adaptive", "dense")):
+            pairs = [("adaptive", "uniform"), ("uniform", "dense"), ("adaptive", "dense")]
+            for a, ref in pairs + ([("adaptive", "unrolled")] if args.unrolled else []):
                 value = "withheld (machine busy)" if busy else \
                     f"{medians[ref, what, batch] / medians[a, what, batch]:.2f}x"
                 print(f"ratio {a}/{ref} {what} batch={batch}: {value}")

@@ -188,10 +188,10 @@ class _Batch:
         self.rows, self.sampling = rows, sampling
         self.max_new_tokens, self.max_length = max_new_tokens, max_length
         self.rows_sharding = NamedSharding(mesh, P("data"))
-        if model.empty_cache(1, 1).per_layer:  # rows split over "data" in either layout
-            kv = tuple(NamedSharding(mesh, P("data")) for _ in range(model.config.num_layers))
-        else:
-            kv = NamedSharding(mesh, P(None, "data"))
+        # rows split over "data" in every layout: [B K, S, H] arrays on their first axis,
+        # [n or L, B, K, S, H] ones on their second
+        rows_of = lambda a: NamedSharding(mesh, P("data") if a.ndim == 3 else P(None, "data"))
+        kv = jax.tree.map(rows_of, model.empty_cache(1, 1).k)
         self.cache_sharding = KVCache(kv, kv, self.rows_sharding)
         s = sampling
         self.knobs = Knobs(jnp.float32(max(s.temperature, 1e-6)), jnp.int32(s.top_k), jnp.float32(s.top_p))

@@ -23,7 +23,7 @@ from cmoe_jax.loading.sources import GGUFSource, TensorSource, open_source
 from cmoe_jax.loading.tokenizer import Tokenizer, load_tokenizer
 from cmoe_jax.loading.zoo import resolve
 from cmoe_jax.models import Decoder, DecoderLayer, ModelConfig
-from cmoe_jax.models.stack import STACKED
+from cmoe_jax.models.stack import per_layer_paths
 from cmoe_jax.sharding import make_mesh, place_state, shardings_of
 
 
@@ -110,10 +110,10 @@ def _fill(source: TensorSource, cfg: ModelConfig, abstract: nnx.Module, prefix: 
     def read(path, abstract_value):
         bar.update(1)
         path, shape = prefix + tuple(path), abstract_value.shape
-        if path[:2] == ("layers", STACKED):  # stacked layers: every layer's tensor, stacked
-            return np.stack([read_parameter(source, cfg, ("layers", i, *path[2:]), shape[1:], dtype)
-                             for i in range(shape[0])])
-        return read_parameter(source, cfg, path, shape, dtype)
+        layers, stacked = per_layer_paths(getattr(abstract, "layers", None), path)
+        if stacked:  # stacked layers: every layer's tensor, stacked
+            return np.stack([read_parameter(source, cfg, p, shape[1:], dtype) for p in layers])
+        return read_parameter(source, cfg, layers[0], shape, dtype)
 
     try:
         state = place_state(state, shardings, read)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cmoe_jax.lora_variables import attach
-from cmoe_jax.models.stack import LayerStack, each_layer, layer_value, stack_trees
+from cmoe_jax.models.stack import LayerRuns, LayerStack, each_layer, layer_value, stack_trees
 from cmoe_jax.moe.balance import RouterBias
 
 
@@ -91,8 +91,14 @@ def _per_layer(model, adapters: dict, u: dict | None, bias: dict | None):
             elif given and stacked:
                 tree[key] = layer_value(model, i, "mlp", name)
         trees[i] = tree
+    if not trees:
+        return []
     if isinstance(model.layers, LayerStack):
-        return [(model.layers.stacked, stack_trees(list(trees.values())))] if trees else []
+        return [(model.layers.stacked, stack_trees(list(trees.values())))]
+    if isinstance(model.layers, LayerRuns):
+        return [(run.stacked, stack_trees([trees[first + j] for j in range(len(run))]))
+                if isinstance(run, LayerStack) else (run, trees[first])
+                for first, run in zip(model.layers.starts(), model.layers.runs)]
     return [(model.layers[i], tree) for i, tree in trees.items()]
 
 

@@ -17,7 +17,7 @@ from cmoe_jax.models.ffn import make_ffn
 from cmoe_jax.models.kv_cache import KVCache
 from cmoe_jax.models.nll import chunked_nll
 from cmoe_jax.models.layers import Attention, RMSNorm, SwiGLU, _param, rope_tables
-from cmoe_jax.models.stack import STACKED, LayerStack, layered_state, stackable
+from cmoe_jax.models.stack import STACKED, LayerRuns, LayerStack, layered_state, runs_of, stackable
 from cmoe_jax.moe.prototypes import tie_prototype_tables
 
 
@@ -118,11 +118,16 @@ class Decoder(nnx.Module):
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
     def _store(self, layers):
-        """A LayerStack of `layers` when they can be stacked, else an nnx.List."""
+        """A LayerStack of `layers` when they can be stacked; else LayerRuns when some
+        consecutive ones can (`runs_of`); else an nnx.List."""
         h = jax.ShapeDtypeStruct((1, 2, self.config.hidden_size), self.dtype)
         if stackable(layers, h, self.rope(2)):
             return LayerStack.from_layers(layers)
-        return nnx.List(layers)
+        runs = runs_of(layers, h, self.rope(2))
+        if all(len(run) == 1 for run in runs):
+            return nnx.List(layers)
+        return LayerRuns([LayerStack.from_layers([layers[i] for i in run]) if len(run) > 1
+                          else layers[run[0]] for run in runs])
 
     @classmethod
     def from_pure(cls, cfg: ModelConfig, pure: dict, dtype) -> "Decoder":
@@ -136,7 +141,7 @@ class Decoder(nnx.Module):
     def unstacked(self) -> "Decoder":
         """This model with one module per layer (itself when it has that already): a copy
         holding slices of the stacked arrays, for code that changes single layers."""
-        if not isinstance(self.layers, LayerStack):
+        if not isinstance(self.layers, (LayerStack, LayerRuns)):
             return self
         abstract = nnx.eval_shape(lambda: Decoder(self.config, dtype=self.dtype,
                                                   rngs=nnx.Rngs(0), stack=False))
@@ -145,10 +150,10 @@ class Decoder(nnx.Module):
     def stacked(self) -> "Decoder":
         """This model with its layers stacked where they can be (itself when they are, or
         cannot be); the layer modules' arrays are copied into the stack."""
-        if isinstance(self.layers, LayerStack):
+        if isinstance(self.layers, (LayerStack, LayerRuns)):
             return self
         layers = self._store(list(self.layers))
-        if not isinstance(layers, LayerStack):
+        if not isinstance(layers, (LayerStack, LayerRuns)):
             return self
         model = nnx.merge(*nnx.split(self))  # new module objects over the same arrays
         model.layers = layers
@@ -175,13 +180,13 @@ class Decoder(nnx.Module):
         nnx.replace_by_pure_dict(target, pure)
         model = nnx.merge(graphdef, target)
         # stacking listed layers would copy every one of them; a stacked source stays stacked
-        return model.stacked() if isinstance(self.layers, LayerStack) else model
+        return model.stacked() if isinstance(self.layers, (LayerStack, LayerRuns)) else model
 
     def set_layer(self, i: int, layer: nnx.Module) -> None:
         """Replace decoder layer `i`, whether the layers are stacked or listed. A layer of the
         stack's structure is written into the stack; any other one turns the stack into a
         list of layers first (the model then runs unrolled)."""
-        if isinstance(self.layers, LayerStack):
+        if isinstance(self.layers, (LayerStack, LayerRuns)):
             try:
                 self.layers.set(i, layer)
                 return
@@ -219,7 +224,8 @@ class Decoder(nnx.Module):
         """(residual stream after the last layer, every layer's FFN input when `capture`
         else [], expert loads `{layer: int32 [E]}` of the MoE layers): the one forward
         behind evaluation, conversion and training. Stacked layers run as one `lax.scan`
-        (`LayerStack.scan`), layers that differ one after another; the results are the same.
+        (`LayerStack.scan`: the whole stack, or each of `LayerRuns`' runs), layers of their own
+        one after another; the results are the same.
 
         `key`: dropout key of the LoRA adapters (layer i uses `fold_in(key, i)`; None: no
         dropout). `remat`: recompute each layer in the backward pass instead of storing its
@@ -228,53 +234,74 @@ class Decoder(nnx.Module):
         """
         rope = self.rope(tokens.shape[-1], positions)
         h = self.embed_tokens(tokens)
-        if isinstance(self.layers, LayerStack):
-            h, inputs, loads = self.layers.scan(h, rope, key=key, segments=segments, remat=remat,
-                                                capture=capture)
-            n = len(self.layers)
-            return (h, [inputs[i] for i in range(n)] if capture else [],
-                    {} if loads is None else {str(i): loads[i] for i in range(n)})
         inputs, loads = [], {}
-        for i, layer in enumerate(self.layers):
-            k = None if key is None else jax.random.fold_in(key, i)
+        for first, run in self._runs():
+            if isinstance(run, LayerStack):
+                h, captured, run_loads = run.scan(h, rope, key=key, segments=segments, remat=remat,
+                                                  capture=capture, first=first)
+                inputs += [captured[j] for j in range(len(run))] if capture else []
+                if run_loads is not None:
+                    loads.update({str(first + j): run_loads[j] for j in range(len(run))})
+                continue
+            k = None if key is None else jax.random.fold_in(key, first)
             if remat:
-                graphdef, state = nnx.split(layer)
+                graphdef, state = nnx.split(run)
                 out = jax.checkpoint(
                     lambda st, h, k, g=graphdef: nnx.merge(g, st)(h, rope, k, segments))(state, h, k)
             else:
-                out = layer(h, rope, k, segments)
+                out = run(h, rope, k, segments)
             h = out.h
             if capture:
                 inputs.append(out.ffn_input)
             if out.load is not None:
-                loads[str(i)] = out.load
+                loads[str(first)] = out.load
         return h, inputs, loads
+
+    def _runs(self) -> list[tuple[int, nnx.Module]]:
+        """(index of its first layer, a LayerStack or one layer) for each part of the layers
+        that runs as one: the whole stack, each of LayerRuns' runs, or each listed layer."""
+        layers = self.layers
+        if isinstance(layers, LayerStack):
+            return [(0, layers)]
+        if isinstance(layers, LayerRuns):
+            return list(zip(layers.starts(), layers.runs))
+        return list(enumerate(layers))
 
     def run_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, slot):
         """(residual stream [B, T, d], the cache with the step written): the forward of
         `run_layers` for T new tokens at cache slots `slot...` and RoPE `positions [B, T]`,
-        attending over the cache (`cache.valid` must already mark the new slots). Any cache
-        layout runs; `empty_cache` makes the one these layers run fastest with."""
+        attending over the cache (`cache.valid` must already mark the new slots). The cache is
+        this model's layout (`empty_cache`, the one its layers run fastest with) or one
+        `[L, ...]` array."""
         rope = self.rope(tokens.shape[-1], positions)
         h = self.embed_tokens(tokens)
         slot = jnp.asarray(slot, jnp.int32)
-        if isinstance(self.layers, LayerStack):
-            h, (k_new, v_new), _ = self.layers.scan(h, rope, cache=cache, slot=slot)
-        else:
-            news = []
-            for i, layer in enumerate(self.layers):
-                out = layer(h, rope, cache=cache.layer(i, slot))
-                h = out.h
-                news.append(out.kv)
-            k_new, v_new = ([kv[j] for kv in news] for j in (0, 1))
+        runs = self._runs()
+        if cache.per_layer and len(cache.k) != len(runs):
+            raise ValueError(f"a cache of {len(cache.k)} arrays for layers that run in {len(runs)} "
+                             "parts: make it with this model's empty_cache")
+        news = []  # per run: its step's keys and values, or its arrays with them written in
+        for r, (first, run) in enumerate(runs):
+            if isinstance(run, LayerStack):
+                h, kv, _ = run.scan(h, rope, cache=cache.run(r, first, len(run)), slot=slot)
+            else:
+                out = run(h, rope, cache=cache.layer(r if cache.per_layer else first, slot))
+                h, kv = out.h, out.kv if cache.per_layer else tuple(x[None] for x in out.kv)
+            news.append(kv)
+        k_new, v_new = ([kv[j] for kv in news] for j in (0, 1))
+        if not cache.per_layer:  # one [L, ...] array: the runs' [n, ...] parts in order
+            k_new, v_new = (x[0] if len(x) == 1 else jnp.concatenate(x) for x in (k_new, v_new))
         return h, cache.write(k_new, v_new, slot)
 
     def empty_cache(self, batch: int, length: int, dtype=None) -> KVCache:
         """An empty KV cache of `length` slots for `batch` rows: one `[L, ...]` array a
-        scanned stack slices, one array a layer for layers run unrolled (`KVCache`)."""
+        scanned stack slices; with LayerRuns one `[n, ...]` array a run and one array a
+        layer of its own; one array a layer for listed layers (`KVCache`)."""
         dtype = getattr(self, "dtype", jnp.float32) if dtype is None else dtype
-        return KVCache.empty(self.config, batch, length, dtype,
-                             per_layer=not isinstance(self.layers, LayerStack))
+        layers = self.layers
+        runs = (None if isinstance(layers, LayerStack) else
+                layers.sizes() if isinstance(layers, LayerRuns) else (1,) * len(layers))
+        return KVCache.empty(self.config, batch, length, dtype, runs=runs)
 
     def hidden_states(self, tokens: jax.Array, positions=None, segments=None) -> jax.Array:
         """Residual stream after the last layer (before the final norm)."""

@@ -58,18 +58,25 @@ class LayerCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values of every layer, `[L, B, K, S, H]` or (per layer) a tuple of L
-    `[B K, S, H]`, and the valid slots `[B, S]`."""
+    """Keys and values of every layer, `[L, B, K, S, H]` or (per run of layers) a tuple of
+    `[n, B, K, S, H]` (a stacked run) and `[B K, S, H]` (a layer of its own), and the valid
+    slots `[B, S]`."""
 
     k: jax.Array | tuple[jax.Array, ...]
     v: jax.Array | tuple[jax.Array, ...]
     valid: jax.Array
 
     @classmethod
-    def empty(cls, cfg, batch: int, length: int, dtype, per_layer: bool = False) -> "KVCache":
-        if per_layer:
-            shape = (batch * cfg.num_kv_heads, length, cfg.head_dim)
-            k, v = (tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)) for _ in range(2))
+    def empty(cls, cfg, batch: int, length: int, dtype, per_layer: bool = False,
+              runs: tuple[int, ...] | None = None) -> "KVCache":
+        """`runs`: layers per run (1: a layer of its own); `per_layer`: every layer its own."""
+        runs = (1,) * cfg.num_layers if per_layer and runs is None else runs
+        if runs is not None:
+            if sum(runs) != cfg.num_layers:
+                raise ValueError(f"runs {runs} hold {sum(runs)} layers, the model {cfg.num_layers}")
+            own = (batch * cfg.num_kv_heads, length, cfg.head_dim)
+            shapes = [own if n == 1 else (n, batch, cfg.num_kv_heads, length, cfg.head_dim) for n in runs]
+            k, v = (tuple(jnp.zeros(shape, dtype) for shape in shapes) for _ in range(2))
         else:
             shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
             k, v = (jnp.zeros(shape, dtype) for _ in range(2))
@@ -99,29 +106,44 @@ class KVCache:
 
     @property
     def in_place(self) -> bool:
-        """Whether a layer writes its step into its arrays before attending (module docstring)."""
-        return self.per_layer and self.k[0].shape[0] > 1
+        """Whether a layer of its own writes its step into its arrays before attending (the
+        module docstring): whenever rows times kv heads exceeds 1."""
+        if not self.per_layer:
+            return False
+        a = self.k[0]
+        return (a.shape[0] if a.ndim == 3 else a.shape[1] * a.shape[2]) > 1
 
     def layer(self, i, slot) -> LayerCache:
+        """The view of `k[i]`, a layer's own arrays (or one layer of a stacked cache)."""
         return LayerCache(self.k[i], self.v[i], self.valid, jnp.asarray(slot, jnp.int32),
-                          in_place=self.in_place)
+                          in_place=self.in_place and self.k[i].ndim == 3)
+
+    def run(self, r: int, first: int, n: int) -> "KVCache":
+        """The cache of the stacked run `r` of layers `first .. first+n-1`: its own `[n, ...]`
+        arrays, or their slice of a stacked cache."""
+        if self.per_layer:
+            return KVCache(self.k[r], self.v[r], self.valid)
+        return KVCache(self.k[first:first + n], self.v[first:first + n], self.valid)
 
     def write(self, k_new, v_new, slot) -> "KVCache":
-        """The cache after a step: `in_place`, `k_new/v_new` are the L layers' arrays with the
-        step written in (`cached_attention`'s), kept as they are; else the step's own keys
-        and values (`[L, B, K, T, H]`, or a sequence of L `[B K, T, H]`), stored at slots
-        `slot...`."""
-        if self.in_place:
-            return KVCache(tuple(k_new), tuple(v_new), self.valid)
+        """The cache after a step from each array's new part: per run, the layer's own arrays
+        with the step written in (`in_place`, `cached_attention`'s), kept as they are, or the
+        step's own keys and values (`[B K, T, H]`, a stacked run's `[n, B, K, T, H]`); for a
+        stacked cache, `[L, B, K, T, H]`. Stored at slots `slot...`."""
         if self.per_layer:
-            put = lambda old, new: tuple(jax.lax.dynamic_update_slice(o, n.astype(o.dtype), (0, slot, 0))
+            put = lambda old, new: tuple(_store(o, n, slot, self.in_place)
                                          for o, n in zip(old, new, strict=True))
             return KVCache(put(self.k, k_new), put(self.v, v_new), self.valid)
-        k_new, v_new = (x if isinstance(x, jax.Array) else jnp.stack(list(x)) for x in (k_new, v_new))
-        at = (0, 0, 0, slot, 0)
-        return KVCache(jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), at),
-                       jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), at),
-                       self.valid)
+        return KVCache(_store(self.k, k_new, slot), _store(self.v, v_new, slot), self.valid)
+
+
+def _store(old: jax.Array, new: jax.Array, slot, in_place: bool = False) -> jax.Array:
+    """`old` (`[B K, S, H]` or `[n, B, K, S, H]`) with the step's `new` written at `slot`;
+    a layer's own arrays written in place are `new` already."""
+    if in_place and old.ndim == 3:
+        return new
+    at = (0,) * (old.ndim - 2) + (slot, 0)
+    return jax.lax.dynamic_update_slice(old, new.astype(old.dtype), at)
 
 
 def prompt_positions(real: jax.Array) -> jax.Array:

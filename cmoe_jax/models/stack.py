@@ -8,8 +8,11 @@ compressed ones), `Decoder.layers` is a `LayerStack`: one `DecoderLayer` whose v
 carry a leading layer axis (state paths `("layers", "stacked", "attn", "q_proj")`, shape
 `[L, d, n]`). The forward scans over that axis, so jit traces and compiles one layer, and a
 train step reads the weights where they lie (no restacking, no copy). Models whose layers
-differ (a partly converted model, ConMoE scopes that share tables across layers) keep an
-`nnx.List` of layers, run unrolled.
+differ keep consecutive layers of one structure stacked: `LayerRuns` holds each such run
+(two or more layers) as a `LayerStack` and any other layer as a module of its own, and the
+forward scans each run and calls each lone layer, so a layer-adaptive conversion whose
+shapes repeat compiles and runs close to a uniform one. Models with no such run (and ConMoE
+scopes, whose layers share tables) keep an `nnx.List` of layers, run unrolled.
 
 Checkpoints on disk stay per layer (`layered_state`), the format streamed jobs write one
 layer at a time; `stack_state` / `LayerStack.from_layers` stack them when a model is built.
@@ -73,10 +76,11 @@ class LayerStack(nnx.Module):
         return (self[i] for i in range(self.size))
 
     def scan(self, h, rope, *, key=None, segments=None, remat=False, capture=False, cache=None,
-             slot=None):
+             slot=None, first: int = 0):
         """(h after the last layer, FFN inputs [L, ...] or None, expert loads [L, E] or None).
 
-        Layer i's dropout key is `fold_in(key, i)`, as in the unrolled forward. With `cache`
+        Layer i's dropout key is `fold_in(key, first + i)`, as in the unrolled forward
+        (`first`: the model's index of the stack's first layer). With `cache`
         (a `KVCache`, the step's tokens at slots `slot...`) the second item is the new keys
         and values `([L, B, K, T, H], same)` instead of the FFN inputs."""
         graphdef, state = nnx.split(self.stacked)
@@ -91,8 +95,83 @@ class LayerStack(nnx.Module):
             return out.h, (out.kv if cached else out.ffn_input if capture else None, out.load)
 
         step = jax.checkpoint(step) if remat else step
-        h, (inputs, loads) = jax.lax.scan(step, h, (state, jnp.arange(self.size), *kv))
+        h, (inputs, loads) = jax.lax.scan(step, h, (state, first + jnp.arange(self.size), *kv))
         return h, inputs, loads
+
+
+class LayerRuns(nnx.Module):
+    """Layers that differ, in order: each run of two or more consecutive layers of one
+    structure a `LayerStack`, any other layer a module of its own (`runs`). Indexing and
+    iterating give layers as an `nnx.List` does (a stacked one as its read-only view)."""
+
+    def __init__(self, runs: list):
+        self.runs = nnx.List(runs)
+
+    def sizes(self) -> tuple[int, ...]:
+        """Layers per run (1 for a layer of its own)."""
+        return tuple(len(r) if isinstance(r, LayerStack) else 1 for r in self.runs)
+
+    def starts(self) -> tuple[int, ...]:
+        """The model's index of each run's first layer."""
+        sizes = self.sizes()
+        return tuple(sum(sizes[:r]) for r in range(len(sizes)))
+
+    def locate(self, i: int) -> tuple[int, int | None]:
+        """(run holding layer `i`, its position in that stack, or None for a layer of its own)."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"layer {i} of {n}")
+        i %= n
+        for r, (start, size) in enumerate(zip(self.starts(), self.sizes())):
+            if i < start + size:
+                return r, (i - start if isinstance(self.runs[r], LayerStack) else None)
+        raise AssertionError("unreachable")
+
+    def __len__(self) -> int:
+        return sum(self.sizes())
+
+    def __getitem__(self, i: int) -> nnx.Module:
+        r, j = self.locate(i)
+        return self.runs[r] if j is None else self.runs[r][j]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def set(self, i: int, layer: nnx.Module) -> None:
+        """Write `layer` as layer `i`: into its stack (ValueError when the structure differs)
+        or in place of a layer of its own."""
+        r, j = self.locate(i)
+        if j is None:
+            self.runs[r] = layer
+        else:
+            self.runs[r].set(j, layer)
+
+
+def runs_of(layers: list, h: jax.ShapeDtypeStruct, rope) -> list[list[int]]:
+    """`layers` (listed) cut into runs of consecutive indices: each run of two or more layers
+    can be stacked (`stackable`), every other index stands alone. A layer sharing a variable
+    with another one (ConMoE scope tables) stands alone."""
+    ids = [{id(v) for _, v in nnx.iter_graph(l) if isinstance(v, nnx.Variable)} for l in layers]
+    shared = {i for i in range(len(layers))
+              if any(ids[i] & ids[j] for j in range(len(layers)) if j != i)}
+    shapes = lambda st: jax.tree.map(lambda a: (a.shape, a.dtype), st)
+    keys = []
+    for i, layer in enumerate(layers):
+        graphdef, state = nnx.split(layer)
+        keys.append(None if i in shared else (graphdef, shapes(state)))
+    runs: list[list[int]] = []
+    for i, key in enumerate(keys):
+        if runs and key is not None and keys[runs[-1][-1]] == key:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    out = []
+    for run in runs:  # a run whose layer changes its input's dtype cannot be a scan carry
+        if len(run) > 1 and not stackable([layers[i] for i in run[:2]], h, rope):
+            out.extend([i] for i in run)
+        else:
+            out.append(run)
+    return out
 
 
 class LayerViewError(AttributeError):
@@ -165,6 +244,12 @@ def layer_state(model, i: int) -> nnx.State:
     if isinstance(layers, LayerStack):
         stacked = nnx.state(layers.stacked)
         return jax.tree.map(lambda a: _layer_slice(a, i % layers.size), stacked)
+    if isinstance(layers, LayerRuns):
+        r, j = layers.locate(i)
+        run = layers.runs[r]
+        if j is None:
+            return nnx.state(run)
+        return jax.tree.map(lambda a: _layer_slice(a, j), nnx.state(run.stacked))
     return nnx.state(model)["layers"][i]
 
 
@@ -174,14 +259,26 @@ def layered_state(model, skip: str | None = None) -> nnx.State:
     `skip`: a layer attribute (e.g. "mlp") left out of every layer, so it is not copied."""
     state = nnx.state(model)
     layers = getattr(model, "layers", None)
-    if not isinstance(layers, LayerStack):
+    if not isinstance(layers, (LayerStack, LayerRuns)):
         if skip is not None:
             for layer in state["layers"].values():
                 layer.pop(skip, None)
         return state
-    stacked = nnx.State({k: v for k, v in state["layers"][STACKED].items() if k != skip})
-    per_layer = {i: jax.tree.map(lambda a, i=i: _layer_slice(a, i), stacked)
-                 for i in range(layers.size)}
+    drop = lambda st: nnx.State({k: v for k, v in st.items() if k != skip})
+    if isinstance(layers, LayerStack):
+        runs = [(0, layers.size, state["layers"][STACKED])]
+    else:
+        held = state["layers"]["runs"]
+        runs = [(start, size, held[r][STACKED] if size > 1 else held[r]) for r, (start, size)
+                in enumerate(zip(layers.starts(), layers.sizes()))]
+    per_layer = {}
+    for start, size, run in runs:  # (first layer, layers, their state: stacked, a stack being 2+)
+        run = drop(run)
+        if size == 1:
+            per_layer[start] = run
+        else:
+            per_layer.update({start + j: jax.tree.map(lambda a, j=j: _layer_slice(a, j), run)
+                              for j in range(size)})
     out = {k: v for k, v in state.items() if k != "layers"}
     out["layers"] = nnx.State(per_layer)
     return nnx.State(out)
@@ -194,13 +291,54 @@ def each_layer(model) -> list[tuple[nnx.Module, bool]]:
     layers = model.layers
     if isinstance(layers, LayerStack):
         return [(layers.stacked, True)] * len(layers)
+    if isinstance(layers, LayerRuns):
+        return [pair for run in layers.runs for pair in
+                ([(run.stacked, True)] * len(run) if isinstance(run, LayerStack) else [(run, False)])]
     return [(layer, False) for layer in layers]
+
+
+def layer_position(model, i: int) -> int | None:
+    """Layer `i`'s index on the leading axis of its stacked variables, or None when its
+    variables are its own."""
+    layers = model.layers
+    if isinstance(layers, LayerStack):
+        return i % layers.size
+    if isinstance(layers, LayerRuns):
+        return layers.locate(i)[1]
+    return None
+
+
+def layer_path(model, i: int) -> tuple:
+    """The state path of the module holding layer `i`'s variables: `("layers", i)`, or its
+    stack's stacked layer (`("layers", "stacked")`, `("layers", "runs", r, "stacked")`)."""
+    layers = model.layers
+    if isinstance(layers, LayerStack):
+        return ("layers", STACKED)
+    if isinstance(layers, LayerRuns):
+        r, j = layers.locate(i)
+        return ("layers", "runs", r) + (() if j is None else (STACKED,))
+    return ("layers", i % len(layers))
+
+
+def per_layer_paths(layers, path: tuple) -> tuple[list[tuple], bool]:
+    """(the per-layer state paths `("layers", i, ...)` that `path`, a state path of a model
+    whose layers are `layers`, holds; whether it holds them stacked on its leading axis)."""
+    if path[:2] == ("layers", STACKED):
+        return [("layers", i, *path[2:]) for i in range(len(layers))], True
+    if path[:2] == ("layers", "runs") and isinstance(layers, LayerRuns):
+        r = path[2]
+        start, size = layers.starts()[r], layers.sizes()[r]
+        if size > 1:
+            return [("layers", start + j, *path[4:]) for j in range(size)], True
+        return [("layers", start, *path[3:])], False
+    return [path], False
 
 
 def layer_value(model, i: int, *attrs: str) -> jax.Array:
     """The value of layer `i`'s variable at attribute path `attrs` (e.g. `"mlp", "u"`),
     slicing only that variable when the layers are stacked."""
-    node, stacked = each_layer(model)[i]
+    node, _ = each_layer(model)[i]
     for attr in attrs:
         node = getattr(node, attr)
-    return node[...][i] if stacked else node[...]
+    j = layer_position(model, i)
+    return node[...] if j is None else node[...][j]

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cmoe_jax.errors import TrainError
 from cmoe_jax.models.decoder import chunked_nll
 from cmoe_jax.models.adapters import AdapterSet, adapted_run
-from cmoe_jax.models.stack import STACKED, each_layer
+from cmoe_jax.models.stack import each_layer, layer_path
 from cmoe_jax.sharding import logical_axes, spec_for
 
 
@@ -135,7 +135,7 @@ def adapter_specs(model, cfg: LoRAConfig, mesh: Mesh) -> dict:
     specs: dict = {}
     axes = logical_axes(model)
     for path, shape in adapted_weights(model, cfg.targets):
-        weight_axes = axes.get(path) or axes[("layers", STACKED, *path[2:])][1:]
+        weight_axes = axes.get(path) or axes[(*layer_path(model, path[1]), *path[2:])][1:]
         s = tuple(spec_for(weight_axes, shape, mesh))
         s = s + (None,) * (len(shape) - len(s))
         _put(specs, path, {"a": P(*s[:-1], None), "b": P(*s[:-2], None, s[-1])})
