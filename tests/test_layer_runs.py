@@ -19,8 +19,8 @@ from cmoe_jax.models import Decoder, ModelConfig
 from cmoe_jax.models.kv_cache import KVCache
 from cmoe_jax.models.stack import LayerRuns, LayerStack, layered_state, runs_of
 from cmoe_jax.sharding import logical_axes
-from cmoe_jax.train import AdapterSet, LoRAConfig, init_adapters, lora_loss, router_params
 from tests.test_kv_cache import _assert_uncached_argmax, _prompts
+from tests.test_layer_stack import assert_same_forward, assert_same_lora_loss_and_gradients
 
 CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
                   num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8, activation="silu",
@@ -62,40 +62,14 @@ def test_consecutive_layers_of_one_shape_are_stacked(runs):
 
 def test_forward_inputs_and_loads_equal_the_unrolled_model(runs):
     moe, listed = runs
-    tokens = _tokens()
-    h1, x1, loads1 = moe.run_layers(tokens, capture=True)
-    h2, x2, loads2 = listed.run_layers(tokens, capture=True)
-    np.testing.assert_allclose(np.asarray(h1), np.asarray(h2), atol=1e-5)
-    assert len(x1) == len(x2) == 6
-    for a, b in zip(x1, x2):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-    assert sorted(loads1) == sorted(loads2) == ["0", "1", "3", "4", "5"]
-    for k in loads1:
-        np.testing.assert_array_equal(np.asarray(loads1[k]), np.asarray(loads2[k]))
+    assert_same_forward(moe, listed, ["0", "1", "3", "4", "5"])
 
 
 def test_lora_loss_and_gradients_equal_the_unrolled_model(runs):
     """Dropout keys follow the model's layer index inside a run's scan, so the dropout masks,
     the loss and every gradient match the unrolled model's."""
     moe, listed = runs
-    lora = LoRAConfig(rank=4, alpha=8, dropout=0.2)
-    adapters = init_adapters(moe, lora, jax.random.key(0))
-    adapters = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape), adapters)
-    us, bs = router_params(moe)
-    assert sorted(us) == ["0", "1", "3", "4", "5"]
-    tokens, key = _tokens(2, 16, 3), jax.random.key(7)
-
-    def grads(model):
-        f = lambda ad, u: lora_loss(model, AdapterSet(ad, u, bs, lora.scale, dropout=0.2), tokens,
-                                    key=key, remat=True)
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(adapters, us)
-
-    (l1, _), g1 = grads(moe)
-    (l2, _), g2 = grads(listed)
-    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-6)
-    assert jax.tree.structure(g1) == jax.tree.structure(g2)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
+    assert_same_lora_loss_and_gradients(moe, listed, ["0", "1", "3", "4", "5"])
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -45,50 +45,62 @@ def test_uniform_models_stack_and_mixed_ones_do_not():
     assert state["layers"][STACKED]["attn"]["q_proj"].get_value().shape == (3, 32, 32)
 
 
+def assert_same_forward(model, reference, routed: list[str]):
+    """`run_layers` gives the same stream, FFN inputs and expert loads (of the `routed`
+    layers) on `model` as on `reference` (the same weights held another way)."""
+    tokens = _tokens()
+    h1, x1, loads1 = model.run_layers(tokens, capture=True)
+    h2, x2, loads2 = reference.run_layers(tokens, capture=True)
+    np.testing.assert_allclose(np.asarray(h1), np.asarray(h2), atol=1e-5)
+    assert len(x1) == len(x2) == model.config.num_layers
+    for a, b in zip(x1, x2):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    assert sorted(loads1) == sorted(loads2) == routed
+    for k in loads1:
+        np.testing.assert_array_equal(np.asarray(loads1[k]), np.asarray(loads2[k]))
+
+
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_scanned_forward_equals_the_unrolled_one(converted, which):
     model = dict(zip(("dense", "moe"), converted))[which]
     assert isinstance(model.layers, LayerStack)
     per_layer = model.unstacked()
     assert isinstance(per_layer.layers, nnx.List)
-    tokens = _tokens()
-    h1, x1, loads1 = model.run_layers(tokens, capture=True)
-    h2, x2, loads2 = per_layer.run_layers(tokens, capture=True)
-    np.testing.assert_allclose(np.asarray(h1), np.asarray(h2), atol=1e-5)
-    assert len(x1) == len(x2) == 3
-    for a, b in zip(x1, x2):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-    assert sorted(loads1) == sorted(loads2) == ([] if which == "dense" else ["0", "1", "2"])
-    for k in loads1:
-        np.testing.assert_array_equal(np.asarray(loads1[k]), np.asarray(loads2[k]))
+    assert_same_forward(model, per_layer, [] if which == "dense" else ["0", "1", "2"])
     # a view of layer i holds layer i's weights
     np.testing.assert_array_equal(np.asarray(model.layers[2].attn.q_proj[...]),
                                   np.asarray(per_layer.layers[2].attn.q_proj[...]))
 
 
-def test_training_loss_and_gradients_equal_the_per_layer_model(converted):
-    _, moe = converted
-    per_layer = moe.unstacked()
+def assert_same_lora_loss_and_gradients(model, reference, routed: list[str]):
+    """The LoRA loss (dropout on, remat on), its expert loads and its gradients with respect to
+    the adapters and the router scales are the same on `model` as on `reference` (the same
+    weights held another way); `routed`: the layers whose router scales train."""
     lora = LoRAConfig(rank=4, alpha=8, dropout=0.2)
-    adapters = init_adapters(moe, lora, jax.random.key(0))
+    adapters = init_adapters(model, lora, jax.random.key(0))
     adapters = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape), adapters)
-    us, bs = router_params(moe)
-    assert sorted(us) == ["0", "1", "2"]
+    us, bs = router_params(model)
+    assert sorted(us) == routed
     tokens, key = _tokens(2, 16, 3), jax.random.key(7)
 
-    def grads(model):
-        f = lambda ad, u: lora_loss(model, AdapterSet(ad, u, bs, lora.scale, dropout=0.2), tokens,
+    def grads(m):
+        f = lambda ad, u: lora_loss(m, AdapterSet(ad, u, bs, lora.scale, dropout=0.2), tokens,
                                     key=key, remat=True)
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(adapters, us)
 
-    (l1, loads1), g1 = grads(moe)
-    (l2, loads2), g2 = grads(per_layer)
+    (l1, loads1), g1 = grads(model)
+    (l2, loads2), g2 = grads(reference)
     np.testing.assert_allclose(float(l1), float(l2), rtol=1e-6)
     for k in loads1:
         np.testing.assert_array_equal(np.asarray(loads1[k]), np.asarray(loads2[k]))
     assert jax.tree.structure(g1) == jax.tree.structure(g2)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
+
+
+def test_training_loss_and_gradients_equal_the_per_layer_model(converted):
+    _, moe = converted
+    assert_same_lora_loss_and_gradients(moe, moe.unstacked(), ["0", "1", "2"])
 
 
 def test_the_loss_reads_stacked_weights_in_place(converted):

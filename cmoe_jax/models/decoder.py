@@ -24,12 +24,38 @@ from cmoe_jax.moe.prototypes import tie_prototype_tables
 def _stack_consuming(modules: list) -> dict:
     """The modules' states stacked on a new leading axis (a pure dict), one variable at a
     time, each per-module array released as soon as it is stacked (`modules` is emptied)."""
-    flats = [traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(m))) for m in modules]
+    trees = [nnx.to_pure_dict(nnx.state(m)) for m in modules]
     modules.clear()
+    return _stack_pure(trees)
+
+
+def _stack_pure(trees: list) -> dict:
+    """Pure dicts of one structure stacked on a new leading axis, one leaf at a time, each
+    tree's leaf dropped as soon as it is stacked (`trees` is emptied)."""
+    flats = [traverse_util.flatten_dict(t) for t in trees]
+    trees.clear()
     stacked = {}
     for path in list(flats[0]):
         stacked[path] = jnp.stack([flat.pop(path) for flat in flats])
     return traverse_util.unflatten_dict(stacked)
+
+
+def _layout(layers) -> tuple | None:
+    """How layers are held: ("stack",), LayerRuns' run sizes, or None for listed layers."""
+    if isinstance(layers, LayerStack):
+        return ("stack",)
+    return layers.sizes() if isinstance(layers, LayerRuns) else None
+
+
+def _parts(pure_layers: dict, layers) -> list[tuple[list[int], dict]]:
+    """(its layers' indices, its pure dict: stacked when it holds two or more) for each part
+    of `layers` held as one: the stack, each run of LayerRuns, each listed layer."""
+    if isinstance(layers, LayerStack):
+        return [(list(range(len(layers))), pure_layers[STACKED])]
+    if isinstance(layers, LayerRuns):
+        return [(list(range(first, first + size)), pure_layers["runs"][r][STACKED] if size > 1 else pure_layers["runs"][r])
+                for r, (first, size) in enumerate(zip(layers.starts(), layers.sizes()))]
+    return [([i], pure_layers[i]) for i in range(len(layers))]
 
 
 class LayerOutput(NamedTuple):
@@ -162,25 +188,38 @@ class Decoder(nnx.Module):
     def with_ffns(self, cfg: ModelConfig, ffns: list) -> "Decoder":
         """A new model of config `cfg` (a conversion's): this model's embeddings, attention
         and norms with `ffns[i]` as layer i's FFN. Consumes `ffns` (the list is emptied):
-        when the new layers stack, each FFN tensor is stacked and its per-layer pieces are
-        dropped one tensor at a time, and this model's stacked arrays are shared, not copied;
-        a model with listed layers gives one with listed layers (nothing copied)."""
+        each FFN tensor of a stacked part is stacked and its per-layer pieces are dropped one
+        tensor at a time; when the new layers are held as this model's are (one stack, or
+        runs of the same sizes) this model's arrays are shared, not copied; a stacked model
+        whose conversion differs per layer gives runs, stacked run by run; a model with
+        listed layers gives one with listed layers (nothing copied)."""
         abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=self.dtype, rngs=nnx.Rngs(0)))
-        if isinstance(self.layers, LayerStack) and isinstance(abstract.layers, LayerStack):
-            pure = nnx.to_pure_dict(nnx.state(self))
-            pure["layers"][STACKED]["mlp"] = _stack_consuming(ffns)
+        if _layout(self.layers) is not None and _layout(self.layers) == _layout(abstract.layers):
+            pure = nnx.to_pure_dict(nnx.state(self))  # the source's arrays, shared
+            for idx, part in _parts(pure["layers"], self.layers):
+                mine = [ffns[i] for i in idx]
+                for i in idx:
+                    ffns[i] = None
+                part["mlp"] = _stack_consuming(mine) if len(idx) > 1 else nnx.to_pure_dict(nnx.state(mine[0]))
+            ffns.clear()
         else:
-            abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=self.dtype, rngs=nnx.Rngs(0),
-                                                      stack=False))
+            listed = nnx.eval_shape(lambda: Decoder(cfg, dtype=self.dtype, rngs=nnx.Rngs(0),
+                                                    stack=False))
             pure = nnx.to_pure_dict(layered_state(self, skip="mlp"))
             for i, ffn in enumerate(ffns):
                 pure["layers"][i]["mlp"] = nnx.to_pure_dict(nnx.state(ffn))
             ffns.clear()
+            if _layout(self.layers) is not None and isinstance(abstract.layers, LayerRuns):
+                per_layer, runs = pure["layers"], {}  # stacked run by run, each slice dropped
+                for r, (first, size) in enumerate(zip(abstract.layers.starts(), abstract.layers.sizes())):
+                    taken = [per_layer.pop(first + j) for j in range(size)]
+                    runs[r] = taken[0] if size == 1 else {STACKED: _stack_pure(taken)}
+                pure["layers"] = {"runs": runs}
+            else:  # stacking listed layers would copy every one of them: they stay listed
+                abstract = listed
         graphdef, target = nnx.split(abstract)
         nnx.replace_by_pure_dict(target, pure)
-        model = nnx.merge(graphdef, target)
-        # stacking listed layers would copy every one of them; a stacked source stays stacked
-        return model.stacked() if isinstance(self.layers, (LayerStack, LayerRuns)) else model
+        return nnx.merge(graphdef, target)
 
     def set_layer(self, i: int, layer: nnx.Module) -> None:
         """Replace decoder layer `i`, whether the layers are stacked or listed. A layer of the
