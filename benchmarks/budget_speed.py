@@ -2,7 +2,7 @@
 
     python benchmarks/budget_speed.py --uniform out/u025 --adaptive out/a025 [--model smollm2]
         [--batches 1 16] [--prompt-len 128] [--new-tokens 128] [--prefill-len 512] [--repeats 3]
-        [--unrolled]
+        [--unrolled] [--parts prefill decode]
 
 The dense model and the two converted ones (their directories as `cmoe-jax convert` wrote
 them) run the same work, interleaved in one process after a compiling warm-up: prefill (a
@@ -56,6 +56,8 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=128, help="decode: greedy tokens generated")
     p.add_argument("--prefill-len", type=int, default=512, help="prefill: prompt tokens")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--parts", nargs="+", choices=["prefill", "decode"], default=["prefill", "decode"],
+                   help="which work to time (both by default)")
     p.add_argument("--unrolled", action="store_true",
                    help="also time the adaptive model unrolled, one module per layer")
     p.add_argument("--data-path", type=Path, default=WIKITEXT / "test.txt", help="prompt text (WikiText-2 test)")
@@ -79,6 +81,8 @@ def main(argv=None) -> None:
     medians = {}
     for batch in args.batches:
         for what, length in (("prefill", args.prefill_len), ("decode", args.prompt_len)):
+            if what not in args.parts:
+                continue
             times = interleaved_times(sides(models, what, pool[:batch, :length], args.new_tokens), args.repeats)
             for name, ts in zip(models, times):
                 medians[name, what, batch] = statistics.median(ts)
@@ -86,7 +90,7 @@ def main(argv=None) -> None:
                       f"  min {min(ts):8.3f} s", flush=True)
     busy = print_load(load_start, args.repeats) or machine_busy(load_start)
     for batch in args.batches:
-        for what in ("prefill", "decode"):
+        for what in [w for w in ("prefill", "decode") if w in args.parts]:
             pairs = [("adaptive", "uniform"), ("uniform", "dense"), ("adaptive", "dense")]
             for a, ref in pairs + ([("adaptive", "unrolled")] if args.unrolled else []):
                 value = "withheld (machine busy)" if busy else \
