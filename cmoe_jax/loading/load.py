@@ -23,7 +23,7 @@ from cmoe_jax.loading.sources import GGUFSource, TensorSource, open_source
 from cmoe_jax.loading.tokenizer import Tokenizer, load_tokenizer
 from cmoe_jax.loading.zoo import resolve
 from cmoe_jax.models import Decoder, DecoderLayer, ModelConfig
-from cmoe_jax.models.stack import per_layer_paths
+from cmoe_jax.models.layer_parts import per_layer_paths
 from cmoe_jax.sharding import make_mesh, place_state, shardings_of
 
 

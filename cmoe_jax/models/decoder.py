@@ -6,119 +6,18 @@ layer's output to the next one.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
-from flax import nnx, traverse_util
+from flax import nnx
 
 from cmoe_jax.models.config import ModelConfig
-from cmoe_jax.models.ffn import make_ffn
 from cmoe_jax.models.kv_cache import KVCache
 from cmoe_jax.models.nll import chunked_nll
-from cmoe_jax.models.layers import Attention, RMSNorm, SwiGLU, _param, rope_tables
+from cmoe_jax.models.layers import RMSNorm, _param, rope_tables
 from cmoe_jax.models.stack import STACKED, LayerRuns, LayerStack, layered_state, runs_of, stackable
 from cmoe_jax.moe.prototypes import tie_prototype_tables
-
-
-def _stack_consuming(modules: list) -> dict:
-    """The modules' states stacked on a new leading axis (a pure dict), one variable at a
-    time, each per-module array released as soon as it is stacked (`modules` is emptied)."""
-    trees = [nnx.to_pure_dict(nnx.state(m)) for m in modules]
-    modules.clear()
-    return _stack_pure(trees)
-
-
-def _stack_pure(trees: list) -> dict:
-    """Pure dicts of one structure stacked on a new leading axis, one leaf at a time, each
-    tree's leaf dropped as soon as it is stacked (`trees` is emptied)."""
-    flats = [traverse_util.flatten_dict(t) for t in trees]
-    trees.clear()
-    stacked = {}
-    for path in list(flats[0]):
-        stacked[path] = jnp.stack([flat.pop(path) for flat in flats])
-    return traverse_util.unflatten_dict(stacked)
-
-
-def _layout(layers) -> tuple | None:
-    """How layers are held: ("stack",), LayerRuns' run sizes, or None for listed layers."""
-    if isinstance(layers, LayerStack):
-        return ("stack",)
-    return layers.sizes() if isinstance(layers, LayerRuns) else None
-
-
-def _parts(pure_layers: dict, layers) -> list[tuple[list[int], dict]]:
-    """(its layers' indices, its pure dict: stacked when it holds two or more) for each part
-    of `layers` held as one: the stack, each run of LayerRuns, each listed layer."""
-    if isinstance(layers, LayerStack):
-        return [(list(range(len(layers))), pure_layers[STACKED])]
-    if isinstance(layers, LayerRuns):
-        return [(list(range(first, first + size)), pure_layers["runs"][r][STACKED] if size > 1 else pure_layers["runs"][r])
-                for r, (first, size) in enumerate(zip(layers.starts(), layers.sizes()))]
-    return [([i], pure_layers[i]) for i in range(len(layers))]
-
-
-class LayerOutput(NamedTuple):
-    """What a decoder layer returns; read it by name (`out.h`, `out.load`)."""
-
-    h: jax.Array  # the residual stream after the layer
-    ffn_input: jax.Array  # what its FFN saw (the post-attention RMSNorm)
-    load: jax.Array | None  # tokens per routed expert, int32 [E]; None for a dense FFN
-    kv: tuple | None = None  # with a cache: the step's new (keys, values); else None
-
-
-class DecoderLayer(nnx.Module):
-    """Pre-norm layer; with `sandwich_norms` (Gemma) the attention and FFN outputs are
-    normed too before their residual adds (`attn_out_norm`, `ffn_out_norm`). `rope` is the
-    decoder's tuple of RoPE tables, (global,) or (global, local); the layer picks its own."""
-
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
-        self.input_norm = norm()
-        self.attn = Attention(cfg, dtype=dtype, rngs=rngs, window=cfg.window(layer))
-        self.post_attn_norm = norm()
-        self.sandwich = cfg.sandwich_norms
-        if self.sandwich:
-            self.attn_out_norm, self.ffn_out_norm = norm(), norm()
-        self.rope_index = int(cfg.local_rope(layer))
-        self.mlp = make_ffn(cfg, cfg.ffn_spec(layer), dtype=dtype, rngs=rngs)
-
-    def _attend(self, h, rope, key=None, segments=None, cache=None):
-        out = self.attn(self.input_norm(h), *rope[self.rope_index], key=key, segments=segments,
-                        cache=cache)
-        a, kv = out if cache is not None else (out, None)
-        return h + (self.attn_out_norm(a) if self.sandwich else a), kv
-
-    def attention_block(self, h: jax.Array, rope, key=None, segments=None) -> jax.Array:
-        """Residual stream after attention (before the FFN)."""
-        return self._attend(h, rope, key, segments)[0]
-
-    def ffn_input(self, h: jax.Array) -> jax.Array:
-        """What the FFN sees: the RMSNorm of the residual stream after attention."""
-        return self.post_attn_norm(h)
-
-    def __call__(self, h: jax.Array, rope, key=None, segments=None, cache=None) -> LayerOutput:
-        """The layer's `LayerOutput`: new residual stream, FFN input, expert loads, and with
-        `cache` the step's new keys and values.
-
-        `key` drives the LoRA adapters' dropout (None: none); `segments`: prefix-shared
-        packing, see `causal_attention`; `cache`: a `LayerCache` (incremental decoding)."""
-        h, kv = self._attend(h, rope, key, segments, cache)
-        x = self.ffn_input(h)
-        if isinstance(self.mlp, SwiGLU):
-            y, load = self.mlp(x, key), None
-        else:
-            y, load = self.mlp(x, return_load=True, key=key)
-        return LayerOutput(self.ffn_residual(h, y), x, load, kv)
-
-    def ffn_residual(self, h: jax.Array, y: jax.Array) -> jax.Array:
-        """The residual stream after the FFN: h + y, or h + RMSNorm(y) with sandwich norms."""
-        return h + (self.ffn_out_norm(y) if self.sandwich else y)
-
-    def ffn_out(self) -> nnx.Module | None:
-        """The norm applied to the FFN's output before its residual add (None: no norm), so
-        that a pass holding only this and an FFN adds the FFN's output as the layer does."""
-        return self.ffn_out_norm if self.sandwich else None
+from cmoe_jax.models.decoder_layer import DecoderLayer, LayerOutput  # noqa: F401  (their home before)
+from cmoe_jax.models.layer_parts import _layout, _parts, _stack_consuming, _stack_pure
 
 
 class Decoder(nnx.Module):
@@ -276,8 +175,10 @@ class Decoder(nnx.Module):
         inputs, loads = [], {}
         for first, run in self._runs():
             if isinstance(run, LayerStack):
-                h, captured, run_loads = run.scan(h, rope, key=key, segments=segments, remat=remat,
-                                                  capture=capture, first=first)
+                keys = None if key is None else jax.vmap(lambda i: jax.random.fold_in(key, i))(
+                    first + jnp.arange(len(run)))
+                h, captured, run_loads = run.scan(h, rope, keys=keys, segments=segments, remat=remat,
+                                                  capture=capture)
                 inputs += [captured[j] for j in range(len(run))] if capture else []
                 if run_loads is not None:
                     loads.update({str(first + j): run_loads[j] for j in range(len(run))})

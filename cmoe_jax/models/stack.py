@@ -19,13 +19,12 @@ layer at a time; `stack_state` / `LayerStack.from_layers` stack them when a mode
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from cmoe_jax.models.kv_cache import LayerCache
+from cmoe_jax.models.layer_views import LayerViewError, read_only  # noqa: F401  (LayerViewError: its home before)
 
 STACKED = "stacked"  # LayerStack's attribute holding the stacked layer; a state path key
 
@@ -75,12 +74,12 @@ class LayerStack(nnx.Module):
     def __iter__(self):
         return (self[i] for i in range(self.size))
 
-    def scan(self, h, rope, *, key=None, segments=None, remat=False, capture=False, cache=None,
-             slot=None, first: int = 0):
+    def scan(self, h, rope, *, keys=None, segments=None, remat=False, capture=False, cache=None,
+             slot=None):
         """(h after the last layer, FFN inputs [L, ...] or None, expert loads [L, E] or None).
 
-        Layer i's dropout key is `fold_in(key, first + i)`, as in the unrolled forward
-        (`first`: the model's index of the stack's first layer). With `cache`
+        `keys [L]`: each layer's dropout key (the model's `fold_in(key, layer index)`, as in
+        the unrolled forward; None: no dropout). With `cache`
         (a `KVCache`, the step's tokens at slots `slot...`) the second item is the new keys
         and values `([L, B, K, T, H], same)` instead of the FFN inputs."""
         graphdef, state = nnx.split(self.stacked)
@@ -88,14 +87,13 @@ class LayerStack(nnx.Module):
         kv = (cache.k, cache.v) if cached else (None, None)
 
         def step(h, xs):
-            weights, i, k_layer, v_layer = xs
-            k = None if key is None else jax.random.fold_in(key, i)
+            weights, k, k_layer, v_layer = xs
             view = LayerCache(k_layer, v_layer, cache.valid, slot) if cached else None
             out = nnx.merge(graphdef, weights)(h, rope, k, segments, view)
             return out.h, (out.kv if cached else out.ffn_input if capture else None, out.load)
 
         step = jax.checkpoint(step) if remat else step
-        h, (inputs, loads) = jax.lax.scan(step, h, (state, first + jnp.arange(self.size), *kv))
+        h, (inputs, loads) = jax.lax.scan(step, h, (state, keys, *kv))
         return h, inputs, loads
 
 
@@ -172,36 +170,6 @@ def runs_of(layers: list, h: jax.ShapeDtypeStruct, rope) -> list[list[int]]:
         else:
             out.append(run)
     return out
-
-
-class LayerViewError(AttributeError):
-    """A write into a view of one stacked layer: it would change a copy, never the model."""
-
-
-_VIEW_MESSAGE = ("this is a read-only view of one stacked layer: writing to it would change a "
-                 "copy, not the model. Use model.set_layer(i, layer) to replace a layer")
-
-
-@functools.cache
-def _read_only_class(cls: type) -> type:
-    """A twin of module or variable class `cls` whose writes raise `LayerViewError`."""
-    def refuse(self, *args, **kwargs):
-        raise LayerViewError(_VIEW_MESSAGE)
-
-    if issubclass(cls, nnx.Variable):
-        members = {"set_value": refuse, "set_raw_value": refuse}
-    else:
-        members = {"__setattr__": refuse, "__setitem__": refuse, "__delattr__": refuse}
-    return type(cls.__name__, (cls,), {**members, "__slots__": (), "__module__": cls.__module__,
-                                        "__qualname__": cls.__qualname__, "_view_of": cls})
-
-
-def read_only(module: nnx.Module) -> nnx.Module:
-    """`module` with every module and variable in it made read-only in place (a layer view)."""
-    for _, node in list(nnx.iter_graph(module)):
-        if isinstance(node, (nnx.Module, nnx.Variable)) and not hasattr(type(node), "_view_of"):
-            object.__setattr__(node, "__class__", _read_only_class(type(node)))
-    return module
 
 
 def _split_all(layers):
@@ -306,32 +274,6 @@ def layer_position(model, i: int) -> int | None:
     if isinstance(layers, LayerRuns):
         return layers.locate(i)[1]
     return None
-
-
-def layer_path(model, i: int) -> tuple:
-    """The state path of the module holding layer `i`'s variables: `("layers", i)`, or its
-    stack's stacked layer (`("layers", "stacked")`, `("layers", "runs", r, "stacked")`)."""
-    layers = model.layers
-    if isinstance(layers, LayerStack):
-        return ("layers", STACKED)
-    if isinstance(layers, LayerRuns):
-        r, j = layers.locate(i)
-        return ("layers", "runs", r) + (() if j is None else (STACKED,))
-    return ("layers", i % len(layers))
-
-
-def per_layer_paths(layers, path: tuple) -> tuple[list[tuple], bool]:
-    """(the per-layer state paths `("layers", i, ...)` that `path`, a state path of a model
-    whose layers are `layers`, holds; whether it holds them stacked on its leading axis)."""
-    if path[:2] == ("layers", STACKED):
-        return [("layers", i, *path[2:]) for i in range(len(layers))], True
-    if path[:2] == ("layers", "runs") and isinstance(layers, LayerRuns):
-        r = path[2]
-        start, size = layers.starts()[r], layers.sizes()[r]
-        if size > 1:
-            return [("layers", start + j, *path[4:]) for j in range(size)], True
-        return [("layers", start, *path[3:])], False
-    return [path], False
 
 
 def layer_value(model, i: int, *attrs: str) -> jax.Array:

@@ -18,7 +18,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cmoe_jax.errors import TrainError
 from cmoe_jax.models.decoder import chunked_nll
 from cmoe_jax.models.adapters import AdapterSet, adapted_run
-from cmoe_jax.models.stack import each_layer, layer_path
+from cmoe_jax.models.layer_parts import layer_path
+from cmoe_jax.models.stack import each_layer
 from cmoe_jax.sharding import logical_axes, spec_for
 
 
