@@ -39,10 +39,11 @@ if [ ! -f "$stamp" ]; then
 fi
 "$venv/bin/python" -c "import jax, flax, sys; print('$end-jax job: jax', jax.__version__, 'flax', flax.__version__, 'python', sys.version.split()[0]); sys.exit(jax.__version__ != '$want')"
 export JAX_PLATFORMS=cpu
+source scripts/test_env.sh
 if [ "$end" = current ]; then
   "$venv/bin/python" examples/carve_own_ffn.py
   "$venv/bin/python" examples/train_moe_lm.py
 fi
 # the toy router's whole-model export is checked against torch, which these jobs have not
-exec "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider tests/test_moe_*.py tests/test_adding_a_router.py \
+"$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider tests/test_moe_*.py tests/test_adding_a_router.py \
   tests/test_gmm_lowering.py --deselect tests/test_adding_a_router.py::test_a_model_with_the_toy_router_saves_loads_and_exports "$@"

@@ -23,6 +23,14 @@ def _release_compiled_code():
     gc.collect()
 
 
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a child process with `devices` CPU devices, keeping the suite's other
+    XLA flags (scripts/test_env.sh turns off XLA's backend optimisation for compile time)."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def tiny_hf_model(family: str, **overrides):
     """A tiny random `transformers` causal LM of one family (torch, fp32, eval mode)."""
     import torch

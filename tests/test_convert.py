@@ -19,6 +19,8 @@ from cmoe_jax.convert import Calibration, ConvertConfig, ConvertSettings, conver
 from cmoe_jax.convert.cli import main as convert_main
 from cmoe_jax.loading import load_model
 
+from conftest import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -219,7 +221,7 @@ def test_eight_device_conversion_equals_one_device(save_tiny, tmp_path):
     results = {}
     for n, expert in ((1, 1), (8, 1), (8, 2)):
         out = tmp_path / f"r{n}_{expert}.npz"
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+        env = dict(os.environ, XLA_FLAGS=xla_flags(n), JAX_PLATFORMS="cpu")
         script = _MULTI_DEVICE_SCRIPT.format(root=str(ROOT), path=str(path), out=str(out), expert=expert)
         subprocess.run([sys.executable, "-c", script], check=True, env=env)
         results[n, expert] = np.load(out)

@@ -23,7 +23,7 @@ from cmoe_jax.train import (AdapterSet, DistillConfig, LoRAConfig, RecoverConfig
                             layerwise_recover, load_adapters, merge_adapters, router_params)
 from cmoe_jax.train.cli import main as train_main
 from cmoe_jax.train.data import training_windows
-from conftest import WORDS, dense_and_converted, save_tiny_tokenizer, write_random_text
+from conftest import WORDS, dense_and_converted, save_tiny_tokenizer, write_random_text, xla_flags
 from test_train import CFG, models  # noqa: F401  (the tiny dense model and its S2A2E8 conversion)
 
 
@@ -271,7 +271,7 @@ def test_layerwise_alone_publishes_the_recovered_model(dirs, tmp_path):
 
 SHARDED = r'''
 import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax, numpy as np
 from cmoe_jax.train import TrainSettings, finetune, load_adapters
 root, out = sys.argv[1], sys.argv[2]
@@ -297,7 +297,7 @@ def test_distillation_on_eight_devices_trains_like_one(dirs, tmp_path):
     import subprocess
     import sys
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(8))
     proc = subprocess.run([sys.executable, "-c", SHARDED, str(dirs), str(tmp_path)],
                           cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
                           text=True, timeout=900)

@@ -21,6 +21,8 @@ from cmoe_jax.eval import perplexity
 from cmoe_jax.eval.cli import main as eval_main
 from cmoe_jax.loading import load_model
 
+from conftest import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -125,7 +127,7 @@ print(json.dumps({"n": len(jax.devices()), "runs": out}))
 
 
 def _subprocess_env(devices: int) -> dict:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    return dict(os.environ, XLA_FLAGS=xla_flags(devices),
                 JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
 
 

@@ -22,6 +22,8 @@ from cmoe_jax.methods.hierarchical.convert import convert_moe_model
 from cmoe_jax.loading import load_model
 from cmoe_jax.moe.hierarchical import HierMoEFFN, flops_per_token
 
+from conftest import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -212,7 +214,7 @@ def test_eight_device_conversion_equals_one_device(moe_dir, tmp_path):
     results = {}
     for n in (1, 8):
         out = tmp_path / f"r{n}.npz"
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+        env = dict(os.environ, XLA_FLAGS=xla_flags(n), JAX_PLATFORMS="cpu")
         script = _MULTI_DEVICE_SCRIPT.format(root=str(ROOT), path=str(moe_dir / "moe"), out=str(out))
         subprocess.run([sys.executable, "-c", script], check=True, env=env)
         results[n] = np.load(out)

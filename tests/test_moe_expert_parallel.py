@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+from conftest import xla_flags
+
 SCRIPT = textwrap.dedent('''
     import re
     import numpy as np, jax, jax.numpy as jnp
@@ -107,7 +109,7 @@ SCRIPT = textwrap.dedent('''
 
 def on_8_devices(script: str) -> str:
     """`script`'s standard output, run in a fresh interpreter with 8 CPU devices."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8),
                JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env,

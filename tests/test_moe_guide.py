@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "guides" / "moe-layer.md"
 
@@ -16,7 +18,7 @@ def test_the_guide_runs():
     assert len(blocks) >= 6, len(blocks)
     script = "\n".join(blocks) + "\nprint('guide ok')\n"
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS=xla_flags(8))
     warnings_as_errors = ["-W", "error::UserWarning", "-W", "error::DeprecationWarning"]
     out = subprocess.run([sys.executable, *warnings_as_errors, "-c", script],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)

@@ -17,6 +17,8 @@ from flax import nnx
 from cmoe_jax.moe import HierMoEFFN, MoEFFN, RouterOutput
 from tests import moe_numpy
 
+from conftest import xla_flags
+
 D, M, E = 16, 8, 6
 BACKENDS = ["cpu", "dense", "ragged_dot"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,7 +189,7 @@ def test_scale_router_up_returns_the_scaled_weights_and_the_scales():
 
 def _python(code: str, devices: int = 1):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=xla_flags(devices))
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -10,9 +10,11 @@ import textwrap
 
 import pytest
 
+from conftest import xla_flags
+
 SCRIPT = textwrap.dedent('''
     import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import numpy as np, jax, jax.numpy as jnp
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -59,7 +61,7 @@ SCRIPT = textwrap.dedent('''
 @pytest.mark.parametrize("backend,router", [("cpu", "cmoe"), ("cpu", "linear"), ("cpu", "sum"),
                                             ("ragged_dot", "linear"), ("dense", "cmoe")])
 def test_sharded_matches_unsharded(backend, router):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8),
                JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", SCRIPT, backend, router], cwd=root, env=env,

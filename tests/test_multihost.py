@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import save_tiny_tokenizer, tiny_hf_model, write_random_text
+from conftest import save_tiny_tokenizer, tiny_hf_model, write_random_text, xla_flags
 from test_tasks import write_arc_like
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def _free_port() -> int:
 def _env(devices: int = 1, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "CMOE_DISTRIBUTED"))}
     env.update(JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
+               XLA_FLAGS=xla_flags(devices), **extra)
     return env
 
 

@@ -22,7 +22,7 @@ from cmoe_jax.lora_variables import LoRA
 from cmoe_jax.train import (AdapterSet, LoRAConfig, TrainSettings, adapted_weights, finetune, init_adapters, load_adapters,
                             lora_logits, lora_loss, merge_adapters, router_params, with_adapters)
 from cmoe_jax.train.cli import main as train_main
-from conftest import dense_and_converted, save_tiny_tokenizer, write_random_text
+from conftest import dense_and_converted, save_tiny_tokenizer, write_random_text, xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
@@ -256,7 +256,7 @@ def test_resumed_run_ends_like_an_uninterrupted_one(model_dirs, full_run, tmp_pa
 
 SHARDED = r'''
 import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax, numpy as np
 from cmoe_jax.train import TrainSettings, finetune, load_adapters
 assert jax.device_count() == 8
@@ -291,7 +291,7 @@ def test_eight_devices_train_like_one(model_dirs, tmp_path):
     latter expert-parallel: routed experts split over 2 devices, tokens exchanged by
     all-to-all) against one device: per-step losses within 1e-5 relative, final adapters /
     u / b within 1e-5 absolute (float32 reductions reorder)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(8))
     proc = subprocess.run([sys.executable, "-c", SHARDED, str(model_dirs), str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
