@@ -2,7 +2,7 @@
 
     python benchmarks/budget_speed.py --uniform out/u025 --adaptive out/a025 [--model smollm2]
         [--batches 1 16] [--prompt-len 128] [--new-tokens 128] [--prefill-len 512] [--repeats 3]
-        [--unrolled] [--parts prefill decode]
+        [--unrolled] [--parts prefill decode] [--memory]
 
 The dense model and the two converted ones (their directories as `cmoe-jax convert` wrote
 them) run the same work, interleaved in one process after a compiling warm-up: prefill (a
@@ -16,7 +16,9 @@ cache, no early stop), batch 1 and 16. Each block prints every side's median and
 so 0.95x or more is "within 5% of uniform". `--unrolled` adds a fourth side, the adaptive
 model with one module per layer run unrolled (`Decoder.unstacked`), against the runs of
 same-shape layers it scans (`ratio adaptive/unrolled`: unrolled time / scanned time). Ratios are withheld with a `warning:` when the
-load average at start exceeds the core count.
+load average at start exceeds the core count. `--memory` prints instead, for every side and
+batch, what XLA's compiled prefill program holds (`memory_analysis()`: the weights it is
+given, its temporaries, its output), and times nothing.
 """
 from __future__ import annotations
 
@@ -32,8 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.decode import ours_side  # noqa: E402
 from benchmarks.harness import WIKITEXT, interleaved_times, load_average, machine_busy, machine_line, print_load  # noqa: E402
-from benchmarks.prefill import prefill_fn  # noqa: E402
-
+from benchmarks.prefill import prefill_fn, prefill_program  # noqa: E402
 
 
 def sides(models: dict, what: str, prompts: np.ndarray, new_tokens: int) -> list:
@@ -44,6 +45,17 @@ def sides(models: dict, what: str, prompts: np.ndarray, new_tokens: int) -> list
         return [ours_side(m, prompts, new_tokens) for m in models.values()]
     fns = [prefill_fn(m) for m in models.values()]
     return [lambda f=f: jax.block_until_ready(f(prompts)) for f in fns]
+
+
+def print_memory(models: dict, pool: np.ndarray, batches, length: int) -> None:
+    """Each side's compiled prefill program: argument (weights), temporary and output MiB."""
+    for batch in batches:
+        for name, model in models.items():
+            run, state = prefill_program(model)
+            mem = run.lower(state, pool[:batch, :length]).compile().memory_analysis()
+            mib = [getattr(mem, f"{k}_size_in_bytes") / 2 ** 20 for k in ("argument", "temp", "output")]
+            print(f"memory  prefill batch={batch:<3d} {name:9s} weights {mib[0]:8.1f} MiB  temporaries "
+                  f"{mib[1]:8.1f} MiB  output {mib[2]:6.1f} MiB", flush=True)
 
 
 def main(argv=None) -> None:
@@ -60,6 +72,8 @@ def main(argv=None) -> None:
                    help="which work to time (both by default)")
     p.add_argument("--unrolled", action="store_true",
                    help="also time the adaptive model unrolled, one module per layer")
+    p.add_argument("--memory", action="store_true",
+                   help="print each side's compiled prefill memory instead of timing")
     p.add_argument("--data-path", type=Path, default=WIKITEXT / "test.txt", help="prompt text (WikiText-2 test)")
     args = p.parse_args(argv)
     load_start = load_average()
@@ -78,6 +92,8 @@ def main(argv=None) -> None:
     print(machine_line())
     print(f"model: {args.model}; uniform {args.uniform}, adaptive {args.adaptive}; prefill {args.prefill_len} "
           f"tokens; decode {args.new_tokens} new after {args.prompt_len}; batches {args.batches}", flush=True)
+    if args.memory:
+        return print_memory(models, pool, args.batches, args.prefill_len)
     medians = {}
     for batch in args.batches:
         for what, length in (("prefill", args.prefill_len), ("decode", args.prompt_len)):

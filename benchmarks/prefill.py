@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import interleaved_times, load_average, machine_line, report  # noqa: E402
 
 
-def prefill_fn(model):
+def prefill_program(model):
+    """(jitted run(state, tokens) -> the last position's logits, the model's state)."""
     import jax
     from flax import nnx
 
@@ -31,6 +32,11 @@ def prefill_fn(model):
         m = nnx.merge(graphdef, state)
         return m.unembed(m.hidden_states(tokens)[:, -1:])
 
+    return run, state
+
+
+def prefill_fn(model):
+    run, state = prefill_program(model)
     return lambda tokens: run(state, tokens)
 
 
