@@ -78,7 +78,7 @@ class Front:
         t0 = time.perf_counter()
         cell = dict(make(), name=name, seconds=round(time.perf_counter() - t0, 1), load_at_end=load_average())
         _save(path, cell)
-        print(json.dumps({k: v for k, v in cell.items() if k not in ("stream_error", "loss_gain")}),
+        print(json.dumps({k: v for k, v in cell.items() if k not in ("stream_error", "loss_gain", "loss_rise")}),
               flush=True)
         return cell
 
@@ -93,11 +93,15 @@ class Front:
 
         def make():
             s = measure_damage(self.lm.model, self.calib, ConvertConfig(plan=None), measured)
-            return {"stream_error": s.errors.tolist(), "loss_gain": s.gains.tolist()}
+            return {"stream_error": s.errors.tolist(), "loss_gain": s.gains.tolist(),
+                    "loss_rise": None if s.rises is None else s.rises.tolist(), "operating": s.operating}
 
-        name = f"sensitivity-{budget.active:g}-E{budget.experts}" if marginal else f"sensitivity-E{budget.experts}"
+        # the marginal cells hold the rise below the operating point too (older ones do not)
+        name = f"damage-{budget.active:g}-E{budget.experts}" if marginal else f"sensitivity-E{budget.experts}"
         cell = self.cell(name, make)
-        return Sensitivity(np.asarray(cell["stream_error"]), np.asarray(cell["loss_gain"]))
+        rises = cell.get("loss_rise")
+        return Sensitivity(np.asarray(cell["stream_error"]), np.asarray(cell["loss_gain"]),
+                           None if rises is None else np.asarray(rises), cell.get("operating"))
 
     def adaptive(self, budget):
         """The conversion settings of `budget`'s allocation; with `--spread auto` the band

@@ -187,19 +187,22 @@ def test_marginal_damage_is_each_layers_loss_drop_in_the_uniform_model(tiny_chec
     """The default measure, recomputed apart from its pass: `convert_model` to the budget's
     uniform shape, then each layer's dense FFN put back alone, the loss from the model's
     forward. The measured drop is that one (negative on a random model: carving can help it;
-    g[l] e[l, uniform] is the drop floored), and e[l, uniform] the conversion's layer error."""
+    g[l] e[l, uniform] is the drop floored), and e[l, uniform] the conversion's layer error.
+    The rise is the loss with layer l alone carved one shape lower (converted on the same
+    stream: the layers before it uniform), and the damage there is drop + rise."""
     from cmoe_jax.convert import ConvertConfig, convert_model
     from cmoe_jax.loading import load_model
     from cmoe_jax.methods.cmoe.budget import Measured, measure_damage
 
     _, path, _ = tiny_checkpoint
     calib = np.random.default_rng(1).integers(0, 96, (2, 32)).astype(np.int32)
-    budget = Budget(0.375, 8)
+    budget = Budget(0.25, 8)
     u = budget.uniform_index()
     dense = load_model(str(path), progress=False, stack=False).model
-    saved = []  # the drops as the job saves them for a resume
+    saved, saved_rises = [], []  # the drops and rises as the job saves them for a resume
     s = measure_damage(dense, calib, ConvertConfig(plan=None, k_act=4), budget,
-                       measured=Measured(on_gain=lambda i, drop: saved.append(drop), progress=False))
+                       measured=Measured(on_gain=lambda i, drop: saved.append(drop), progress=False,
+                                         on_rise=lambda i, rise: saved_rises.append(rise)))
     assert budget.measure_by == "marginal" and s.errors.shape == (2, 8)
     uniform, records = convert_model(load_model(str(path), progress=False, stack=False).model, calib,
                                      ConvertConfig(plan=budget.candidates()[u], k_act=4), progress=False)
@@ -213,3 +216,15 @@ def test_marginal_damage_is_each_layers_loss_drop_in_the_uniform_model(tiny_chec
     assert min(abs(d) for d in drops) > 1e-4, drops  # drops large enough to check
     np.testing.assert_allclose(saved, drops, atol=2e-5)
     np.testing.assert_allclose(s.gains * s.errors[:, u], np.maximum(saved, 1e-9), rtol=1e-9)
+    rises = []
+    for i, layer in enumerate(uniform.layers):
+        shapes = [budget.candidates()[u - 1 if j == i else u] for j in range(len(uniform.layers))]
+        lower, _ = convert_model(load_model(str(path), progress=False, stack=False).model, calib,
+                                 ConvertConfig(plan=None, layer_plans=tuple(shapes), k_act=4), progress=False)
+        moe, layer.mlp = layer.mlp, lower.layers[i].mlp
+        rises.append(_nll(uniform, calib) - carved)
+        layer.mlp = moe
+    assert min(abs(r) for r in rises) > 1e-4, rises
+    np.testing.assert_allclose(saved_rises, rises, atol=2e-5)
+    np.testing.assert_allclose(s.rises, rises, atol=2e-5)
+    np.testing.assert_allclose(s.damage()[:, u - 1], np.maximum(saved, 1e-9) + np.maximum(saved_rises, 1e-9), rtol=1e-9)

@@ -249,7 +249,7 @@ def _budget_job(src) -> ConvertSettings:
 
 def test_interrupted_budget_conversion_resumes_bit_identically(src, adaptive, tmp_path, monkeypatch):
     """Killed while measuring layer 2's stream errors, then after converting two layers:
-    each resume measures only the rows and gains not saved, and the result is the
+    each resume measures only the rows, gains and rises not saved, and the result is the
     uninterrupted one."""
     carved = []
     carve = sensitivity_module.carve_on_main
@@ -257,15 +257,16 @@ def test_interrupted_budget_conversion_resumes_bit_identically(src, adaptive, tm
     job, out = _budget_job(src), tmp_path / "resumed"
     assert convert(str(src / "dense"), job, out=out, stop_after_layers=1, progress=False)["out"] is None
     staging = tmp_path / "resumed.partial"
-    rows, gains = (sorted((staging / d).glob("*.json")) for d in ("damage", "gains"))
-    assert [p.name for p in rows] == [p.name for p in gains] == ["0000.json", "0001.json", "0002.json", "0003.json"]
-    for p in rows[2:] + gains[3:] + sorted((staging / "layers").glob("*.json")):
+    rows, gains, rises = (sorted((staging / d).glob("*.json")) for d in ("damage", "gains", "rises"))
+    assert ([p.name for p in rows] == [p.name for p in gains] == [p.name for p in rises]
+            == ["0000.json", "0001.json", "0002.json", "0003.json"])
+    for p in rows[2:] + gains[3:] + rises[2:] + sorted((staging / "layers").glob("*.json")):
         p.unlink()
     carved.clear()
     assert convert(str(src / "dense"), job, out=out, resume=True, stop_after_layers=2, progress=False)["out"] is None
-    # layers 0 and 1 carved to the uniform shape alone (the stream goes on through it), layers
-    # 2 and 3 to every carved shape; layer 3's loss drop carves nothing more
-    assert len(carved) == 2 * (len(Budget(0.375).candidates()) - 1) + 2
+    # layers 0 and 1 carved to the uniform shape and the one below alone (the stream goes on
+    # through the first), layers 2 and 3 to every carved shape; the losses carve nothing more
+    assert len(carved) == 2 * (len(Budget(0.375).candidates()) - 1) + 2 * 2
     carved.clear()
     convert(str(src / "dense"), job, out=out, resume=True, progress=False)
     assert not carved  # every row read back

@@ -214,10 +214,12 @@ class CmoeSteps:
             return
         errors, save_error = run.json_rows("damage")
         gains, save_gain = run.json_rows("gains")
+        rises, save_rise = run.json_rows("rises")
         names = ["dense" if p is None else p.name for p in budget.candidates()]
         measured = Measured([r["stream_error"] for r in errors], [r["gain"] for r in gains],
                             on_error=lambda i, row: save_error(i, {"stream_error": row, "candidates": names}),
                             on_gain=lambda i, gain: save_gain(i, {"gain": gain}),
+                            rises=[r["rise"] for r in rises], on_rise=lambda i, rise: save_rise(i, {"rise": rise}),
                             progress=run.options.progress)
         if self.settings.stream:  # the layers read one at a time, as the conversion reads them
             self.sensitivity = measure_streamed(self.streamed(run), self.windows, self.settings.method,
@@ -248,7 +250,8 @@ class CmoeSteps:
         if self.sensitivity is not None:
             s = self.sensitivity
             manifest["budget"].update(damage=s.damage().tolist(), stream_error=s.errors.tolist(),
-                                      loss_gain=None if s.gains is None else s.gains.tolist())
+                                      loss_gain=None if s.gains is None else s.gains.tolist(),
+                                      loss_rise=None if s.rises is None else s.rises.tolist())
         if self.band is not None:
             manifest["budget"].update(self.band.to_json())
         return manifest
