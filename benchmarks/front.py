@@ -13,7 +13,7 @@ the same run: prefill (a batch of 512-token prompts through the model) and decod
 greedy tokens with the KV cache), batch 1 and 16, the two sides interleaved, medians.
 
 Every finished cell is saved as `OUT/cells/NAME.json` at once; `--resume` skips those, so a
-killed sweep goes on where it stopped. Quality and speed are cells of their own
+killed sweep goes on where it stopped (each cell names its machine and date). Quality and speed are cells of their own
 (`uniform-0.25`, `speed-uniform-0.25`), and each converted model is kept in
 `OUT/models/NAME` (a converted directory, `load_model` reads it): `--parts quality` can run
 on a busy machine, and `--parts speed --resume` later times the kept models on a quiet one
@@ -76,7 +76,9 @@ class Front:
         if self.args.resume and path.exists():
             return json.loads(path.read_text())
         t0 = time.perf_counter()
-        cell = dict(make(), name=name, seconds=round(time.perf_counter() - t0, 1), load_at_end=load_average())
+        # a resumed sweep may span machines, and the CPU kind's rounding can move an allocation
+        cell = dict(make(), name=name, seconds=round(time.perf_counter() - t0, 1), load_at_end=load_average(),
+                    machine=machine_line(), date=time.strftime("%Y-%m-%d"))
         _save(path, cell)
         print(json.dumps({k: v for k, v in cell.items() if k not in ("stream_error", "loss_gain", "loss_rise")}),
               flush=True)
