@@ -90,7 +90,8 @@ def main(argv=None) -> None:
         shape = (f"S{mlp.shared_width // mlp.expert_width}A{mlp.top_k}E{mlp.num_experts + mlp.shared_width // mlp.expert_width}"
                  f" m{mlp.expert_width}") if moe else "dense"
         takes = dispatch_mode(n * mlp.top_k, mlp.num_experts, None, top_k=mlp.top_k, dtype=mlp.dtype,
-                              weight=mlp.expert_gate.get_value()) if moe else "-"
+                              weight=mlp.expert_gate.get_value(),
+                              expert_size=mlp.d_model * mlp.expert_width) if moe else "-"
         print(f"{i} | {shape} | {takes} | " + " | ".join(f"{v:.1f}" for v in ms), flush=True)
     print("sum | | | " + " | ".join(f"{v:.1f}" for v in sums))
     print_load(load_start, args.repeats, ratio=False)

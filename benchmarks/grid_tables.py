@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def rule_path(cell: dict) -> str:
     """The path the current rule takes for the cell (imports jax)."""
     from benchmarks.moe_grid import DTYPES, auto_path
-    return auto_path(cell["tokens"], cell["config"], DTYPES[cell["dtype"]])
+    return auto_path(cell["tokens"], cell["config"], DTYPES[cell["dtype"]], cell["shape"])
 
 
 def ratio(cell: dict, path: str) -> str:

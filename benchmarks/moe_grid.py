@@ -101,10 +101,11 @@ def swiglu_f32_acc(x, wg, wu, wd):
     return mm(jax.nn.silu(mm(x, wg)) * mm(x, wu), wd)
 
 
-def auto_path(tokens: int, config: str, dtype=None) -> str:
+def auto_path(tokens: int, config: str, dtype, shape: str) -> str:
     from cmoe_jax.moe.modes import dispatch_mode
     s, a, z = parse_config(config)
-    return dispatch_mode(tokens * a, z - s, None, top_k=a, dtype=dtype)
+    d, d_h = map(int, shape.split("x"))
+    return dispatch_mode(tokens * a, z - s, None, top_k=a, dtype=dtype, expert_size=d * (d_h // z))
 
 
 def run_cell(shape, tokens, config, dtype_name, paths, router_neurons, reps, load_at_start) -> dict:
@@ -140,7 +141,7 @@ def run_cell(shape, tokens, config, dtype_name, paths, router_neurons, reps, loa
     busy = machine_busy(load_at_start)
     moe_path = "auto" if "auto" in t_paths else paths[0]
     return dict(shape=shape, tokens=tokens, config=config, dtype=dtype_name,
-                dense_s=t_dense, dense_plain_s=times[0], moe_s=t_paths, auto_path=auto_path(tokens, config, dtype),
+                dense_s=t_dense, dense_plain_s=times[0], moe_s=t_paths, auto_path=auto_path(tokens, config, dtype, shape),
                 ratio=None if busy else t_dense / t_paths[moe_path],
                 best=min(t_paths, key=t_paths.get), ideal=z / (s + a), load=load, busy=busy,
                 max_over_mean_load=float(counts.max() / max(counts.mean(), 1e-9)), reps=n,

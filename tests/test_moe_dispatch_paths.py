@@ -105,6 +105,30 @@ def test_the_cpu_rule_pads_16_expert_layers_and_sorts_8_expert_ones():
     assert mode(8192, 3, 5) == "sort"
 
 
+def test_few_pairs_over_large_experts_sort_or_run_dense(monkeypatch):
+    """Above `gather_max_size` a few pairs do not gather: they sort where a token uses at
+    most `sort_share` of the routed experts, else run dense."""
+    monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
+                        DenseWhen(rows_per_expert=4, gather_share=0.5, gather_max_size=100, sort_share=0.25))
+    mode = lambda k, e, size: dispatch_mode(k, e, None, top_k=k, expert_size=size)  # noqa: E731
+    assert mode(1, 8, 100) == "gather"                   # at the size bound
+    assert mode(1, 8, 101) == "sort"                     # an eighth of the routed experts
+    assert mode(2, 8, 101) == "sort"                     # a quarter
+    assert mode(3, 8, 101) == "dense"                    # more than a quarter
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU rule")
+def test_the_cpu_rule_sorts_one_token_over_llama_7b_experts_in_fp32():
+    """One token over Llama-2-7B's experts (4096 x 11008 / 8 or / 16): S1A1E8 and S1A3E16
+    sort, S2A2E8 runs dense; SmolLM2's experts and bf16 ones gather."""
+    mode = lambda k, e, m, dtype=jnp.float32: dispatch_mode(  # noqa: E731
+        k, e, None, top_k=k, dtype=dtype, expert_size=4096 * m)
+    assert mode(1, 7, 1376) == "sort" and mode(3, 15, 688) == "sort"
+    assert mode(2, 6, 1376) == "dense"
+    assert mode(1, 7, 1376, jnp.bfloat16) == "gather"
+    assert dispatch_mode(1, 7, None, top_k=1, dtype=jnp.float32, expert_size=576 * 192) == "gather"
+
+
 def test_unknown_dispatch_is_refused():
     with pytest.raises(ValueError, match="dispatch must be one of"):
         layer("fast")

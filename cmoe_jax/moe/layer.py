@@ -274,7 +274,8 @@ class MoEFFN(nnx.Module):
 
         mode = dispatch_mode(ids.size, weights[0].shape[0], self.expert_axis,
                              adapters=bool(adapters), weight=self.expert_gate.get_value(),
-                             top_k=ids.shape[1], dispatch=self.dispatch, dtype=self.dtype)
+                             top_k=ids.shape[1], dispatch=self.dispatch, dtype=self.dtype,
+                             expert_size=self.d_model * self.expert_width)
         if mode in ("gather", "dense"):
             run = gathered_experts if mode == "gather" else dense_experts
             return run(x, ids, gates, *weights, activation=self.activation)

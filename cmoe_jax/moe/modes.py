@@ -5,7 +5,8 @@ Five ways to run the (token, expert) pairs of one call:
 - "expert_parallel": the mesh set with `jax.set_mesh` has the layer's expert axis (size > 1):
   experts split over it, tokens exchanged by all-to-all (`cmoe_jax.moe.expert_parallel`);
 - "gather": very few pairs (below `DenseWhen.gather_share` per expert, e.g. one decoding
-  step) and no adapters: each pair reads only its own expert's weights;
+  step), experts no larger than `DenseWhen.gather_max_size` and no adapters: each pair
+  reads only its own expert's weights;
 - "dense": where sparsity cannot pay (`DenseWhen`): every expert on every token, the
   unchosen ones weighted zero, as one wide product (`cmoe_jax.moe.dispatch.dense_experts`);
 - "padded": where the platform's rule allows it (`DenseWhen.padded_share`) and the padded
@@ -45,7 +46,11 @@ class DenseWhen(NamedTuple):
     copies each pair's expert weights, which on CPU costs a second pass over them. Above
     it, the padded path runs where its first capacity is at most `padded_share` of the
     tokens (its `E * C` rows against the dense path's `E * T`; 0: never) and the layer has
-    at least `padded_experts` routed experts."""
+    at least `padded_experts` routed experts. Experts of more than `gather_max_size`
+    elements (d x m) do not gather: where XLA:CPU copies each pair's slice of fp32 weights
+    that copy costs more than the product, so few pairs sort instead (the grouped matmul reads
+    each chosen expert in place) where a token uses at most `sort_share` of the routed
+    experts, and run dense otherwise."""
 
     rows_per_expert: float = 0
     share: float = 2.0
@@ -53,6 +58,8 @@ class DenseWhen(NamedTuple):
     gather_share: float = 1.0
     padded_share: float = 0.0
     padded_experts: int = 0
+    gather_max_size: int = 1 << 62
+    sort_share: float = 0.0
 
 
 # keyed by platform, or "platform:dtype" where the expert weights' dtype changes the answer:
@@ -64,9 +71,14 @@ class DenseWhen(NamedTuple):
 # loops over while the batched matmuls do not care (the layer alone mostly faster from 128
 # tokens, by up to a quarter; a whole SmolLM2 of 16-expert layers 1-3%); over fewer a whole
 # converted SmolLM2 was no faster with them, so those keep the sort
-# (benchmarks/moe_grid.py, benchmarks/model_dispatch.py, docs/results/performance.md)
+# (benchmarks/moe_grid.py, benchmarks/model_dispatch.py, docs/results/performance.md). One
+# token at 4096x11008 in fp32 (experts of 2.8M-5.6M elements): gathered 0.44x-0.91x of the
+# dense FFN's speed, sorted 1.07x-1.37x where a token uses at most a quarter of the routed
+# experts (S1A1E8, S1A3E16), the dense path above that; at 576x1536 and 640x2048 (110k-164k
+# elements) gather and sort are level; in bf16 the gather is 2-3x the sort at every width
 DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.5,
-                               padded_share=0.8, padded_experts=8),
+                               padded_share=0.8, padded_experts=8, gather_max_size=1 << 20,
+                               sort_share=0.25),
               "cpu:bfloat16": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30,
                                         gather_share=0.5, padded_share=0.8),
               "gpu": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30, padded_share=0.8)}
@@ -132,10 +144,11 @@ def expert_parallel_active(axis: str | None, weight=None) -> bool:
 
 def dispatch_mode(num_pairs: int, num_experts: int, expert_axis: str | None, *,
                   adapters: bool = False, weight=None, top_k: int = 1,
-                  dispatch: str = "auto", dtype=None) -> Mode:
+                  dispatch: str = "auto", dtype=None, expert_size: int = 0) -> Mode:
     """How to run `num_pairs` (token, slot) pairs of `top_k` slots a token over `num_experts`
-    experts of `dtype` (module doc); `dispatch` other than "auto" forces a one-device path
-    (adapters always sort: they ride on the grouped matmuls)."""
+    experts of `dtype` and `expert_size` elements each (d x m; module doc); `dispatch` other
+    than "auto" forces a one-device path (adapters always sort: they ride on the grouped
+    matmuls)."""
     if expert_parallel_active(expert_axis, weight):
         return "expert_parallel"
     if adapters:
@@ -144,7 +157,9 @@ def dispatch_mode(num_pairs: int, num_experts: int, expert_axis: str | None, *,
         return dispatch
     when = dense_when(dtype)
     if num_pairs <= num_experts * when.gather_share:
-        return "gather"
+        if expert_size <= when.gather_max_size:
+            return "gather"
+        return "sort" if top_k / num_experts <= when.sort_share else "dense"
     tokens = num_pairs // max(top_k, 1)
     if (num_experts >= when.padded_experts
             and capacity_ladder(num_pairs, num_experts)[0] <= when.padded_share * tokens):
