@@ -76,9 +76,10 @@ def build(shape: str, config: str, dtype, router_neurons: int, key):
                      dispatch=dispatch, activation="silu", rngs=nnx.Rngs(0))
         split = lambda wt, axis: jnp.moveaxis(wt.reshape(*wt.shape[:axis], z, m, *wt.shape[axis + 1:]), axis, 0)  # noqa: E731
         gate, up, down = split(dense[0], 1), split(dense[1], 1), split(dense[2], 0)
-        moe.shared_gate[...] = gate[:s].transpose(1, 0, 2).reshape(d, s * m)
-        moe.shared_up[...] = up[:s].transpose(1, 0, 2).reshape(d, s * m)
-        moe.shared_down[...] = down[:s].reshape(s * m, d)
+        if s:  # S0AyEz: no shared MLP
+            moe.shared_gate[...] = gate[:s].transpose(1, 0, 2).reshape(d, s * m)
+            moe.shared_up[...] = up[:s].transpose(1, 0, 2).reshape(d, s * m)
+            moe.shared_down[...] = down[:s].reshape(s * m, d)
         moe.expert_gate[...], moe.expert_up[...], moe.expert_down[...] = gate[s:], up[s:], down[s:]
         # the router's neurons are each expert's first r neurons, as CMoE's representative
         # neurons are its own: the loads come out as balanced as a converted model's
