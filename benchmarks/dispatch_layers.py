@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     from cmoe_jax.data import load_text_tokens
     from cmoe_jax.loading import load_model
     from cmoe_jax.moe import MoEFFN
-    from cmoe_jax.moe.modes import dispatch_mode
+    from cmoe_jax.moe.modes import PairCall, dispatch_mode
 
     load_start = load_average()
     manifest = json.loads((Path(args.model) / "cmoe_manifest.json").read_text())
@@ -89,9 +89,8 @@ def main(argv=None) -> None:
         sums += ms
         shape = (f"S{mlp.shared_width // mlp.expert_width}A{mlp.top_k}E{mlp.num_experts + mlp.shared_width // mlp.expert_width}"
                  f" m{mlp.expert_width}") if moe else "dense"
-        takes = dispatch_mode(n * mlp.top_k, mlp.num_experts, None, top_k=mlp.top_k, dtype=mlp.dtype,
-                              weight=mlp.expert_gate.get_value(),
-                              expert_size=mlp.d_model * mlp.expert_width) if moe else "-"
+        takes = dispatch_mode(PairCall(n * mlp.top_k, mlp.num_experts, mlp.top_k, mlp.dtype,
+                                    mlp.d_model * mlp.expert_width)) if moe else "-"
         print(f"{i} | {shape} | {takes} | " + " | ".join(f"{v:.1f}" for v in ms), flush=True)
     print("sum | | | " + " | ".join(f"{v:.1f}" for v in sums))
     print_load(load_start, args.repeats, ratio=False)

@@ -103,10 +103,10 @@ def swiglu_f32_acc(x, wg, wu, wd):
 
 
 def auto_path(tokens: int, config: str, dtype, shape: str) -> str:
-    from cmoe_jax.moe.modes import dispatch_mode
+    from cmoe_jax.moe.modes import PairCall, dispatch_mode
     s, a, z = parse_config(config)
     d, d_h = map(int, shape.split("x"))
-    return dispatch_mode(tokens * a, z - s, None, top_k=a, dtype=dtype, expert_size=d * (d_h // z))
+    return dispatch_mode(PairCall(tokens * a, z - s, a, dtype, d * (d_h // z)))
 
 
 def run_cell(shape, tokens, config, dtype_name, paths, router_neurons, reps, load_at_start) -> dict:

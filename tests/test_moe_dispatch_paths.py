@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from cmoe_jax.moe import MoEFFN
 from cmoe_jax.moe.dispatch import counting_plan, dense_experts, plan, sorting_plan
-from cmoe_jax.moe.modes import DENSE_WHEN, DenseWhen, dispatch_mode
+from cmoe_jax.moe.modes import DENSE_WHEN, DenseWhen, PairCall, dispatch_mode
 
 PATHS = ("sort", "gather", "dense", "padded", "auto")
 
@@ -59,7 +59,7 @@ def test_dense_path_sums_repeated_experts_like_the_sort():
 def test_auto_follows_the_platform_rule(monkeypatch):
     monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
                         DenseWhen(rows_per_expert=4, share=0.5, share_tokens=100, gather_share=0.5))
-    mode = lambda tokens, k, e, **kw: dispatch_mode(tokens * k, e, None, top_k=k, **kw)  # noqa: E731
+    mode = lambda tokens, k, e, **kw: dispatch_mode(PairCall(tokens * k, e, k), **kw)  # noqa: E731
     assert mode(1, 2, 6) == "gather"                     # pairs <= experts x gather_share
     assert mode(2, 2, 6) == "dense"                      # above it: weights read once
     assert mode(12, 2, 6) == "dense"                     # 4 rows per expert
@@ -74,7 +74,7 @@ def test_a_dtype_rule_overrides_the_platform_rule(monkeypatch):
     backend = jax.default_backend()
     monkeypatch.setitem(DENSE_WHEN, backend, DenseWhen(rows_per_expert=4, gather_share=0.5))
     monkeypatch.setitem(DENSE_WHEN, f"{backend}:bfloat16", DenseWhen(rows_per_expert=64, gather_share=0.5))
-    mode = lambda dtype: dispatch_mode(13 * 2, 6, None, top_k=2, dtype=dtype)  # noqa: E731
+    mode = lambda dtype: dispatch_mode(PairCall(13 * 2, 6, 2, dtype))  # noqa: E731
     assert mode(jnp.bfloat16) == "dense"                 # 4.3 rows per expert <= 64
     assert mode(jnp.float32) == "sort" and mode(None) == "sort"  # no float32 key: the platform's
 
@@ -83,7 +83,7 @@ def test_padded_runs_where_its_rows_are_clearly_fewer_than_the_dense_paths(monke
     monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
                         DenseWhen(rows_per_expert=4, share=0.5, share_tokens=1 << 30,
                                   gather_share=0.5, padded_share=0.8))
-    mode = lambda tokens, k, e, **kw: dispatch_mode(tokens * k, e, None, top_k=k, **kw)  # noqa: E731
+    mode = lambda tokens, k, e, **kw: dispatch_mode(PairCall(tokens * k, e, k), **kw)  # noqa: E731
     assert mode(3, 1, 8) == "gather"                     # pairs <= experts x gather_share
     assert mode(100, 1, 8) == "padded"                   # capacity 16 of 100 tokens
     assert mode(16, 3, 5) == "dense"                     # capacity 16 of 16 tokens: no rows saved
@@ -100,7 +100,7 @@ def test_padded_runs_where_its_rows_are_clearly_fewer_than_the_dense_paths(monke
 def test_the_cpu_rule_pads_16_expert_layers_and_sorts_8_expert_ones():
     """fp32 on CPU: a 16-expert adaptive layer (10 routed, 6 active) prefills padded, S3A3E8's
     5 routed experts keep the sort."""
-    mode = lambda tokens, k, e: dispatch_mode(tokens * k, e, None, top_k=k, dtype=jnp.float32)  # noqa: E731
+    mode = lambda tokens, k, e: dispatch_mode(PairCall(tokens * k, e, k, jnp.float32))  # noqa: E731
     assert mode(8192, 6, 10) == "padded"
     assert mode(8192, 3, 5) == "sort"
 
@@ -110,7 +110,7 @@ def test_few_pairs_over_large_experts_sort_or_run_dense(monkeypatch):
     most `sort_share` of the routed experts, else run dense."""
     monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
                         DenseWhen(rows_per_expert=4, gather_share=0.5, gather_max_size=100, sort_share=0.25))
-    mode = lambda k, e, size: dispatch_mode(k, e, None, top_k=k, expert_size=size)  # noqa: E731
+    mode = lambda k, e, size: dispatch_mode(PairCall(k, e, k, expert_size=size))  # noqa: E731
     assert mode(1, 8, 100) == "gather"                   # at the size bound
     assert mode(1, 8, 101) == "sort"                     # an eighth of the routed experts
     assert mode(2, 8, 101) == "sort"                     # a quarter
@@ -121,12 +121,11 @@ def test_few_pairs_over_large_experts_sort_or_run_dense(monkeypatch):
 def test_the_cpu_rule_sorts_one_token_over_llama_7b_experts_in_fp32():
     """One token over Llama-2-7B's experts (4096 x 11008 / 8 or / 16): S1A1E8 and S1A3E16
     sort, S2A2E8 runs dense; SmolLM2's experts and bf16 ones gather."""
-    mode = lambda k, e, m, dtype=jnp.float32: dispatch_mode(  # noqa: E731
-        k, e, None, top_k=k, dtype=dtype, expert_size=4096 * m)
+    mode = lambda k, e, m, dtype=jnp.float32: dispatch_mode(PairCall(k, e, k, dtype, 4096 * m))  # noqa: E731
     assert mode(1, 7, 1376) == "sort" and mode(3, 15, 688) == "sort"
     assert mode(2, 6, 1376) == "dense"
     assert mode(1, 7, 1376, jnp.bfloat16) == "gather"
-    assert dispatch_mode(1, 7, None, top_k=1, dtype=jnp.float32, expert_size=576 * 192) == "gather"
+    assert dispatch_mode(PairCall(1, 7, 1, jnp.float32, 576 * 192)) == "gather"
 
 
 def test_unknown_dispatch_is_refused():

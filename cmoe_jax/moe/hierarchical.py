@@ -38,7 +38,7 @@ from cmoe_jax.moe.expert_parallel import tokens_sharded
 from cmoe_jax.moe.token_pairs import drop_pairs, kept_pairs
 from cmoe_jax.moe.gmm import get_gmm
 from cmoe_jax.moe.layer import LAYER_SETTINGS, MoEFFN
-from cmoe_jax.moe.modes import check_input, dispatch_mode
+from cmoe_jax.moe.modes import PairCall, check_input, dispatch_mode
 from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
 from cmoe_jax.moe.params import make_param, make_router_params
 from cmoe_jax.moe.routers import Routing, get_router, router_logits
@@ -75,7 +75,7 @@ def sub_route(x, top_ids, top_w, routers: SubRouters):
     n_top, _, cols = sub_gate.shape
     n_routed = u.shape[1]
     n_sub = sub_shared + n_routed
-    if dispatch_mode(top_ids.size, n_top, None) == "gather":  # read only the chosen sub-routers
+    if dispatch_mode(PairCall(top_ids.size, n_top)) == "gather":  # read only the chosen sub-routers
         rows, flat = jnp.repeat(x.astype(jnp.float32), top_k, axis=0), top_ids.reshape(-1)
         mm = lambda w: jnp.einsum("rd,rdc->rc", rows, jnp.take(w, flat, axis=0).astype(jnp.float32))
         h = act(mm(sub_gate)) * mm(sub_up)

@@ -34,8 +34,8 @@ from cmoe_jax.moe.balance import update_router_bias
 from cmoe_jax.moe.dispatch import GLUExperts, dense_experts, gathered_experts
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_experts, tokens_sharded
 from cmoe_jax.moe.gmm import get_glu, get_gmm
-from cmoe_jax.moe.modes import (check_input, check_layer, check_mask, dispatch_mode, expert_parallel_active,
-                                token_devices)
+from cmoe_jax.moe.modes import (PairCall, check_input, check_layer, check_mask, dispatch_mode,
+                                expert_parallel_active, token_devices)
 from cmoe_jax.moe.padded import padded_experts
 from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
 from cmoe_jax.moe.router_outputs import router_output
@@ -272,10 +272,9 @@ class MoEFFN(nnx.Module):
             return lambda name, rows, sizes: (grouped_delta(self, "expert_" + name, rows, sizes, gmm,
                                                             key, ab=ad[name]) if name in ad else None)
 
-        mode = dispatch_mode(ids.size, weights[0].shape[0], self.expert_axis,
-                             adapters=bool(adapters), weight=self.expert_gate.get_value(),
-                             top_k=ids.shape[1], dispatch=self.dispatch, dtype=self.dtype,
-                             expert_size=self.d_model * self.expert_width)
+        call = PairCall(ids.size, weights[0].shape[0], ids.shape[1], self.dtype, self.d_model * self.expert_width)
+        mode = dispatch_mode(call, self.expert_axis, adapters=bool(adapters),
+                             weight=self.expert_gate.get_value(), dispatch=self.dispatch)
         if mode in ("gather", "dense"):
             run = gathered_experts if mode == "gather" else dense_experts
             return run(x, ids, gates, *weights, activation=self.activation)

@@ -142,30 +142,39 @@ def expert_parallel_active(axis: str | None, weight=None) -> bool:
     return False
 
 
-def dispatch_mode(num_pairs: int, num_experts: int, expert_axis: str | None, *,
-                  adapters: bool = False, weight=None, top_k: int = 1,
-                  dispatch: str = "auto", dtype=None, expert_size: int = 0) -> Mode:
-    """How to run `num_pairs` (token, slot) pairs of `top_k` slots a token over `num_experts`
-    experts of `dtype` and `expert_size` elements each (d x m; module doc); `dispatch` other
-    than "auto" forces a one-device path (adapters always sort: they ride on the grouped
-    matmuls)."""
+class PairCall(NamedTuple):
+    """One call's (token, slot) pairs, as the dispatch rule sees them: `num_pairs` pairs of `top_k`
+    slots a token over `num_experts` experts of `dtype` and `expert_size` elements each (d x m)."""
+
+    num_pairs: int
+    num_experts: int
+    top_k: int = 1
+    dtype: object = None
+    expert_size: int = 0
+
+
+def dispatch_mode(pairs: PairCall, expert_axis: str | None = None, *, adapters: bool = False,
+                  weight=None, dispatch: str = "auto") -> Mode:
+    """How to run `pairs` (module doc); `dispatch` other than "auto" forces a one-device path
+    (adapters always sort: they ride on the grouped matmuls)."""
     if expert_parallel_active(expert_axis, weight):
         return "expert_parallel"
     if adapters:
         return "sort"
-    if dispatch != "auto":
-        return dispatch
-    when = dense_when(dtype)
-    if num_pairs <= num_experts * when.gather_share:
-        if expert_size <= when.gather_max_size:
+    return one_device_mode(pairs) if dispatch == "auto" else dispatch
+
+
+def one_device_mode(pairs: PairCall) -> Mode:
+    """The platform's rule (`dense_when`) for `pairs` on one device."""
+    when, e, k = dense_when(pairs.dtype), pairs.num_experts, pairs.top_k
+    if pairs.num_pairs <= e * when.gather_share:
+        if pairs.expert_size <= when.gather_max_size:
             return "gather"
-        return "sort" if top_k / num_experts <= when.sort_share else "dense"
-    tokens = num_pairs // max(top_k, 1)
-    if (num_experts >= when.padded_experts
-            and capacity_ladder(num_pairs, num_experts)[0] <= when.padded_share * tokens):
+        return "sort" if k / e <= when.sort_share else "dense"
+    tokens = pairs.num_pairs // max(k, 1)
+    if e >= when.padded_experts and capacity_ladder(pairs.num_pairs, e)[0] <= when.padded_share * tokens:
         return "padded"
-    if (num_pairs <= when.rows_per_expert * num_experts
-            or (top_k / num_experts >= when.share and tokens <= when.share_tokens)):
+    if pairs.num_pairs <= when.rows_per_expert * e or (k / e >= when.share and tokens <= when.share_tokens):
         return "dense"
     return "sort"
 
