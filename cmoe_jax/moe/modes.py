@@ -153,28 +153,28 @@ class PairCall(NamedTuple):
     expert_size: int = 0
 
 
-def dispatch_mode(pairs: PairCall, expert_axis: str | None = None, *, adapters: bool = False,
+def dispatch_mode(call: PairCall, expert_axis: str | None = None, *, adapters: bool = False,
                   weight=None, dispatch: str = "auto") -> Mode:
-    """How to run `pairs` (module doc); `dispatch` other than "auto" forces a one-device path
+    """How to run `call` (module doc); `dispatch` other than "auto" forces a one-device path
     (adapters always sort: they ride on the grouped matmuls)."""
     if expert_parallel_active(expert_axis, weight):
         return "expert_parallel"
     if adapters:
         return "sort"
-    return one_device_mode(pairs) if dispatch == "auto" else dispatch
+    return one_device_mode(call) if dispatch == "auto" else dispatch
 
 
-def one_device_mode(pairs: PairCall) -> Mode:
-    """The platform's rule (`dense_when`) for `pairs` on one device."""
-    when, e, k = dense_when(pairs.dtype), pairs.num_experts, pairs.top_k
-    if pairs.num_pairs <= e * when.gather_share:
-        if pairs.expert_size <= when.gather_max_size:
+def one_device_mode(call: PairCall) -> Mode:
+    """The platform's rule (`dense_when`) for `call` on one device."""
+    when, e, k = dense_when(call.dtype), call.num_experts, call.top_k
+    if call.num_pairs <= e * when.gather_share:
+        if call.expert_size <= when.gather_max_size:
             return "gather"
         return "sort" if k / e <= when.sort_share else "dense"
-    tokens = pairs.num_pairs // max(k, 1)
-    if e >= when.padded_experts and capacity_ladder(pairs.num_pairs, e)[0] <= when.padded_share * tokens:
+    tokens = call.num_pairs // max(k, 1)
+    if e >= when.padded_experts and capacity_ladder(call.num_pairs, e)[0] <= when.padded_share * tokens:
         return "padded"
-    if pairs.num_pairs <= when.rows_per_expert * e or (k / e >= when.share and tokens <= when.share_tokens):
+    if call.num_pairs <= when.rows_per_expert * e or (k / e >= when.share and tokens <= when.share_tokens):
         return "dense"
     return "sort"
 
