@@ -140,6 +140,9 @@ def test_checkpoints_stay_per_layer_and_restore_stacked(converted, tmp_path):
     np.testing.assert_array_equal(np.asarray(back(tokens)), np.asarray(moe(tokens)))
     flat = {p: v.get_value() for p, v in nnx.to_flat_state(layered_state(back))}
     assert ("layers", 1, "mlp", "expert_gate") in flat
+    apart = restore_model(tmp_path / "m", stack=False)  # one module a layer, as saved
+    assert isinstance(apart.layers, nnx.List) and len(apart.layers) == 3
+    np.testing.assert_allclose(np.asarray(apart(tokens)), np.asarray(moe(tokens)), rtol=1e-6, atol=1e-6)
 
 
 def test_a_write_through_a_stacked_layer_view_raises():

@@ -28,9 +28,10 @@ def _check_like(restored, target, where: Path):
     return restored
 
 
-def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None) -> Decoder:
+def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None, stack: bool = True) -> Decoder:
     """The model saved in a converted directory, restored directly onto its shardings, read
-    under the directory's readers' lock and checked against its manifest."""
+    under the directory's readers' lock and checked against its manifest; `stack=False`
+    keeps one module per layer (each layer's weights a buffer of their own)."""
     directory = Path(directory)
     with reading(directory):
         manifest = read_manifest(directory)
@@ -43,7 +44,8 @@ def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None) -> Decoder:
                              state)
         graphdef, _ = nnx.split(nnx.eval_shape(
             lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0), stack=False)))
-    return stacked_on(nnx.merge(graphdef, state), mesh)
+    model = nnx.merge(graphdef, state)
+    return stacked_on(model, mesh) if stack else model
 
 
 def _restore_state(directory: Path, manifest: dict, mesh):

@@ -165,10 +165,11 @@ def load_model(name_or_path: str = "smollm2", *, dtype=jnp.float32, mesh=None,
     `tokenizer` (when given) and `opened` (what `open_model` returned) spare a job that has
     them already a second read of the tokenizer and a second parse of a GGUF file.
     `stack=False` keeps a checkpoint's layers one module each (a layer-by-layer conversion
-    then reads each layer where it lies instead of slicing it out of a stack)."""
+    then reads each layer where it lies instead of slicing it out of a stack, and a
+    decoding step reads each layer's weights in place: `cmoe_jax.generate`)."""
     cfg, path, source = opened if opened is not None else open_model(name_or_path)
     if is_converted(path):
-        model = restore_model(path, dtype=dtype, mesh=mesh)
+        model = restore_model(path, dtype=dtype, mesh=mesh, stack=stack)
         if tokenizer is _UNSET:
             tokenizer = load_tokenizer(path)
         return LoadedModel(model, model.config, tokenizer, str(path), path)
