@@ -243,8 +243,8 @@ def plot(cells: list[dict], path: Path, title: str) -> None:
         rows = sorted((c for c in cells if c["kind"] == kind), key=lambda c: c["active_share"])
         x = [c["active_share"] for c in rows]
         ax.plot(x, [c["ppl"] for c in rows], style, label=kind)
-        for key, color in (("prefill_b1", "tab:blue"), ("decode_b1", "tab:orange"),
-                           ("decode_b16", "tab:green")):
+        for key, color in (("prefill_b1", "tab:blue"), ("prefill_b16", "tab:red"),
+                           ("decode_b1", "tab:orange"), ("decode_b16", "tab:green")):
             timed = [c for c in rows if key in c]  # speed cells not measured yet are left out
             bx.plot([c["active_share"] for c in timed], [c[key] for c in timed], style, color=color,
                     label=f"{kind} {key}")
