@@ -17,7 +17,8 @@ killed sweep goes on where it stopped (each cell names its machine and date). Qu
 (`uniform-0.25`, `speed-uniform-0.25`), and each converted model is kept in
 `OUT/models/NAME` (a converted directory, `load_model` reads it): `--parts quality` can run
 on a busy machine, and `--parts speed --resume` later times the kept models on a quiet one
-(a speed cell records the load average at its start and is `busy` above the core count). At the end `OUT/front.json` holds every cell and
+(a speed cell waits up to 90 s for the load average to fall to the core count, records it
+at its start and is `busy` above the core count). At the end `OUT/front.json` holds every cell and
 `OUT/front.png` the two panels (perplexity and speed against active share, dense as a line).
 `--screen F:MEASURE:SPREAD[:EXPERTS] ...` adds allocation variants scored by perplexity
 alone (SPREAD `auto`: the band `convert` would choose, each band's held-out loss kept in
@@ -39,7 +40,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import DATA, interleaved_times, load_average, machine_busy, machine_line  # noqa: E402
+from benchmarks.harness import (DATA, interleaved_times, load_average, machine_busy, machine_line,  # noqa: E402
+                                settled_load)
 
 BUDGETS = (0.25, 0.375, 0.5, 0.625, 0.75)
 
@@ -170,7 +172,7 @@ class Front:
         """dense time / this model's time (medians, interleaved) of prefill and decode."""
         from benchmarks.budget_speed import sides
 
-        load = load_average()
+        load = settled_load()  # the cell before this one leaves its threads in the average
         out, models = {"load_at_start": load, "busy": machine_busy(load)}, {"dense": self.lm.model, "model": model}
         for batch in (1, 16):
             for what, prompts in (("prefill", self.prompts[:batch]), ("decode", self.prompts[:batch, :128])):

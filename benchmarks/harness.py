@@ -51,6 +51,21 @@ def machine_busy(load_at_start: float) -> bool:
     return load_at_start > (os.cpu_count() or 1)
 
 
+def settled_load(max_wait: float = 90.0, poll: float = 5.0) -> float:
+    """The load average once it is at most the core count, waiting up to `max_wait` seconds.
+
+    A measurement that starts as the one before it (in the same process) ends reads that
+    one's threads in the one-minute average, which decays in seconds once they stop; waiting
+    for it keeps such a start from being marked busy, and a machine that stays busy still is.
+    """
+    deadline = time.monotonic() + max_wait
+    load = load_average()
+    while machine_busy(load) and time.monotonic() < deadline:
+        time.sleep(poll)
+        load = load_average()
+    return load
+
+
 def interleaved_times(sides: Sequence[Callable[[], object]], repeats: int, warmup: int = 1
                       ) -> list[list[float]]:
     """Wall times of each zero-argument `side` (which must block until its result is ready)."""

@@ -48,3 +48,25 @@ def test_single_side_prints_no_ratio(two_cores, capsys):
     assert harness.report(["convert"], [[3.0, 1.0, 2.0]], load_start=0.5, work=4.0) is None
     out = capsys.readouterr().out
     assert "median   2.0000 s" in out and "2.0 tokens/s" in out and "ratio" not in out
+
+
+def _fake_clock(monkeypatch, loads):
+    """A load average that reads `loads` in turn, and a clock that moves only when slept."""
+    now, seen = [0.0], iter(loads)
+    monkeypatch.setattr(harness.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(harness, "load_average", lambda: next(seen))
+    monkeypatch.setattr(harness.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(harness.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+    return now
+
+
+def test_settled_load_waits_for_the_last_cells_threads_to_leave(monkeypatch):
+    now = _fake_clock(monkeypatch, [2.6, 2.3, 1.9, 0.5])
+    assert harness.settled_load(max_wait=90, poll=5) == 1.9  # the first reading at most 2 cores
+    assert now[0] == 10
+
+
+def test_settled_load_gives_up_on_a_busy_machine(monkeypatch):
+    now = _fake_clock(monkeypatch, [3.0] * 100)
+    load = harness.settled_load(max_wait=20, poll=5)
+    assert load == 3.0 and harness.machine_busy(load) and now[0] == 20
