@@ -55,7 +55,7 @@ def settled_load(max_wait: float = 90.0, poll: float = 5.0) -> float:
     """The load average once it is at most the core count, waiting up to `max_wait` seconds.
 
     A measurement that starts as the one before it (in the same process) ends reads that
-    one's threads in the one-minute average, which decays in seconds once they stop; waiting
+    one's threads in the one-minute average, which falls within a minute once they stop; waiting
     for it keeps such a start from being marked busy, and a machine that stays busy still is.
     """
     deadline = time.monotonic() + max_wait
