@@ -83,7 +83,8 @@ def test_padded_runs_where_its_rows_are_clearly_fewer_than_the_dense_paths(monke
     monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
                         DenseWhen(rows_per_expert=4, share=0.5, share_tokens=1 << 30,
                                   gather_share=0.5, padded_share=0.8))
-    mode = lambda tokens, k, e, **kw: dispatch_mode(PairCall(tokens * k, e, k), **kw)  # noqa: E731
+    def mode(tokens, k, e, call_size=0, **kw):
+        return dispatch_mode(PairCall(tokens * k, e, k, expert_size=call_size), **kw)
     assert mode(3, 1, 8) == "gather"                     # pairs <= experts x gather_share
     assert mode(100, 1, 8) == "padded"                   # capacity 16 of 100 tokens
     assert mode(16, 3, 5) == "dense"                     # capacity 16 of 16 tokens: no rows saved
@@ -92,6 +93,13 @@ def test_padded_runs_where_its_rows_are_clearly_fewer_than_the_dense_paths(monke
                         DenseWhen(rows_per_expert=4, gather_share=0.5, padded_share=0.8, padded_experts=8))
     assert mode(100, 1, 8) == "padded"                   # 8 routed experts: enough
     assert mode(100, 1, 7) == "sort"                     # fewer than padded_experts
+    monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
+                        DenseWhen(rows_per_expert=4, gather_share=0.5, padded_share=0.8, padded_experts=8,
+                                  padded_tokens=100, gather_max_size=1000))
+    assert mode(100, 1, 7) == "padded"                   # fewer, but a call of few tokens
+    assert mode(101, 1, 7) == "sort"                     # more than padded_tokens
+    assert mode(20, 1, 7) == "dense"                     # at most rows_per_expert pairs an expert
+    assert mode(20, 1, 7, call_size=1001) == "padded"    # large experts pad at any count
     monkeypatch.setitem(DENSE_WHEN, jax.default_backend(), DenseWhen(rows_per_expert=4))
     assert mode(100, 1, 8) == "sort"                     # padded_share 0: never padded
 
@@ -103,6 +111,16 @@ def test_the_cpu_rule_pads_16_expert_layers_and_sorts_8_expert_ones():
     mode = lambda tokens, k, e: dispatch_mode(PairCall(tokens * k, e, k, jnp.float32))  # noqa: E731
     assert mode(8192, 6, 10) == "padded"
     assert mode(8192, 3, 5) == "sort"
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU rule")
+def test_the_cpu_rule_pads_few_experts_at_128_tokens_and_over_large_experts():
+    """fp32 on CPU, fewer than 8 routed experts: 128 tokens pad, 16 tokens over SmolLM2's
+    experts stay dense, 16 tokens over Llama-2-7B's (4096 x 1376) pad."""
+    mode = lambda tokens, k, e, m=192: dispatch_mode(PairCall(tokens * k, e, k, jnp.float32, 576 * m))  # noqa: E731
+    assert mode(128, 3, 5) == "padded" and mode(128, 1, 7) == "padded"
+    assert mode(16, 1, 7) == "dense"
+    assert mode(16, 1, 7, m=4096 * 1376 // 576) == "padded"
 
 
 def test_few_pairs_over_large_experts_sort_or_run_dense(monkeypatch):

@@ -46,7 +46,9 @@ class DenseWhen(NamedTuple):
     copies each pair's expert weights, which on CPU costs a second pass over them. Above
     it, the padded path runs where its first capacity is at most `padded_share` of the
     tokens (its `E * C` rows against the dense path's `E * T`; 0: never) and the layer has
-    at least `padded_experts` routed experts. Experts of more than `gather_max_size`
+    at least `padded_experts` routed experts; over fewer it runs for calls of more than
+    `rows_per_expert` pairs per expert and at most `padded_tokens` tokens, and over experts
+    of more than `gather_max_size` elements at any count. Experts of more than `gather_max_size`
     elements (d x m) do not gather: where XLA:CPU copies each pair's slice of fp32 weights
     that copy costs more than the product, so few pairs sort instead (the grouped matmul reads
     each chosen expert in place) where a token uses at most `sort_share` of the routed
@@ -58,6 +60,7 @@ class DenseWhen(NamedTuple):
     gather_share: float = 1.0
     padded_share: float = 0.0
     padded_experts: int = 0
+    padded_tokens: int = 0
     gather_max_size: int = 1 << 62
     sort_share: float = 0.0
 
@@ -69,15 +72,18 @@ class DenseWhen(NamedTuple):
 # the dense path's rows; on a GPU they run on cuBLAS, at twice the Pallas grouped matmul's
 # rate. In fp32 on CPU they win over 8 or more routed experts, whose windows the sort
 # loops over while the batched matmuls do not care (the layer alone mostly faster from 128
-# tokens, by up to a quarter; a whole SmolLM2 of 16-expert layers 1-3%); over fewer a whole
-# converted SmolLM2 was no faster with them, so those keep the sort
+# tokens, by up to a quarter; a whole SmolLM2 of 16-expert layers 1-3%); over fewer they win
+# in the layer at 128 tokens (at every width, by up to a third) and over Llama-2-7B's large
+# experts at 16 to 4096 tokens, while at 4096 tokens over small experts the sort is level or
+# faster and a whole converted SmolLM2 at 128 tokens was level, so fewer than 8 pad only there
 # (benchmarks/moe_grid.py, benchmarks/model_dispatch.py, docs/results/performance.md). One
 # token at 4096x11008 in fp32 (experts of 2.8M-5.6M elements): gathered 0.44x-0.91x of the
 # dense FFN's speed, sorted 1.07x-1.37x where a token uses at most a quarter of the routed
 # experts (S1A1E8, S1A3E16), the dense path above that; at 576x1536 and 640x2048 (110k-164k
 # elements) gather and sort are level; in bf16 the gather is 2-3x the sort at every width
 DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.5,
-                               padded_share=0.8, padded_experts=8, gather_max_size=1 << 20,
+                               padded_share=0.8, padded_experts=8, padded_tokens=256,
+                               gather_max_size=1 << 20,
                                sort_share=0.25),
               "cpu:bfloat16": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30,
                                         gather_share=0.5, padded_share=0.8),
@@ -172,11 +178,18 @@ def one_device_mode(call: PairCall) -> Mode:
             return "gather"
         return "sort" if k / e <= when.sort_share else "dense"
     tokens = call.num_pairs // max(k, 1)
-    if e >= when.padded_experts and capacity_ladder(call.num_pairs, e)[0] <= when.padded_share * tokens:
+    if _pads(call, when, tokens) and capacity_ladder(call.num_pairs, e)[0] <= when.padded_share * tokens:
         return "padded"
     if call.num_pairs <= when.rows_per_expert * e or (k / e >= when.share and tokens <= when.share_tokens):
         return "dense"
     return "sort"
+
+
+def _pads(call: PairCall, when: DenseWhen, tokens: int) -> bool:
+    """Whether `call`'s experts are many or large enough for the padded path (`DenseWhen`)."""
+    e = call.num_experts
+    few_pays = call.num_pairs > when.rows_per_expert * e and tokens <= when.padded_tokens
+    return e >= when.padded_experts or few_pays or call.expert_size > when.gather_max_size
 
 
 def check_input(x, d_model: int, owner: str = "MoEFFN") -> None:
