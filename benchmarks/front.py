@@ -233,6 +233,14 @@ def sweep(args) -> list[dict]:
     return cells
 
 
+def saved_front(cells_dir: Path) -> list[dict]:
+    """Every model cell saved under OUT, its speed cell merged in, whichever runs made them:
+    a `--parts speed` run of one budget still writes the whole front."""
+    saved = {p.stem: json.loads(p.read_text()) for p in sorted(cells_dir.glob("*.json"))}
+    return [dict(cell, **{k: v for k, v in saved.get("speed-" + name, {}).items() if k not in cell})
+            for name, cell in saved.items() if cell.get("kind")]
+
+
 def plot(cells: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -313,7 +321,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     print(machine_line(), flush=True)
-    cells = sweep(args)
+    sweep(args)
+    cells = saved_front(args.out / "cells")
     summary = {"model": args.model, "machine": machine_line(), "date": time.strftime("%Y-%m-%d"),
                "max_windows": args.max_windows, "cells": cells}
     _save(args.out / "front.json", summary)

@@ -83,3 +83,18 @@ def test_an_auto_band_is_chosen_once_and_kept(tmp_path, monkeypatch):
     assert list(cc.layer_plans) == budget.with_spread(band["spread_chosen"]).allocate(damage)
     monkeypatch.setattr(spread_choice, "held_out_nll", lambda *a, **k: 1 / 0)
     assert sweep.adaptive(budget).layer_plans == cc.layer_plans
+
+
+def test_the_summary_holds_every_saved_cell_with_its_speed(tmp_path):
+    """A `--parts speed` run of one budget writes front.json and the plot of the whole front."""
+    cells = {"dense": dict(kind="dense", active_share=1.0, ppl=18.0, arc_acc=0.6, machine="a"),
+             "uniform-0.25": dict(kind="uniform", active_share=0.25, ppl=380.0, arc_acc=0.29, machine="a"),
+             "speed-uniform-0.25": dict(prefill_b1=1.2, decode_b16=0.9, busy=False, machine="b"),
+             "adaptive-0.75": dict(kind="adaptive", active_share=0.75, ppl=24.0, arc_acc=0.41),
+             "damage-0.25-E8": dict(loss_rise=[0.1, 0.2]), "band-0.75-E16": dict(spread_chosen=6)}
+    for name, cell in cells.items():
+        front._save(tmp_path / f"{name}.json", cell)
+    got = {c["kind"] + str(c["active_share"]): c for c in front.saved_front(tmp_path)}
+    assert sorted(got) == ["adaptive0.75", "dense1.0", "uniform0.25"]
+    assert got["uniform0.25"]["prefill_b1"] == 1.2 and got["uniform0.25"]["machine"] == "a"
+    assert "prefill_b1" not in got["adaptive0.75"]
