@@ -1,15 +1,22 @@
 """One KV-cache decode step of each model, timed, and what its compiled program copies.
 
     python benchmarks/decode_step.py [--model smollm2 out/u025 ...] [--batch 1 16]
-        [--length 256] [--repeats 40] [--unrolled]
+        [--length 256] [--repeats 40] [--unrolled] [--paths auto gather sort padded dense]
+        [--ffn-floor]
 
 Each model's jitted decode step (`cmoe_jax.generate.engine`'s, one token a row over a cache
 of `--length` slots) is compiled and run `--repeats` times, the models interleaved after a
 warm-up. For each model and batch it prints the median step time and the copies and
 transposes in the compiled step whose shape is a layer's whole cache or the embedding table:
 the arrays a step should read where they lie. `--unrolled` also times each model whose layers
-stack run unrolled, with a cache of its own for each layer, as a model of differing layers runs. To compare two versions of the code, run it in
-a checkout of each, alternately, on a quiet machine (the load average is printed).
+stack run unrolled, with a cache of its own for each layer, as a model of differing layers runs.
+`--paths` times each model with MoE layers once per dispatch path, every layer forced to it
+("auto": the rule), so the rule can be checked on whole steps, whose weights come from
+memory, where the layer grid's stay in cache. `--ffn-floor` adds, for each dense model, the
+same model with an FFN of width 8 (random weights): what a step costs beyond its FFN, from
+which the ideal ratio of a converted model's step follows. To compare two versions of the
+code, run it in a checkout of each, alternately, on a quiet machine (the load average is
+printed).
 """
 from __future__ import annotations
 
@@ -22,11 +29,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import interleaved_times, load_average, machine_line, print_load  # noqa: E402
+from cmoe_jax.moe.modes import DISPATCHES  # noqa: E402
 
 
 def compiled_step(model, batch: int, length: int, slot: int = 10):
     """(a zero-argument callable running one decode step, blocking; the compiled step's HLO
-    text): one token a row written at `slot` of a cache of `length` slots."""
+    text): one random token a row written at `slot` of a cache of `length` slots."""
     import jax
     import jax.numpy as jnp
 
@@ -36,7 +44,9 @@ def compiled_step(model, batch: int, length: int, slot: int = 10):
     graphdef, state = placed_split(model, make_mesh())
     leaves, treedef = jax.tree.flatten(state)
     ones = jnp.ones((batch, 1), jnp.int32)
-    step = engine.StepInput(ones, ones.astype(bool), ones * slot, jnp.int32(slot))
+    # a different token a row: one token in every row would route the whole batch to one expert
+    tokens = jax.random.randint(jax.random.key(1), (batch, 1), 100, model.config.vocab_size)
+    step = engine.StepInput(tokens.astype(jnp.int32), ones.astype(bool), ones * slot, jnp.int32(slot))
     knobs = engine.Knobs(jnp.float32(1), jnp.int32(0), jnp.float32(1))
     key = jax.random.PRNGKey(0)
     cache = model.empty_cache(batch, length).mark(ones.astype(bool), slot)
@@ -49,6 +59,37 @@ def compiled_step(model, batch: int, length: int, slot: int = 10):
         jax.block_until_ready(token)
         held.append(new)
     return run, compiled.as_text()
+
+
+def moe_layers(model) -> list:
+    """The model's `MoEFFN` modules (a stacked run has one, its template)."""
+    from flax import nnx
+
+    from cmoe_jax.moe.layer import MoEFFN
+    return [m for _, m in nnx.iter_graph(model) if isinstance(m, MoEFFN)]
+
+
+def forced_step(model, path: str, batch: int, length: int):
+    """`compiled_step` with every MoE layer of `model` forced to dispatch `path`."""
+    layers = moe_layers(model)
+    for m in layers:
+        m.dispatch = path
+    try:
+        return compiled_step(model, batch, length)
+    finally:
+        for m in layers:
+            m.dispatch = "auto"
+
+
+def without_ffn(model):
+    """`model`'s architecture with an FFN of width 8 and random weights (a dense model only)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from cmoe_jax.models.decoder import Decoder
+    cfg = dataclasses.replace(model.config, intermediate_size=8)
+    return Decoder(cfg, dtype=model.dtype, rngs=nnx.Rngs(0))
 
 
 def whole_copies(model, hlo: str, batch: int, length: int) -> list[str]:
@@ -74,6 +115,10 @@ def main(argv=None) -> None:
     p.add_argument("--length", type=int, default=256, help="cache slots")
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--unrolled", action="store_true", help="also time each stacked model unrolled")
+    p.add_argument("--paths", nargs="+", default=["auto"], choices=DISPATCHES,
+                   help="each model with MoE layers timed with them forced to these paths (auto: the rule)")
+    p.add_argument("--ffn-floor", action="store_true",
+                   help="also time each dense model with an FFN of width 8: the step beyond its FFN")
     args = p.parse_args(argv)
     load = load_average()
     from cmoe_jax.loading import load_model
@@ -82,12 +127,19 @@ def main(argv=None) -> None:
     if args.unrolled:
         models.update({f"{name} (unrolled)": m.unstacked() for name, m in list(models.items())
                        if m.unstacked() is not m})
+    if args.ffn_floor:
+        models.update({f"{name} (FFN of width 8)": without_ffn(m) for name, m in list(models.items())
+                       if not moe_layers(m)})
     print(machine_line(), flush=True)
     for batch in args.batch:
-        steps = {name: compiled_step(m, batch, args.length) for name, m in models.items()}
+        steps, of = {}, {}
+        for name, m in models.items():
+            for path in args.paths if moe_layers(m) else ["auto"]:
+                label = name if path == "auto" else f"{name} ({path})"
+                steps[label], of[label] = forced_step(m, path, batch, args.length), name
         times = interleaved_times([run for run, _ in steps.values()], args.repeats)
         for (name, (_, hlo)), ts in zip(steps.items(), times):
-            copies = whole_copies(models[name], hlo, batch, args.length)
+            copies = whole_copies(models[of[name]], hlo, batch, args.length)
             print(f"batch={batch:<3d} {name}: median {statistics.median(ts) * 1e3:.2f} ms  "
                   f"min {min(ts) * 1e3:.2f} ms  whole-cache/table copies {len(copies)}", flush=True)
     print_load(load, args.repeats, ratio=False)

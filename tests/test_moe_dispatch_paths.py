@@ -98,8 +98,9 @@ def test_padded_runs_where_its_rows_are_clearly_fewer_than_the_dense_paths(monke
                                   padded_tokens=100, gather_max_size=1000))
     assert mode(100, 1, 7) == "padded"                   # fewer, but a call of few tokens
     assert mode(101, 1, 7) == "sort"                     # more than padded_tokens
-    assert mode(20, 1, 7) == "dense"                     # at most rows_per_expert pairs an expert
-    assert mode(20, 1, 7, call_size=1001) == "padded"    # large experts pad at any count
+    assert mode(20, 1, 7) == "padded"                    # few tokens pad at any count
+    assert mode(16, 3, 5) == "sort"                      # unless the padding saves no rows
+    assert mode(101, 1, 7, call_size=1001) == "padded"   # large experts pad at any count
     monkeypatch.setitem(DENSE_WHEN, jax.default_backend(), DenseWhen(rows_per_expert=4))
     assert mode(100, 1, 8) == "sort"                     # padded_share 0: never padded
 
@@ -114,12 +115,16 @@ def test_the_cpu_rule_pads_16_expert_layers_and_sorts_8_expert_ones():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU rule")
-def test_the_cpu_rule_pads_few_experts_at_128_tokens_and_over_large_experts():
-    """fp32 on CPU, fewer than 8 routed experts: 128 tokens pad, 16 tokens over SmolLM2's
-    experts stay dense, 16 tokens over Llama-2-7B's (4096 x 1376) pad."""
+def test_the_cpu_rule_pads_few_experts_at_up_to_256_tokens_and_over_large_experts():
+    """fp32 on CPU, fewer than 8 routed experts: 128 tokens pad, and so does a decoding
+    step of 16 rows over S1A1E8's 7 routed experts (capacity 4 of 16 tokens); S3A3E8's 16
+    tokens (capacity 16) stay dense; 16 tokens over Llama-2-7B's experts (4096 x 1376) pad.
+    One token gathers where it uses at most three quarters of the routed experts."""
     mode = lambda tokens, k, e, m=192: dispatch_mode(PairCall(tokens * k, e, k, jnp.float32, 576 * m))  # noqa: E731
     assert mode(128, 3, 5) == "padded" and mode(128, 1, 7) == "padded"
-    assert mode(16, 1, 7) == "dense"
+    assert mode(16, 1, 7) == "padded" and mode(16, 3, 5) == "dense"
+    assert mode(257, 1, 7) == "sort"
+    assert mode(1, 3, 5) == "gather" and mode(1, 4, 5) == "dense"  # one token: 3 of 5 gather
     assert mode(16, 1, 7, m=4096 * 1376 // 576) == "padded"
 
 

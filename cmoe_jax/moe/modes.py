@@ -46,9 +46,9 @@ class DenseWhen(NamedTuple):
     copies each pair's expert weights, which on CPU costs a second pass over them. Above
     it, the padded path runs where its first capacity is at most `padded_share` of the
     tokens (its `E * C` rows against the dense path's `E * T`; 0: never) and the layer has
-    at least `padded_experts` routed experts; over fewer it runs for calls of more than
-    `rows_per_expert` pairs per expert and at most `padded_tokens` tokens, and over experts
-    of more than `gather_max_size` elements at any count. Experts of more than `gather_max_size`
+    at least `padded_experts` routed experts; over fewer it runs for calls of at most
+    `padded_tokens` tokens, and over experts of more than `gather_max_size` elements at any
+    count. Experts of more than `gather_max_size`
     elements (d x m) do not gather: where XLA:CPU copies each pair's slice of fp32 weights
     that copy costs more than the product, so few pairs sort instead (the grouped matmul reads
     each chosen expert in place) where a token uses at most `sort_share` of the routed
@@ -81,7 +81,7 @@ class DenseWhen(NamedTuple):
 # dense FFN's speed, sorted 1.07x-1.37x where a token uses at most a quarter of the routed
 # experts (S1A1E8, S1A3E16), the dense path above that; at 576x1536 and 640x2048 (110k-164k
 # elements) gather and sort are level; in bf16 the gather is 2-3x the sort at every width
-DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.5,
+DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.75,
                                padded_share=0.8, padded_experts=8, padded_tokens=256,
                                gather_max_size=1 << 20,
                                sort_share=0.25),
@@ -187,9 +187,8 @@ def one_device_mode(call: PairCall) -> Mode:
 
 def _pads(call: PairCall, when: DenseWhen, tokens: int) -> bool:
     """Whether `call`'s experts are many or large enough for the padded path (`DenseWhen`)."""
-    e = call.num_experts
-    few_pays = call.num_pairs > when.rows_per_expert * e and tokens <= when.padded_tokens
-    return e >= when.padded_experts or few_pays or call.expert_size > when.gather_max_size
+    few_pays = tokens <= when.padded_tokens
+    return call.num_experts >= when.padded_experts or few_pays or call.expert_size > when.gather_max_size
 
 
 def check_input(x, d_model: int, owner: str = "MoEFFN") -> None:
