@@ -12,7 +12,9 @@ the arrays a step should read where they lie. `--unrolled` also times each model
 stack run unrolled, with a cache of its own for each layer, as a model of differing layers runs.
 `--paths` times each model with MoE layers once per dispatch path, every layer forced to it
 ("auto": the rule), so the rule can be checked on whole steps, whose weights come from
-memory, where the layer grid's stay in cache. `--ffn-floor` adds, for each dense model, the
+memory, where the layer grid's stay in cache. With `--data-path` (WikiText-2 test text) the
+step is the one after a prefill of `--prompt-len` tokens a row, so it routes as real decoding
+does (more unevenly than random tokens over an empty cache). `--ffn-floor` adds, for each dense model, the
 same model with an FFN of width 8 (random weights): what a step costs beyond its FFN, from
 which the ideal ratio of a converted model's step follows. To compare two versions of the
 code, run it in a checkout of each, alternately, on a quiet machine (the load average is
@@ -32,9 +34,10 @@ from benchmarks.harness import interleaved_times, load_average, machine_line, pr
 from cmoe_jax.moe.modes import DISPATCHES  # noqa: E402
 
 
-def compiled_step(model, batch: int, length: int, slot: int = 10):
+def compiled_step(model, batch: int, length: int, slot: int = 10, prompts=None):
     """(a zero-argument callable running one decode step, blocking; the compiled step's HLO
-    text): one random token a row written at `slot` of a cache of `length` slots."""
+    text): one random token a row written at `slot` of a cache of `length` slots, or, with
+    `prompts` (int `[batch, W]`), the greedy token after them, their prefill in the cache."""
     import jax
     import jax.numpy as jnp
 
@@ -43,15 +46,25 @@ def compiled_step(model, batch: int, length: int, slot: int = 10):
 
     graphdef, state = placed_split(model, make_mesh())
     leaves, treedef = jax.tree.flatten(state)
+    jitted = engine._jitted_step(graphdef, treedef)
     ones = jnp.ones((batch, 1), jnp.int32)
-    # a different token a row: one token in every row would route the whole batch to one expert
-    tokens = jax.random.randint(jax.random.key(1), (batch, 1), 100, model.config.vocab_size)
-    step = engine.StepInput(tokens.astype(jnp.int32), ones.astype(bool), ones * slot, jnp.int32(slot))
     knobs = engine.Knobs(jnp.float32(1), jnp.int32(0), jnp.float32(1))
     key = jax.random.PRNGKey(0)
-    cache = model.empty_cache(batch, length).mark(ones.astype(bool), slot)
-    compiled = engine._jitted_step(graphdef, treedef).lower(leaves, cache, step, key, knobs,
-                                                            greedy=True).compile()
+    cache = model.empty_cache(batch, length)
+    if prompts is None:
+        # a different token a row: one token in every row would route the batch to one expert
+        tokens = jax.random.randint(jax.random.key(1), (batch, 1), 100, model.config.vocab_size)
+        cache = cache.mark(ones.astype(bool), slot)
+    else:
+        prompts = jnp.asarray(prompts, jnp.int32)
+        width = prompts.shape[1]
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), prompts.shape)
+        tokens, cache = jitted(leaves, cache, engine.StepInput(prompts, prompts >= 0, positions, jnp.int32(0)),
+                               key, knobs, greedy=True)
+        slot = width
+    step = engine.StepInput(jnp.asarray(tokens).reshape(batch, 1).astype(jnp.int32), ones.astype(bool),
+                            ones * slot, jnp.int32(slot))
+    compiled = jitted.lower(leaves, cache, step, key, knobs, greedy=True).compile()
     held = [cache]
 
     def run():  # the step donates its cache: the next one runs on this one's
@@ -69,13 +82,13 @@ def moe_layers(model) -> list:
     return [m for _, m in nnx.iter_graph(model) if isinstance(m, MoEFFN)]
 
 
-def forced_step(model, path: str, batch: int, length: int):
+def forced_step(model, path: str, batch: int, length: int, prompts=None):
     """`compiled_step` with every MoE layer of `model` forced to dispatch `path`."""
     layers = moe_layers(model)
     for m in layers:
         m.dispatch = path
     try:
-        return compiled_step(model, batch, length)
+        return compiled_step(model, batch, length, prompts=prompts)
     finally:
         for m in layers:
             m.dispatch = "auto"
@@ -119,24 +132,38 @@ def main(argv=None) -> None:
                    help="each model with MoE layers timed with them forced to these paths (auto: the rule)")
     p.add_argument("--ffn-floor", action="store_true",
                    help="also time each dense model with an FFN of width 8: the step beyond its FFN")
+    p.add_argument("--data-path", type=Path, help="prompt text (WikiText-2 test): the step follows the "
+                   "prefill of --prompt-len tokens a row (default: a random token a row, empty cache)")
+    p.add_argument("--prompt-len", type=int, default=128)
     args = p.parse_args(argv)
+    if args.data_path is not None and not args.data_path.is_file():
+        p.error(f"--data-path {args.data_path} is not a file: give a text file, e.g. WikiText-2's test.txt")
+    if args.data_path is not None and args.prompt_len >= args.length:
+        p.error(f"--prompt-len {args.prompt_len} leaves no cache slot of --length {args.length} for the step")
     load = load_average()
     from cmoe_jax.loading import load_model
 
-    models = {name: load_model(name, progress=False).model for name in args.model}
+    loaded = {name: load_model(name, progress=False) for name in args.model}
+    models = {name: lm.model for name, lm in loaded.items()}
     if args.unrolled:
         models.update({f"{name} (unrolled)": m.unstacked() for name, m in list(models.items())
                        if m.unstacked() is not m})
     if args.ffn_floor:
         models.update({f"{name} (FFN of width 8)": without_ffn(m) for name, m in list(models.items())
                        if not moe_layers(m)})
+    pool = None
+    if args.data_path is not None:
+        from cmoe_jax.data import load_text_tokens
+        tokens = load_text_tokens("wikitext2", loaded[args.model[0]].tokenizer, "test", str(args.data_path))
+        pool = tokens[:max(args.batch) * args.prompt_len].reshape(max(args.batch), args.prompt_len)
     print(machine_line(), flush=True)
     for batch in args.batch:
         steps, of = {}, {}
+        prompts = None if pool is None else pool[:batch]
         for name, m in models.items():
             for path in args.paths if moe_layers(m) else ["auto"]:
                 label = name if path == "auto" else f"{name} ({path})"
-                steps[label], of[label] = forced_step(m, path, batch, args.length), name
+                steps[label], of[label] = forced_step(m, path, batch, args.length, prompts), name
         times = interleaved_times([run for run, _ in steps.values()], args.repeats)
         for (name, (_, hlo)), ts in zip(steps.items(), times):
             copies = whole_copies(models[of[name]], hlo, batch, args.length)
