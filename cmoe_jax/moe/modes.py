@@ -76,12 +76,13 @@ class DenseWhen(NamedTuple):
 # in the layer at 128 tokens (at every width, by up to a third) and over Llama-2-7B's large
 # experts at 16 to 4096 tokens, while at 4096 tokens over small experts the sort is level or
 # faster and a whole converted SmolLM2 at 128 tokens was level, so fewer than 8 pad only up
-# to 256 tokens and over large experts. A decoding step of 16 rows (16 pairs over S1A1E8's 7
-# routed experts) pads too: the layer alone is level with the dense path there (its weights
-# stay in cache), but a whole step, whose 30 layers' weights come from memory, runs a tenth
-# faster padded or sorted than dense; and one token gathers up to three quarters of the
-# routed experts (S3A3E8's 3 of 5: the whole step 1.14x-1.2x faster than on the dense path,
-# which reads all five) (benchmarks/moe_grid.py, benchmarks/model_dispatch.py,
+# to 256 tokens and over large experts. That includes a decoding step of 16 rows (16 pairs
+# over S1A1E8's 7 routed experts): padded, the layer alone is level with the dense path at
+# 576x1536 and faster at 640x2048, a whole step on WikiText-2 text level with it. One token
+# gathers up to three quarters of the routed experts: S3A3E8's 3 of 5 in a whole decoding
+# step 1.2x-1.3x faster gathered than on the dense path, which reads all five (in the layer
+# alone, its weights in cache, the two are level) (benchmarks/moe_grid.py,
+# benchmarks/model_dispatch.py,
 # benchmarks/decode_step.py --paths, docs/results/performance.md). One
 # token at 4096x11008 in fp32 (experts of 2.8M-5.6M elements): gathered 0.44x-0.91x of the
 # dense FFN's speed, sorted 1.07x-1.37x where a token uses at most a quarter of the routed
