@@ -9,16 +9,16 @@ of `--length` slots) is compiled and run `--repeats` times, the models interleav
 warm-up. For each model and batch it prints the median step time and the copies and
 transposes in the compiled step whose shape is a layer's whole cache or the embedding table:
 the arrays a step should read where they lie. `--unrolled` also times each model whose layers
-stack run unrolled, with a cache of its own for each layer, as a model of differing layers runs.
-`--paths` times each model with MoE layers once per dispatch path, every layer forced to it
-("auto": the rule), so the rule can be checked on whole steps, whose weights come from
+stack run unrolled, with a cache of its own for each layer, as a model of differing layers
+runs. `--paths` times each model with MoE layers once per dispatch path, every layer forced
+to it ("auto": the rule), so the rule can be checked on whole steps, whose weights come from
 memory, where the layer grid's stay in cache. With `--data-path` (WikiText-2 test text) the
-step is the one after a prefill of `--prompt-len` tokens a row, so it routes as real decoding
-does (more unevenly than random tokens over an empty cache). `--ffn-floor` adds, for each dense model, the
-same model with an FFN of width 8 (random weights): what a step costs beyond its FFN, from
-which the ideal ratio of a converted model's step follows. To compare two versions of the
-code, run it in a checkout of each, alternately, on a quiet machine (the load average is
-printed).
+step is the one after a prefill of `--prompt-len` tokens a row, so it routes as real
+decoding does (more unevenly than random tokens over an empty cache). `--ffn-floor` adds,
+for each dense model, the same model with an FFN of width 8 (random weights): what a step
+costs beyond its FFN, from which the ideal ratio of a converted model's step follows. To
+compare two versions of the code, run it in a checkout of each, alternately, on a quiet
+machine (the load average is printed).
 """
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ def test_the_cpu_rule_pads_16_expert_layers_and_sorts_8_expert_ones():
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU rule")
 def test_the_cpu_rule_pads_few_experts_at_up_to_256_tokens_and_over_large_experts():
     """fp32 on CPU, fewer than 8 routed experts: 128 tokens pad, and so does a decoding
-    step of 16 rows over S1A1E8's 7 routed experts (capacity 4 of 16 tokens); S3A3E8's 16
+    step of 16 rows over S1A1E8's 7 routed experts (capacity 8 of 16 tokens); S3A3E8's 16
     tokens (capacity 16) stay dense; 16 tokens over Llama-2-7B's experts (4096 x 1376) pad.
     One token gathers where it uses at most three quarters of the routed experts."""
     mode = lambda tokens, k, e, m=192: dispatch_mode(PairCall(tokens * k, e, k, jnp.float32, 576 * m))  # noqa: E731

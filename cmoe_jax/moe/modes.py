@@ -48,8 +48,7 @@ class DenseWhen(NamedTuple):
     tokens (its `E * C` rows against the dense path's `E * T`; 0: never) and the layer has
     at least `padded_experts` routed experts; over fewer it runs for calls of at most
     `padded_tokens` tokens, and over experts of more than `gather_max_size` elements at any
-    count. Experts of more than `gather_max_size`
-    elements (d x m) do not gather: where XLA:CPU copies each pair's slice of fp32 weights
+    count. Experts of more than `gather_max_size` elements (d x m) do not gather: where XLA:CPU copies each pair's slice of fp32 weights
     that copy costs more than the product, so few pairs sort instead (the grouped matmul reads
     each chosen expert in place) where a token uses at most `sort_share` of the routed
     experts, and run dense otherwise."""
@@ -80,10 +79,9 @@ class DenseWhen(NamedTuple):
 # over S1A1E8's 7 routed experts): padded, the layer alone is level with the dense path at
 # 576x1536 and faster at 640x2048, a whole step on WikiText-2 text level with it. One token
 # gathers up to three quarters of the routed experts: S3A3E8's 3 of 5 in a whole decoding
-# step 1.2x-1.3x faster gathered than on the dense path, which reads all five (in the layer
+# step 1.3x faster gathered than on the dense path, which reads all five (in the layer
 # alone, its weights in cache, the two are level) (benchmarks/moe_grid.py,
-# benchmarks/model_dispatch.py,
-# benchmarks/decode_step.py --paths, docs/results/performance.md). One
+# benchmarks/model_dispatch.py, benchmarks/decode_step.py --paths, performance.md). One
 # token at 4096x11008 in fp32 (experts of 2.8M-5.6M elements): gathered 0.44x-0.91x of the
 # dense FFN's speed, sorted 1.07x-1.37x where a token uses at most a quarter of the routed
 # experts (S1A1E8, S1A3E16), the dense path above that; at 576x1536 and 640x2048 (110k-164k
@@ -194,8 +192,8 @@ def one_device_mode(call: PairCall) -> Mode:
 
 def _pads(call: PairCall, when: DenseWhen, tokens: int) -> bool:
     """Whether `call`'s experts are many or large enough for the padded path (`DenseWhen`)."""
-    few_pays = tokens <= when.padded_tokens
-    return call.num_experts >= when.padded_experts or few_pays or call.expert_size > when.gather_max_size
+    few_tokens = tokens <= when.padded_tokens
+    return call.num_experts >= when.padded_experts or few_tokens or call.expert_size > when.gather_max_size
 
 
 def check_input(x, d_model: int, owner: str = "MoEFFN") -> None:
