@@ -125,6 +125,8 @@ def test_the_cpu_rule_pads_few_experts_at_up_to_256_tokens_and_over_large_expert
     assert mode(16, 1, 7) == "padded" and mode(16, 3, 5) == "dense"
     assert mode(257, 1, 7) == "sort"
     assert mode(1, 3, 5) == "gather" and mode(1, 4, 5) == "dense"  # one token: 3 of 5 gather
+    for m in (192, 1376 * 4096 // 576):  # in bf16 too, over small experts and large ones
+        assert dispatch_mode(PairCall(3, 5, 3, jnp.bfloat16, 576 * m)) == "gather"
     assert mode(16, 1, 7, m=4096 * 1376 // 576) == "padded"
 
 
