@@ -86,7 +86,7 @@ class DenseWhen(NamedTuple):
 # dense FFN's speed, sorted 1.07x-1.37x where a token uses at most a quarter of the routed
 # experts (S1A1E8, S1A3E16), the dense path above that; at 576x1536 and 640x2048 (110k-164k
 # elements) gather and sort are level; in bf16 the gather is 2-3x the sort at every width,
-# and one token of S3A3E8 (3 of 5 routed experts) gathered runs 1.0x-1.7x the dense FFN's
+# and one token of S3A3E8 (3 of 5 routed experts) gathered runs 0.9x-1.7x the dense FFN's
 # speed in the layer alone, where its dense path runs 0.72x-1.08x
 DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.75,
                                padded_share=0.8, padded_experts=8, padded_tokens=256,
