@@ -9,8 +9,9 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 from cmoe_jax.moe import MoEFFN
-from cmoe_jax.moe.dispatch import counting_plan, dense_experts, plan, sorting_plan
-from cmoe_jax.moe.modes import DENSE_WHEN, DenseWhen, PairCall, dispatch_mode
+from cmoe_jax.moe.dispatch import (Slabs, counting_plan, dense_experts, gathered_experts, pair_products,
+                                   plan, slab_steps, sorting_plan)
+from cmoe_jax.moe.modes import DENSE_WHEN, DenseWhen, PairCall, dense_when, dispatch_mode
 
 PATHS = ("sort", "gather", "dense", "padded", "auto")
 
@@ -95,7 +96,7 @@ def test_padded_runs_where_its_rows_are_clearly_fewer_than_the_dense_paths(monke
     assert mode(100, 1, 7) == "sort"                     # fewer than padded_experts
     monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
                         DenseWhen(rows_per_expert=4, gather_share=0.5, padded_share=0.8, padded_experts=8,
-                                  padded_tokens=100, gather_max_size=1000))
+                                  padded_tokens=100, large_expert_size=1000))
     assert mode(100, 1, 7) == "padded"                   # fewer, but a call of few tokens
     assert mode(101, 1, 7) == "sort"                     # more than padded_tokens
     assert mode(20, 1, 7) == "padded"                    # few tokens pad at any count
@@ -130,27 +131,57 @@ def test_the_cpu_rule_pads_few_experts_at_up_to_256_tokens_and_over_large_expert
     assert mode(16, 1, 7, m=4096 * 1376 // 576) == "padded"
 
 
-def test_few_pairs_over_large_experts_sort_or_run_dense(monkeypatch):
-    """Above `gather_max_size` a few pairs do not gather: they sort where a token uses at
-    most `sort_share` of the routed experts, else run dense."""
-    monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
-                        DenseWhen(rows_per_expert=4, gather_share=0.5, gather_max_size=100, sort_share=0.25))
-    mode = lambda k, e, size: dispatch_mode(PairCall(k, e, k, expert_size=size))  # noqa: E731
-    assert mode(1, 8, 100) == "gather"                   # at the size bound
-    assert mode(1, 8, 101) == "sort"                     # an eighth of the routed experts
-    assert mode(2, 8, 101) == "sort"                     # a quarter
-    assert mode(3, 8, 101) == "dense"                    # more than a quarter
-
-
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU rule")
-def test_the_cpu_rule_sorts_one_token_over_llama_7b_experts_in_fp32():
-    """One token over Llama-2-7B's experts (4096 x 11008 / 8 or / 16): S1A1E8 and S1A3E16
-    sort, S2A2E8 runs dense; SmolLM2's experts and bf16 ones gather."""
+def test_the_cpu_rule_gathers_one_token_in_slabs_over_llama_7b_experts_in_fp32():
+    """One token over Llama-2-7B's experts (4096 x 11008 / 8 or / 16) gathers, in fp32 a
+    slab of at most 256 KiB an expert at a time (16 steps of 1.4 MiB at most); bf16 and
+    SmolLM2's experts too."""
     mode = lambda k, e, m, dtype=jnp.float32: dispatch_mode(PairCall(k, e, k, dtype, 4096 * m))  # noqa: E731
-    assert mode(1, 7, 1376) == "sort" and mode(3, 15, 688) == "sort"
-    assert mode(2, 6, 1376) == "dense"
+    assert mode(1, 7, 1376) == mode(3, 15, 688) == mode(2, 6, 1376) == mode(3, 5, 1376) == "gather"
     assert mode(1, 7, 1376, jnp.bfloat16) == "gather"
     assert dispatch_mode(PairCall(1, 7, 1, jnp.float32, 576 * 192)) == "gather"
+    slabs = dense_when(jnp.float32).slabs()
+    assert slab_steps(4096, 4096 * 1376 * 4, slabs) == 16 and slab_steps(576, 576 * 192 * 4, slabs) == 2
+    assert dense_when(jnp.bfloat16).slabs() is None
+
+
+@pytest.mark.parametrize("depth", [12, 7])
+@pytest.mark.parametrize("slabs", [None, Slabs(100, 16), Slabs(1, 16)])
+def test_pair_products_in_slabs_equal_each_pairs_own_product(depth, slabs):
+    """Slabs of the contraction (a divisor of it; a prime one row each) sum to each pair's
+    product with its own expert, values and gradients."""
+    rng = np.random.default_rng(depth)
+    a = jnp.asarray(rng.normal(size=(5, depth)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(4, depth, 3)), jnp.float32)
+    experts = jnp.asarray([3, 0, 3, 1, 2], jnp.int32)
+    want = lambda a, w: jnp.stack([a[p] @ w[int(e)] for p, e in enumerate(experts)])  # noqa: E731
+    got = lambda a, w: pair_products(a, w, experts, slabs)  # noqa: E731
+    np.testing.assert_allclose(got(a, w), want(a, w), rtol=1e-5, atol=1e-6)
+    f = lambda fn: jax.grad(lambda a, w: jnp.sum(jnp.sin(fn(a, w))), argnums=(0, 1))(a, w)  # noqa: E731
+    for g, r in zip(f(got), f(want)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_slab_steps_divide_the_contraction_within_the_budget():
+    four_mib = 4096 * 256 * 4
+    assert slab_steps(4096, four_mib, Slabs(four_mib, 16)) == 1
+    assert slab_steps(4096, four_mib, Slabs(1 << 20, 16)) == 4
+    assert slab_steps(576, 576 * 192 * 4, Slabs(1 << 18, 16)) == 2      # 442 KiB: two slabs
+    assert slab_steps(1376, 1376 * 4096 * 4, Slabs(1 << 20, 16)) == 16  # 22 wanted, 16 at most
+    assert slab_steps(4096, 22 << 20, Slabs(1 << 20, 16)) == 16
+    assert slab_steps(7, 100, Slabs(1, 16)) == 7 and slab_steps(7, 100, Slabs(1, 4)) == 1  # a prime
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_gather_in_slabs_lowers_for_accelerators(platform):
+    def f(x, ids, gates, wg, wu, wd):
+        return jnp.sum(gathered_experts(x, ids, gates, wg, wu, wd, "silu", Slabs(1 << 18, 16))[0] ** 2)
+
+    s = jax.ShapeDtypeStruct
+    args = (s((1, 4096), jnp.float32), s((1, 3), jnp.int32), s((1, 3), jnp.float32),
+            s((5, 4096, 1376), jnp.float32), s((5, 4096, 1376), jnp.float32), s((5, 1376, 4096), jnp.float32))
+    exp = jax.export.export(jax.jit(jax.value_and_grad(f, argnums=(0, 3, 4, 5))), platforms=[platform])(*args)
+    assert "dot_general" in exp.mlir_module()
 
 
 def test_unknown_dispatch_is_refused():

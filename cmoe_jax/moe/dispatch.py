@@ -128,22 +128,61 @@ def combine(ys: jax.Array, gates: jax.Array) -> jax.Array:
 
 
 def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
-                     w_up: jax.Array, w_down: jax.Array, activation: str
+                     w_up: jax.Array, w_down: jax.Array, activation: str, slabs: Slabs | None = None
                      ) -> tuple[jax.Array, jax.Array]:
     """`routed_experts` for few tokens: each (token, slot) pair multiplies its own expert's
     weights, gathered from the stacked `[E, ...]` tensors, so only the chosen experts are
-    read. Same products, dtypes and float32 combine as the sort dispatch."""
+    read. Same products, dtypes and float32 combine as the sort dispatch.
+
+    With `slabs` each product reads its experts' slices a slab of rows at a time
+    (`pair_products`): XLA:CPU copies a sliced operand before its product, and a slab's copy
+    stays in cache where a whole expert's goes to memory and back."""
     num_tokens, top_k = ids.shape
     num_experts = w_gate.shape[0]
     flat = jnp.minimum(ids.reshape(-1), num_experts - 1)  # a dropped pair (id E, gate 0) reads any
     rows = jnp.repeat(x, top_k, axis=0)                                   # [T*k, d]
-    mm = lambda a, w, spec: jnp.einsum(spec, a, jnp.take(w, flat, axis=0),
-                                       preferred_element_type=jnp.float32).astype(a.dtype)
-    h = glu_activation(activation)(mm(rows, w_gate, "rd,rdm->rm")) * mm(rows, w_up, "rd,rdm->rm")
-    ys = mm(h.astype(rows.dtype), w_down, "rm,rmd->rd")
+    mm = lambda a, w: pair_products(a, w, flat, slabs).astype(a.dtype)  # noqa: E731
+    h = glu_activation(activation)(mm(rows, w_gate)) * mm(rows, w_up)
+    ys = mm(h.astype(rows.dtype), w_down)
     y = jnp.einsum("tkd,tk->td", ys.astype(jnp.float32).reshape(num_tokens, top_k, -1),
                    gates.astype(jnp.float32))
     return y, jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32)
+
+
+class Slabs(NamedTuple):
+    """How `pair_products` cuts an expert's slice: slabs of at most `max_bytes` each, in at
+    most `max_steps` loop steps (the loop's fixed cost a step bounds how small they get)."""
+
+    max_bytes: int
+    max_steps: int
+
+
+def pair_products(a: jax.Array, w: jax.Array, experts: jax.Array, slabs: Slabs | None = None) -> jax.Array:
+    """float32 `[P, n]`: row p of `a [P, K]` times its expert's `w[experts[p]] [K, n]`; with
+    `slabs`, summed over slabs of K (`slab_steps`), each pair's slab sliced in place of its
+    whole expert."""
+    pairs, depth = a.shape
+    n = w.shape[-1]
+    steps = 1 if slabs is None else slab_steps(depth, depth * n * w.dtype.itemsize, slabs)
+    if steps == 1:
+        return jnp.einsum("pk,pkn->pn", a, jnp.take(w, experts, axis=0), preferred_element_type=jnp.float32)
+    rows = depth // steps
+
+    def step(i, acc):
+        start = i * rows
+        ws = jax.vmap(lambda e: jax.lax.dynamic_slice(w, (e, start, 0), (1, rows, n))[0])(experts)
+        part = jax.lax.dynamic_slice_in_dim(a, start, rows, axis=1)
+        return acc + jnp.einsum("pk,pkn->pn", part, ws, preferred_element_type=jnp.float32)
+
+    return jax.lax.fori_loop(0, steps, step, jnp.zeros((pairs, n), jnp.float32))
+
+
+def slab_steps(depth: int, expert_bytes: int, slabs: Slabs) -> int:
+    """The fewest slabs, a divisor of `depth`, of at most `slabs.max_bytes` of an expert's
+    `expert_bytes` each; where that takes more than `slabs.max_steps`, the most slabs within
+    it (1 when the whole expert fits)."""
+    divisors = [s for s in range(1, min(depth, slabs.max_steps) + 1) if depth % s == 0]
+    return next((s for s in divisors if expert_bytes <= s * slabs.max_bytes), divisors[-1])
 
 
 def dense_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax.Array,

@@ -34,7 +34,7 @@ from cmoe_jax.moe.balance import update_router_bias
 from cmoe_jax.moe.dispatch import GLUExperts, dense_experts, gathered_experts
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_experts, tokens_sharded
 from cmoe_jax.moe.gmm import get_glu, get_gmm
-from cmoe_jax.moe.modes import (PairCall, check_input, check_layer, check_mask, dispatch_mode,
+from cmoe_jax.moe.modes import (PairCall, check_input, check_layer, check_mask, dense_when, dispatch_mode,
                                 expert_parallel_active, token_devices)
 from cmoe_jax.moe.padded import padded_experts
 from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
@@ -275,9 +275,11 @@ class MoEFFN(nnx.Module):
         call = PairCall(ids.size, weights[0].shape[0], ids.shape[1], self.dtype, self.d_model * self.expert_width)
         mode = dispatch_mode(call, self.expert_axis, adapters=bool(adapters),
                              weight=self.expert_gate.get_value(), dispatch=self.dispatch)
-        if mode in ("gather", "dense"):
-            run = gathered_experts if mode == "gather" else dense_experts
-            return run(x, ids, gates, *weights, activation=self.activation)
+        if mode == "gather":
+            return gathered_experts(x, ids, gates, *weights, activation=self.activation,
+                                    slabs=dense_when(self.dtype).slabs())
+        if mode == "dense":
+            return dense_experts(x, ids, gates, *weights, activation=self.activation)
         limit = (capacity(x.shape[0] // token_devices(), ids.shape[1], weights[0].shape[0],
                           self.spec.capacity_factor) if self.spec.capacity_factor > 0 else None)
         experts = GLUExperts(*weights, gmm, activation=self.activation, glu=get_glu(self.backend),

@@ -5,8 +5,7 @@ Five ways to run the (token, expert) pairs of one call:
 - "expert_parallel": the mesh set with `jax.set_mesh` has the layer's expert axis (size > 1):
   experts split over it, tokens exchanged by all-to-all (`cmoe_jax.moe.expert_parallel`);
 - "gather": very few pairs (below `DenseWhen.gather_share` per expert, e.g. one decoding
-  step), experts no larger than `DenseWhen.gather_max_size` and no adapters: each pair
-  reads only its own expert's weights;
+  step) and no adapters: each pair reads only its own expert's weights;
 - "dense": where sparsity cannot pay (`DenseWhen`): every expert on every token, the
   unchosen ones weighted zero, as one wide product (`cmoe_jax.moe.dispatch.dense_experts`);
 - "padded": where the platform's rule allows it (`DenseWhen.padded_share`) and the padded
@@ -29,6 +28,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from cmoe_jax.moe.dispatch import Slabs
 from cmoe_jax.moe.gmm import resolve_backend
 from cmoe_jax.moe.padded import capacity_ladder
 
@@ -42,16 +42,15 @@ class DenseWhen(NamedTuple):
     benchmarks/moe_grid.py, docs/results/performance.md): at most `rows_per_expert`
     (token, slot) pairs per expert (the sort's fixed cost, a loop step per window, outweighs
     the skipped products), or a token using at least `share` of the experts with at most
-    `share_tokens` tokens. The gather path runs below `gather_share` pairs per expert: it
-    copies each pair's expert weights, which on CPU costs a second pass over them. Above
+    `share_tokens` tokens. The gather path runs below `gather_share` pairs per expert,
+    reading each product's expert slices in slabs of at most `gather_slab_bytes` (0: whole)
+    in at most `gather_slab_steps` loop steps (`cmoe_jax.moe.dispatch.pair_products`): where
+    XLA:CPU copies a sliced operand before its product, a slab's copy stays in cache. Above
     it, the padded path runs where its first capacity is at most `padded_share` of the
     tokens (its `E * C` rows against the dense path's `E * T`; 0: never) and the layer has
     at least `padded_experts` routed experts; over fewer it runs for calls of at most
-    `padded_tokens` tokens, and over experts of more than `gather_max_size` elements at any
-    count. Experts of more than `gather_max_size` elements (d x m) do not gather: where XLA:CPU copies each pair's slice of fp32 weights
-    that copy costs more than the product, so few pairs sort instead (the grouped matmul reads
-    each chosen expert in place) where a token uses at most `sort_share` of the routed
-    experts, and run dense otherwise."""
+    `padded_tokens` tokens, and over experts of more than `large_expert_size` elements
+    (d x m) at any count."""
 
     rows_per_expert: float = 0
     share: float = 2.0
@@ -60,8 +59,13 @@ class DenseWhen(NamedTuple):
     padded_share: float = 0.0
     padded_experts: int = 0
     padded_tokens: int = 0
-    gather_max_size: int = 1 << 62
-    sort_share: float = 0.0
+    large_expert_size: int = 1 << 62
+    gather_slab_bytes: int = 0
+    gather_slab_steps: int = 1
+
+    def slabs(self) -> Slabs | None:
+        """How the gather cuts its expert slices (None: whole)."""
+        return Slabs(self.gather_slab_bytes, self.gather_slab_steps) if self.gather_slab_bytes > 0 else None
 
 
 # keyed by platform, or "platform:dtype" where the expert weights' dtype changes the answer:
@@ -90,8 +94,7 @@ class DenseWhen(NamedTuple):
 # speed in the layer alone, where its dense path runs 0.72x-1.08x
 DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.75,
                                padded_share=0.8, padded_experts=8, padded_tokens=256,
-                               gather_max_size=1 << 20,
-                               sort_share=0.25),
+                               large_expert_size=1 << 20, gather_slab_bytes=1 << 18, gather_slab_steps=16),
               "cpu:bfloat16": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30,
                                         gather_share=0.75, padded_share=0.8),
               "gpu": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30, padded_share=0.8)}
@@ -181,9 +184,7 @@ def one_device_mode(call: PairCall) -> Mode:
     """The platform's rule (`dense_when`) for `call` on one device."""
     when, e, k = dense_when(call.dtype), call.num_experts, call.top_k
     if call.num_pairs <= e * when.gather_share:
-        if call.expert_size <= when.gather_max_size:
-            return "gather"
-        return "sort" if k / e <= when.sort_share else "dense"
+        return "gather"
     tokens = call.num_pairs // max(k, 1)
     if _pads(call, when, tokens) and capacity_ladder(call.num_pairs, e)[0] <= when.padded_share * tokens:
         return "padded"
@@ -195,7 +196,7 @@ def one_device_mode(call: PairCall) -> Mode:
 def _pads(call: PairCall, when: DenseWhen, tokens: int) -> bool:
     """Whether `call`'s experts are many or large enough for the padded path (`DenseWhen`)."""
     few_tokens = tokens <= when.padded_tokens
-    return call.num_experts >= when.padded_experts or few_tokens or call.expert_size > when.gather_max_size
+    return call.num_experts >= when.padded_experts or few_tokens or call.expert_size > when.large_expert_size
 
 
 def check_input(x, d_model: int, owner: str = "MoEFFN") -> None:
