@@ -187,3 +187,27 @@ def test_set_layer_of_another_structure_unstacks_the_model(converted):
     expected = dense.unstacked()
     expected.layers[2] = moe.unstacked().layers[2]
     np.testing.assert_allclose(np.asarray(h), np.asarray(expected.run_layers(tokens)[0]), atol=1e-5)
+
+
+def test_scanned_layers_gather_whole_slices_and_layers_of_their_own_in_slabs(monkeypatch):
+    """A layer in the scan takes its weights as slices of the stack's, which a loop over slabs
+    would copy whole: it gathers whole expert slices (`sliced_weights`); the same layers held
+    apart gather in the platform's slabs. Both give the same forward."""
+    import cmoe_jax.moe.layer as moe_layer
+    from cmoe_jax.moe.modes import DENSE_WHEN, Slabs
+
+    backend = jax.default_backend()
+    monkeypatch.setitem(DENSE_WHEN, backend, DENSE_WHEN.get(backend, DENSE_WHEN["cpu"])._replace(
+        gather_share=1.0, gather_slab_bytes=64, gather_slab_steps=4))
+    stacked = Decoder(ModelConfig.from_hf(QWEN_MOE), rngs=nnx.Rngs(0))
+    apart = stacked.unstacked()
+    assert isinstance(stacked.layers, LayerStack) and apart is not stacked
+    seen, real = [], moe_layer.gathered_experts
+    monkeypatch.setattr(moe_layer, "gathered_experts",
+                        lambda *a, slabs=None, **kw: seen.append(slabs) or real(*a, slabs=slabs, **kw))
+    tokens = _tokens(b=1, t=1)
+    h_stacked = stacked.run_layers(tokens)[0]
+    assert seen == [None]                                  # one trace of the scanned layer
+    h_apart = apart.run_layers(tokens)[0]
+    assert seen[1:] == [Slabs(64, 4)] * 3                  # each layer of its own
+    np.testing.assert_allclose(np.asarray(h_apart), np.asarray(h_stacked), rtol=1e-5, atol=1e-5)

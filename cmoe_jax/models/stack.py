@@ -25,6 +25,7 @@ from flax import nnx
 
 from cmoe_jax.models.kv_cache import LayerCache
 from cmoe_jax.models.layer_views import LayerViewError, read_only  # noqa: F401  (LayerViewError: its home before)
+from cmoe_jax.moe.modes import sliced_weights
 
 STACKED = "stacked"  # LayerStack's attribute holding the stacked layer; a state path key
 
@@ -89,7 +90,8 @@ class LayerStack(nnx.Module):
         def step(h, xs):
             weights, k, k_layer, v_layer = xs
             view = LayerCache(k_layer, v_layer, cache.valid, slot) if cached else None
-            out = nnx.merge(graphdef, weights)(h, rope, k, segments, view)
+            with sliced_weights():  # the layer's weights are slices of the stack's
+                out = nnx.merge(graphdef, weights)(h, rope, k, segments, view)
             return out.h, (out.kv if cached else out.ffn_input if capture else None, out.load)
 
         step = jax.checkpoint(step) if remat else step

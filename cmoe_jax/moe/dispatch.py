@@ -136,7 +136,9 @@ def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax
 
     With `slabs` each product reads its experts' slices a slab of rows at a time
     (`pair_products`): XLA:CPU copies a sliced operand before its product, and a slab's copy
-    stays in cache where a whole expert's goes to memory and back."""
+    stays in cache where a whole expert's goes to memory and back. Not for weights that are
+    themselves slices (a layer in a scan over stacked layers): the slabs' loop takes them
+    as its operand, which XLA copies whole, every expert (`cmoe_jax.moe.modes.sliced_weights`)."""
     num_tokens, top_k = ids.shape
     num_experts = w_gate.shape[0]
     flat = jnp.minimum(ids.reshape(-1), num_experts - 1)  # a dropped pair (id E, gate 0) reads any
@@ -168,10 +170,9 @@ def pair_products(a: jax.Array, w: jax.Array, experts: jax.Array, slabs: Slabs |
         return jnp.einsum("pk,pkn->pn", a, jnp.take(w, experts, axis=0), preferred_element_type=jnp.float32)
     rows = depth // steps
 
-    def step(i, acc):
-        start = i * rows
-        ws = jax.vmap(lambda e: jax.lax.dynamic_slice(w, (e, start, 0), (1, rows, n))[0])(experts)
-        part = jax.lax.dynamic_slice_in_dim(a, start, rows, axis=1)
+    def step(i, acc):  # a loop, so that every step's slab reuses one buffer, in cache
+        ws = jax.vmap(lambda e: jax.lax.dynamic_slice(w, (e, i * rows, 0), (1, rows, n))[0])(experts)
+        part = jax.lax.dynamic_slice_in_dim(a, i * rows, rows, axis=1)
         return acc + jnp.einsum("pk,pkn->pn", part, ws, preferred_element_type=jnp.float32)
 
     return jax.lax.fori_loop(0, steps, step, jnp.zeros((pairs, n), jnp.float32))

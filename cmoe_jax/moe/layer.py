@@ -34,8 +34,8 @@ from cmoe_jax.moe.balance import update_router_bias
 from cmoe_jax.moe.dispatch import GLUExperts, dense_experts, gathered_experts
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_experts, tokens_sharded
 from cmoe_jax.moe.gmm import get_glu, get_gmm
-from cmoe_jax.moe.modes import (PairCall, check_input, check_layer, check_mask, dense_when, dispatch_mode,
-                                expert_parallel_active, token_devices)
+from cmoe_jax.moe.modes import (PairCall, check_input, check_layer, check_mask, dispatch_mode,
+                                expert_parallel_active, gather_slabs, token_devices)
 from cmoe_jax.moe.padded import padded_experts
 from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
 from cmoe_jax.moe.router_outputs import router_output
@@ -277,7 +277,7 @@ class MoEFFN(nnx.Module):
                              weight=self.expert_gate.get_value(), dispatch=self.dispatch)
         if mode == "gather":
             return gathered_experts(x, ids, gates, *weights, activation=self.activation,
-                                    slabs=dense_when(self.dtype).slabs())
+                                    slabs=gather_slabs(self.dtype))
         if mode == "dense":
             return dense_experts(x, ids, gates, *weights, activation=self.activation)
         limit = (capacity(x.shape[0] // token_devices(), ids.shape[1], weights[0].shape[0],

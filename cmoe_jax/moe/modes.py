@@ -22,6 +22,8 @@ layer under it would silently run every expert on every device: that case warns.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import warnings
 from typing import Literal, NamedTuple
 
@@ -105,6 +107,29 @@ def dense_when(dtype=None) -> DenseWhen:
     backend = jax.default_backend()
     key = f"{backend}:{jnp.dtype(dtype).name}" if dtype is not None else None
     return DENSE_WHEN.get(key) or DENSE_WHEN.get(backend, DenseWhen())
+
+
+_SLICED_WEIGHTS = contextvars.ContextVar("cmoe_jax_sliced_weights", default=False)
+
+
+@contextlib.contextmanager
+def sliced_weights():
+    """Trace-time context for layers whose weights are slices of stacked arrays (the body of
+    a `lax.scan` over layers, `cmoe_jax.models.stack`): their gather reads whole expert
+    slices, fused with the stack's slice, since a loop over slabs would take the layer's
+    slice as its operand and XLA would copy all of it (a converted SmolLM2's decoding step
+    1.5x slower)."""
+    token = _SLICED_WEIGHTS.set(True)
+    try:
+        yield
+    finally:
+        _SLICED_WEIGHTS.reset(token)
+
+
+def gather_slabs(dtype) -> Slabs | None:
+    """How the gather path cuts its expert slices here: the platform rule's slabs
+    (`DenseWhen.slabs`), none under `sliced_weights`."""
+    return None if _SLICED_WEIGHTS.get() else dense_when(dtype).slabs()
 
 
 class ExpertParallelWarning(UserWarning):
