@@ -3,16 +3,20 @@
 The layer keeps each projection's experts stacked (`[E, d, m]`); its path for few tokens
 ("gather", `cmoe_jax.moe.dispatch.gathered_experts`) takes each chosen expert's slice, which
 XLA:CPU copies before the product. This times, interleaved in one process, the same k routed
-experts' SwiGLU for one token three ways:
+experts' SwiGLU for one token four ways:
 
-- `gather`: the layer's gather path on the stacked weights;
+- `gather`: the layer's gather path on the stacked weights, whole slices (as in a scan over
+  stacked layers, and in bf16);
+- `slabs`: the same in slabs of each expert (the layer's fp32 path on the CPU for weights of
+  their own, `cmoe_jax.moe.dispatch.pair_products`);
 - `switch`: every expert in a buffer of its own, the chosen one picked by `lax.switch`
   (the product reads the expert in place: nothing is copied);
 - `contiguous`: one SwiGLU of k experts' width on weights of its own (the bytes the k
   experts must read, the floor).
 
-and the dense FFN the experts were cut from. It prints the medians, the ratio gather /
-switch and the load average; the outputs of the three ways are checked equal first.
+and the dense FFN the experts were cut from. It prints the medians, the ratios gather /
+switch and slabs / switch and the load average; the four ways' outputs are checked equal
+first.
 
     python benchmarks/expert_buffers.py --shape 4096x11008 --experts 8 --top-k 1 2
 """
@@ -56,6 +60,7 @@ def sides(d: int, d_h: int, num_experts: int, top_k: int, seed: int = 0):
     import jax.numpy as jnp
 
     from cmoe_jax.moe.dispatch import gathered_experts
+    from cmoe_jax.moe.modes import DENSE_WHEN
 
     m = d_h // num_experts
     rng = np.random.default_rng(seed)
@@ -70,13 +75,17 @@ def sides(d: int, d_h: int, num_experts: int, top_k: int, seed: int = 0):
     ids = jnp.asarray(chosen[None], jnp.int32)
     gates = jnp.ones((1, top_k), jnp.float32)
     gather = jax.jit(lambda x, ids, g, a, b, c: gathered_experts(x, ids, g, a, b, c, "silu")[0])
+    slabs = jax.jit(lambda x, ids, g, a, b, c: gathered_experts(x, ids, g, a, b, c, "silu",
+                                                                DENSE_WHEN["cpu"].slabs())[0])
     switch = jax.jit(switched_experts)
     ffn = jax.jit(swiglu)
     ref = np.asarray(gather(x, ids, gates, w_gate, w_up, w_down))
     np.testing.assert_allclose(np.asarray(switch(x, ids, gates, own)), ref, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(slabs(x, ids, gates, w_gate, w_up, w_down)), ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ffn(x, *contiguous)), ref, rtol=1e-4, atol=1e-6)
     run = lambda f, *a: lambda: jax.block_until_ready(f(*a))  # noqa: E731
     return {"gather": run(gather, x, ids, gates, w_gate, w_up, w_down),
+            "slabs": run(slabs, x, ids, gates, w_gate, w_up, w_down),
             "switch": run(switch, x, ids, gates, own),
             "contiguous": run(ffn, x, *contiguous),
             "dense FFN": run(ffn, x, *dense)}
@@ -97,9 +106,10 @@ def main(argv=None) -> None:
             named = sides(d, d_h, args.experts, k)
             times = dict(zip(named, interleaved_times(list(named.values()), args.repeats)))
             med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
-            ratio = "withheld (machine busy)" if machine_busy(load) else f"{med['gather'] / med['switch']:.2f}x"
+            ratios = ("withheld (machine busy)" if machine_busy(load) else
+                      f"gather/switch {med['gather'] / med['switch']:.2f}x, slabs/switch {med['slabs'] / med['switch']:.2f}x")
             print(f"{shape} E={args.experts} k={k}: " + "  ".join(f"{n} {v:.2f} ms" for n, v in med.items())
-                  + f"  | gather/switch {ratio}", flush=True)
+                  + f"  | {ratios}", flush=True)
     print_load(load, args.repeats, ratio=True)
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/expert_buffers.py: its three ways of running one token's routed experts give
+"""benchmarks/expert_buffers.py: its ways of running one token's routed experts give
 the layer's gather path's result (independent of the clock)."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_switched_experts_match_the_gather_path():
 
 
 def test_every_way_is_checked_before_timing():
-    named = expert_buffers.sides(32, 128, 4, 2)  # asserts the three ways agree
-    assert set(named) == {"gather", "switch", "contiguous", "dense FFN"}
+    named = expert_buffers.sides(32, 128, 4, 2)  # asserts the ways agree
+    assert set(named) == {"gather", "slabs", "switch", "contiguous", "dense FFN"}
     for run in named.values():
         run()

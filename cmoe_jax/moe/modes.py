@@ -88,12 +88,12 @@ class DenseWhen(NamedTuple):
 # step 1.3x faster gathered than on the dense path, which reads all five (in the layer
 # alone, its weights in cache, the two are level) (benchmarks/moe_grid.py,
 # benchmarks/model_dispatch.py, benchmarks/decode_step.py --paths, performance.md). One
-# token at 4096x11008 in fp32 (experts of 2.8M-5.6M elements): gathered 0.44x-0.91x of the
-# dense FFN's speed, sorted 1.07x-1.37x where a token uses at most a quarter of the routed
-# experts (S1A1E8, S1A3E16), the dense path above that; at 576x1536 and 640x2048 (110k-164k
-# elements) gather and sort are level; in bf16 the gather is 2-3x the sort at every width,
-# and one token of S3A3E8 (3 of 5 routed experts) gathered runs 0.9x-1.7x the dense FFN's
-# speed in the layer alone, where its dense path runs 0.72x-1.08x
+# token at 4096x11008 in fp32 gathered in slabs of 256 KiB an expert runs 1.08x-3.07x the
+# dense FFN's speed (S3A3E8 to S1A1E8), where sorted it ran 0.53x-1.93x and on the dense
+# path 0.66x-0.82x; at 576x1536 and 640x2048 the slabs change little; in bf16 they are
+# slower (the one-row bf16 product is what costs), the gather of whole slices 2-3x the sort
+# at every width, and one token of S3A3E8 (3 of 5 routed experts) gathered runs 0.9x-1.7x
+# the dense FFN's speed in the layer alone, where its dense path runs 0.72x-1.08x
 DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.75,
                                padded_share=0.8, padded_experts=8, padded_tokens=256,
                                large_expert_size=1 << 20, gather_slab_bytes=1 << 18, gather_slab_steps=16),
