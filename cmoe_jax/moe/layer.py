@@ -276,14 +276,12 @@ class MoEFFN(nnx.Module):
         mode = dispatch_mode(call, self.expert_axis, adapters=bool(adapters),
                              weight=self.expert_gate.get_value(), dispatch=self.dispatch)
         if mode == "gather":
-            return gathered_experts(x, ids, gates, *weights, activation=self.activation,
-                                    slabs=gather_slabs(self.dtype))
+            return gathered_experts(x, ids, gates, *weights, self.activation, gather_slabs(self.dtype))
         if mode == "dense":
             return dense_experts(x, ids, gates, *weights, activation=self.activation)
         limit = (capacity(x.shape[0] // token_devices(), ids.shape[1], weights[0].shape[0],
                           self.spec.capacity_factor) if self.spec.capacity_factor > 0 else None)
-        experts = GLUExperts(*weights, gmm, activation=self.activation, glu=get_glu(self.backend),
-                             capacity=limit)
+        experts = GLUExperts(*weights, gmm, self.activation, glu=get_glu(self.backend), capacity=limit)
         if mode == "padded":
             return padded_experts(x, ids, gates, experts)
         return routed_swiglu_experts(x, ids, gates, experts, expert_axis=self.expert_axis,
