@@ -276,7 +276,7 @@ class MoEFFN(nnx.Module):
         mode = dispatch_mode(call, self.expert_axis, adapters=bool(adapters),
                              weight=self.expert_gate.get_value(), dispatch=self.dispatch)
         if mode == "gather":
-            return gathered_experts(x, ids, gates, *weights, self.activation, gather_slabs(self.dtype))
+            return gathered_experts(x, ids, gates, *weights, self.activation, slabs=gather_slabs(self.dtype))
         if mode == "dense":
             return dense_experts(x, ids, gates, *weights, activation=self.activation)
         limit = (capacity(x.shape[0] // token_devices(), ids.shape[1], weights[0].shape[0],
