@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from cmoe_jax.moe import MoEFFN
 from cmoe_jax.moe.dispatch import (Slabs, counting_plan, dense_experts, gathered_experts, pair_products,
                                    plan, slab_steps, sorting_plan)
-from cmoe_jax.moe.modes import DENSE_WHEN, DenseWhen, PairCall, dense_when, dispatch_mode
+from cmoe_jax.moe.modes import DENSE_WHEN, DenseWhen, PairCall, dense_when, dispatch_mode, pads_every_token
 
 PATHS = ("sort", "gather", "dense", "padded", "auto")
 
@@ -83,19 +83,19 @@ def test_a_dtype_rule_overrides_the_platform_rule(monkeypatch):
 def test_padded_runs_where_its_rows_are_clearly_fewer_than_the_dense_paths(monkeypatch):
     monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
                         DenseWhen(rows_per_expert=4, share=0.5, share_tokens=1 << 30,
-                                  gather_share=0.5, padded_share=0.8))
+                                  gather_share=0.5, padded_share=0.7))
     def mode(tokens, k, e, call_size=0, **kw):
         return dispatch_mode(PairCall(tokens * k, e, k, expert_size=call_size), **kw)
     assert mode(3, 1, 8) == "gather"                     # pairs <= experts x gather_share
     assert mode(100, 1, 8) == "padded"                   # capacity 16 of 100 tokens
-    assert mode(16, 3, 5) == "dense"                     # capacity 16 of 16 tokens: no rows saved
+    assert mode(16, 3, 5) == "dense"                     # capacity 12 of 16 tokens: too few rows saved
     assert mode(100, 1, 8, adapters=True) == "sort"      # LoRA rides on the grouped matmuls
     monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
-                        DenseWhen(rows_per_expert=4, gather_share=0.5, padded_share=0.8, padded_experts=8))
+                        DenseWhen(rows_per_expert=4, gather_share=0.5, padded_share=0.7, padded_experts=8))
     assert mode(100, 1, 8) == "padded"                   # 8 routed experts: enough
     assert mode(100, 1, 7) == "sort"                     # fewer than padded_experts
     monkeypatch.setitem(DENSE_WHEN, jax.default_backend(),
-                        DenseWhen(rows_per_expert=4, gather_share=0.5, padded_share=0.8, padded_experts=8,
+                        DenseWhen(rows_per_expert=4, gather_share=0.5, padded_share=0.7, padded_experts=8,
                                   padded_tokens=100, large_expert_size=1000))
     assert mode(100, 1, 7) == "padded"                   # fewer, but a call of few tokens
     assert mode(101, 1, 7) == "sort"                     # more than padded_tokens
@@ -118,12 +118,15 @@ def test_the_cpu_rule_pads_16_expert_layers_and_sorts_8_expert_ones():
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU rule")
 def test_the_cpu_rule_pads_few_experts_at_up_to_256_tokens_and_over_large_experts():
     """fp32 on CPU, fewer than 8 routed experts: 128 tokens pad, and so does a decoding
-    step of 16 rows over S1A1E8's 7 routed experts (capacity 8 of 16 tokens); S3A3E8's 16
-    tokens (capacity 16) stay dense; 16 tokens over Llama-2-7B's experts (4096 x 1376) pad.
+    step of 16 rows over S1A1E8's 7 routed experts (capacity 4 of 16 tokens, then 6, then
+    all 16 in place of the sort); S3A3E8's 16 tokens (capacity 12) stay dense; 16 tokens over Llama-2-7B's experts (4096 x 1376) pad.
     One token gathers where it uses at most three quarters of the routed experts."""
     mode = lambda tokens, k, e, m=192: dispatch_mode(PairCall(tokens * k, e, k, jnp.float32, 576 * m))  # noqa: E731
     assert mode(128, 3, 5) == "padded" and mode(128, 1, 7) == "padded"
     assert mode(16, 1, 7) == "padded" and mode(16, 3, 5) == "dense"
+    call = lambda tokens, k, e: PairCall(tokens * k, e, k, jnp.float32, 576 * 192)  # noqa: E731
+    assert pads_every_token(call(16, 1, 7)) and pads_every_token(call(16, 2, 6))  # no sort fallback
+    assert not pads_every_token(call(128, 1, 7))         # 128 pairs over 7: the sort beats all tokens
     assert mode(257, 1, 7) == "sort"
     assert mode(1, 3, 5) == "gather" and mode(1, 4, 5) == "dense"  # one token: 3 of 5 gather
     for m in (192, 1376 * 4096 // 576):  # in bf16 too, over small experts and large ones

@@ -43,8 +43,17 @@ def rung(ids):
 
 def test_ladder_runs_from_a_balanced_group_to_twice_it():
     assert capacity_ladder(4096, 7) == (664, 736, 880, 1176)  # mean 585.1: x1.125 ... x2
-    assert capacity_ladder(6, 6) == (6,)                  # capped at the pair count
-    assert all(c % 8 == 0 for c in capacity_ladder(48, 4))
+    assert capacity_ladder(3, 1) == (3,)                  # capped at the pair count
+    assert capacity_ladder(128, 7) == (22, 24, 28, 40)    # small groups: pairs of rows
+    assert capacity_ladder(48, 4) == (14, 16, 18, 24)
+
+
+def test_ladder_that_covers_the_tokens_ends_at_them():
+    """16 tokens of one slot over 7 experts (a decoding step of 16 rows): rungs of 4 and 6
+    rows, then all 16; 16 tokens of three slots over 5 experts: no rung above the tokens."""
+    assert capacity_ladder(16, 7) == (4, 6)
+    assert capacity_ladder(16, 7, tokens=16) == (4, 6, 16)
+    assert capacity_ladder(48, 5, tokens=16) == (12, 16)
 
 
 @pytest.mark.parametrize("load", LOADS)
@@ -72,6 +81,30 @@ def test_gradients_equal_the_ragged_dot_sort_path(load):
     args = (x, *weights())
     got = jax.grad(loss(padded_experts, "auto"), argnums=(0, 1, 2, 3))(*args)
     want = jax.grad(loss(routed_experts, "ragged_dot"), argnums=(0, 1, 2, 3))(*args)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("load", [3, 7, 16])
+def test_covering_the_tokens_pads_every_routing_of_distinct_experts(load):
+    """With `cover_tokens`, 16 tokens over 4 experts, expert 0 taking `load` of them: the
+    ladder (6, 8, 16) holds every load up to all 16 tokens, no sort (each case its own rung);
+    the values equal the
+    recomputation and the gradients the sort path on `ragged_dot`."""
+    tokens = 16
+    ids = np.concatenate([np.zeros(load), 1 + np.arange(tokens - load) % (E - 1)]).astype(np.int32)[:, None]
+    caps = capacity_ladder(tokens, E, tokens=tokens)
+    assert caps == (6, 8, 16)
+    assert np.sum(np.asarray(caps) < np.bincount(ids.ravel()).max()) == [3, 7, 16].index(load)
+    w = weights(4)
+    x = jax.random.normal(jax.random.key(5), (tokens, D))
+    gates = jax.random.uniform(jax.random.key(6), (tokens, 1), minval=0.2)
+    run = lambda x, *w: padded_experts(x, jnp.asarray(ids), gates, experts(list(w)), cover_tokens=True)[0]  # noqa: E731
+    np.testing.assert_allclose(jax.jit(run)(x, *w), brute_force(x, ids, gates, w), rtol=1e-5, atol=1e-5)
+    sort = lambda x, *w: routed_experts(x, jnp.asarray(ids), gates, experts(list(w), "ragged_dot"))[0]  # noqa: E731
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    got = jax.grad(loss(run), argnums=(0, 1, 2, 3))(x, *w)
+    want = jax.grad(loss(sort), argnums=(0, 1, 2, 3))(x, *w)
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
 

@@ -35,7 +35,7 @@ from cmoe_jax.moe.dispatch import GLUExperts, dense_experts, gathered_experts
 from cmoe_jax.moe.expert_parallel import DEFAULT_EXPERT_AXIS, routed_swiglu_experts, tokens_sharded
 from cmoe_jax.moe.gmm import get_glu, get_gmm
 from cmoe_jax.moe.modes import (PairCall, check_input, check_layer, check_mask, dispatch_mode,
-                                expert_parallel_active, gather_slabs, token_devices)
+                                expert_parallel_active, gather_slabs, pads_every_token, token_devices)
 from cmoe_jax.moe.padded import padded_experts
 from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
 from cmoe_jax.moe.router_outputs import router_output
@@ -283,7 +283,7 @@ class MoEFFN(nnx.Module):
                           self.spec.capacity_factor) if self.spec.capacity_factor > 0 else None)
         experts = GLUExperts(*weights, gmm, self.activation, glu=get_glu(self.backend), capacity=limit)
         if mode == "padded":
-            return padded_experts(x, ids, gates, experts)
+            return padded_experts(x, ids, gates, experts, cover_tokens=pads_every_token(call))
         return routed_swiglu_experts(x, ids, gates, experts, expert_axis=self.expert_axis,
                                      adapters=adapters or None, make_lora=make_lora,
                                      expert_parallel=mode == "expert_parallel")

@@ -73,8 +73,9 @@ class DenseWhen(NamedTuple):
 # keyed by platform, or "platform:dtype" where the expert weights' dtype changes the answer:
 # in bf16 XLA:CPU's grouped matmul upcasts each window while the dense products accumulate in
 # float32 at twice the fp32 rate, so the dense path wins up to more pairs per expert, and the
-# padded path's batched matmuls (float32 accumulation too) win wherever they skip a fifth of
-# the dense path's rows; on a GPU they run on cuBLAS, at twice the Pallas grouped matmul's
+# padded path's batched matmuls (float32 accumulation too) win wherever they skip 30% of the
+# dense path's rows (S3A3E8's 16 tokens, whose first capacity of 12 skips a quarter, ran
+# 0.84x-0.88x of the dense path's speed padded in bf16, 0.97x-1.06x in fp32); on a GPU they run on cuBLAS, at twice the Pallas grouped matmul's
 # rate. In fp32 on CPU they win over 8 or more routed experts, whose windows the sort
 # loops over while the batched matmuls do not care (the layer alone mostly faster from 128
 # tokens, by up to a quarter; a whole SmolLM2 of 16-expert layers 1-3%); over fewer they win
@@ -82,8 +83,9 @@ class DenseWhen(NamedTuple):
 # experts at 16 to 4096 tokens, while at 4096 tokens over small experts the sort is level or
 # faster and a whole converted SmolLM2 at 128 tokens was level, so fewer than 8 pad only up
 # to 256 tokens and over large experts. That includes a decoding step of 16 rows (16 pairs
-# over S1A1E8's 7 routed experts): padded, the layer alone is level with the dense path at
-# 576x1536 and faster at 640x2048, a whole step on WikiText-2 text level with it. One token
+# over S1A1E8's 7 routed experts, capacities of 4 and 6 rows, then all 16 tokens in place of
+# the sort, `pads_every_token`): padded, the layer alone is faster than the dense path, a
+# whole step on WikiText-2 text level with it. One token
 # gathers up to three quarters of the routed experts: S3A3E8's 3 of 5 in a whole decoding
 # step 1.3x faster gathered than on the dense path, which reads all five (in the layer
 # alone, its weights in cache, the two are level) (benchmarks/moe_grid.py,
@@ -95,11 +97,11 @@ class DenseWhen(NamedTuple):
 # at every width, and one token of S3A3E8 (3 of 5 routed experts) gathered runs 0.9x-1.7x
 # the dense FFN's speed in the layer alone, where its dense path runs 0.72x-1.08x
 DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.75,
-                               padded_share=0.8, padded_experts=8, padded_tokens=256,
+                               padded_share=0.7, padded_experts=8, padded_tokens=256,
                                large_expert_size=1 << 20, gather_slab_bytes=1 << 18, gather_slab_steps=16),
               "cpu:bfloat16": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30,
-                                        gather_share=0.75, padded_share=0.8),
-              "gpu": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30, padded_share=0.8)}
+                                        gather_share=0.75, padded_share=0.7),
+              "gpu": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30, padded_share=0.7)}
 
 
 def dense_when(dtype=None) -> DenseWhen:
@@ -216,6 +218,13 @@ def one_device_mode(call: PairCall) -> Mode:
     if call.num_pairs <= when.rows_per_expert * e or (k / e >= when.share and tokens <= when.share_tokens):
         return "dense"
     return "sort"
+
+
+def pads_every_token(call: PairCall) -> bool:
+    """Whether the padded path's last rung holds every token (`cmoe_jax.moe.padded`): where
+    the dense path beats the sort (few pairs an expert), so an uneven call pads to the dense
+    path's size rather than sorting."""
+    return call.num_pairs <= dense_when(call.dtype).rows_per_expert * call.num_experts
 
 
 def _pads(call: PairCall, when: DenseWhen, tokens: int) -> bool:

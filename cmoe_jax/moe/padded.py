@@ -10,8 +10,10 @@ of computing `E * C` rows instead of `T * k`.
 capacities (`capacity_ladder`: a few multiples of the mean group, from balanced to twice
 it) is compiled, one `lax.switch` branch each, and the smallest that holds the largest group
 runs. A routing more uneven than the last rung runs the sort path, so no pair is ever
-dropped and the padding costs at most twice the routed products. Same products, dtypes and
-float32 combine as the sort path.
+dropped and the padding costs at most twice the routed products; for calls of few pairs an
+expert, where the sort is slower than every expert on every token, the last rung instead
+holds every token (`cover_tokens`), which no routing of distinct experts a token overflows.
+Same products, dtypes and float32 combine as the sort path.
 """
 from __future__ import annotations
 
@@ -27,14 +29,26 @@ from cmoe_jax.moe.dispatch import Dispatch, GLUExperts, combine, plan, routed_ex
 # is 1.06-1.35x the mean at 2048 tokens (median 1.13), so the first rungs are close; the last
 # holds an expert with twice its share (more uneven routings sort)
 LADDER = (1.125, 1.25, 1.5, 2.0)
-ROW_MULTIPLE = 8  # capacities rounded up to whole vector rows
+# capacities rounded up to whole vector rows; small ones to pairs of rows, since there a row
+# is a sizeable share of the products (XLA:CPU's batched matmul over 576x192 experts: its
+# time grows with every second row of capacity from 1 to 16, benchmarks/moe_breakdown.py)
+ROW_MULTIPLE, SMALL_ROW_MULTIPLE, SMALL_CAPACITY = 8, 2, 32
 
 
-def capacity_ladder(num_pairs: int, num_experts: int, factors=LADDER) -> tuple[int, ...]:
-    """Increasing static capacities for `num_pairs` pairs over `num_experts` experts."""
+def capacity_ladder(num_pairs: int, num_experts: int, tokens: int | None = None,
+                    factors=LADDER) -> tuple[int, ...]:
+    """Increasing static capacities for `num_pairs` pairs over `num_experts` experts; with
+    `tokens`, capped at it and ending at it (the most pairs an expert gets from `tokens`
+    tokens whose slots name distinct experts)."""
     mean = num_pairs / num_experts
-    caps = {min(num_pairs, ROW_MULTIPLE * math.ceil(f * mean / ROW_MULTIPLE)) for f in factors}
+    top = min(num_pairs, tokens or num_pairs)
+    caps = {min(top, _rounded(f * mean)) for f in factors} | ({top} if tokens else set())
     return tuple(sorted(caps))
+
+
+def _rounded(rows: float) -> int:
+    step = SMALL_ROW_MULTIPLE if rows <= SMALL_CAPACITY else ROW_MULTIPLE
+    return step * math.ceil(rows / step)
 
 
 def group_starts(d: Dispatch) -> jax.Array:
@@ -69,10 +83,11 @@ def padded_glu(rows: jax.Array, experts: GLUExperts) -> jax.Array:
     return mm(h.astype(rows.dtype), experts.w_down)
 
 
-def padded_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, experts: GLUExperts
-                   ) -> tuple[jax.Array, jax.Array]:
+def padded_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, experts: GLUExperts,
+                   cover_tokens: bool = False) -> tuple[jax.Array, jax.Array]:
     """`dispatch.routed_experts` with the groups padded to the smallest capacity of the
-    ladder that holds the largest one (module doc); the sort path beyond the last."""
+    ladder that holds the largest one (module doc); the sort path beyond the last, which with
+    `cover_tokens` holds every token."""
     num_tokens, top_k = ids.shape
     num_experts = experts.w_gate.shape[0]
     d = plan(ids, num_experts)
@@ -83,7 +98,7 @@ def padded_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, experts: GLUE
             return combine(padded_outputs(ys, ids, d), gates)
         return run
 
-    caps = capacity_ladder(ids.size, num_experts)
+    caps = capacity_ladder(ids.size, num_experts, num_tokens if cover_tokens else None)
     branches = [at_capacity(c) for c in caps] + [lambda x, g: routed_experts(x, ids, g, experts)[0]]
     rung = jnp.sum(jnp.asarray(caps, jnp.int32) < jnp.max(d.group_sizes))
     return jax.lax.switch(rung, branches, x, gates), d.group_sizes
