@@ -101,7 +101,7 @@ def parts(layer, x, gmm):
         "gather rows": (jax.jit(lambda x, s: x[s]), (x, src)),
         "gate + up + act (2 gmm)": (two, (rows, d.group_sizes, w[0], w[1])),
         "down (gmm)": (down, (h, d.group_sizes, w[2])),
-        "unsort + combine": (jax.jit(lambda y, i, g: combine(y[i], g)), (ys, d.inverse, gates)),
+        "unsort + combine": (jax.jit(lambda y, i, g: combine(y, g, i)), (ys, d.inverse, gates)),
     }, (rows, d.group_sizes, h, *w)
 
 

@@ -94,7 +94,7 @@ def _exchange(x, expert_ids, gates, params, apply, axis, tokens_axes, block=None
     back_at = _exclusive_cumsum(sizes, axis=1)[:, me]
     back = ragged_exchange(ys, varying(jnp.zeros((num_tokens * top_k,) + ys.shape[1:], ys.dtype)),
                            recv_offsets, recv_sizes, back_at, send_sizes, axis_name=axis, block=block)
-    out = combine(back[d.inverse], gates)
+    out = combine(back, gates, d.inverse)
     counts = jax.lax.psum(d.group_sizes, tokens_axes)
     return out, counts.astype(jnp.int32)
 

@@ -65,15 +65,13 @@ def padded_rows(x: jax.Array, d: Dispatch, top_k: int, capacity: int) -> jax.Arr
     return x[jnp.where(used, d.order[position] // top_k, 0)]
 
 
-def padded_outputs(ys: jax.Array, ids: jax.Array, d: Dispatch) -> jax.Array:
-    """`[T*k, d]` in (token, slot) order from the padded outputs `ys [E, C, d]`; a dropped
-    pair (id E) gets zeros."""
-    num_experts, capacity, width = ys.shape
-    flat = ids.reshape(-1)
-    expert = jnp.minimum(flat, num_experts - 1)
+def padded_output_rows(ids: jax.Array, d: Dispatch, capacity: int) -> jax.Array:
+    """int32 `[T*k]`: each (token, slot) pair's row in the padded outputs `[E * C, d]`. A
+    dropped pair (id E, gate 0) points at a real row, which its zero gate cancels."""
+    num_experts = d.group_sizes.shape[0]
+    expert = jnp.minimum(ids.reshape(-1), num_experts - 1)
     slot = jnp.clip(d.inverse - group_starts(d)[expert], 0, capacity - 1)
-    rows = ys.reshape(num_experts * capacity, width)[expert * capacity + slot]
-    return jnp.where((flat < num_experts)[:, None], rows, 0)
+    return expert * capacity + slot
 
 
 def padded_glu(rows: jax.Array, experts: GLUExperts) -> jax.Array:
@@ -95,7 +93,7 @@ def padded_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, experts: GLUE
     def at_capacity(capacity):
         def run(x, gates):
             ys = padded_glu(padded_rows(x, d, top_k, capacity), experts)
-            return combine(padded_outputs(ys, ids, d), gates)
+            return combine(ys.reshape(-1, ys.shape[-1]), gates, padded_output_rows(ids, d, capacity))
         return run
 
     caps = capacity_ladder(ids.size, num_experts, num_tokens if cover_tokens else None)
