@@ -42,6 +42,18 @@ def machine_line() -> str:
             f"{jax.devices()[0].device_kind} x{len(jax.devices())}")
 
 
+# how the C allocator runs: glibc's malloc moves its mmap threshold with the sizes freed, and
+# with `MALLOC_MMAP_THRESHOLD_` alone trims the heap top at every large free, so a call's
+# buffers may page-fault afresh; a figure is only comparable under the same settings
+ALLOCATOR_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                  "MALLOC_ARENA_MAX", "GLIBC_TUNABLES", "LD_PRELOAD")
+
+
+def allocator_env() -> dict[str, str]:
+    """The allocator settings of this process's environment (`ALLOCATOR_VARS` that are set)."""
+    return {k: os.environ[k] for k in ALLOCATOR_VARS if k in os.environ}
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 

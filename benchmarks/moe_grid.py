@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import interleaved_times, load_average, machine_busy, machine_line  # noqa: E402
+from benchmarks.harness import allocator_env, interleaved_times, load_average, machine_busy, machine_line  # noqa: E402
 
 SHAPES = ("576x1536", "640x2048", "4096x11008")
 TOKENS = (1, 16, 128, 4096)
@@ -202,9 +202,11 @@ def main(argv=None) -> int:
     for c in args.config:
         parse_config(c)
     load_at_start = load_average()
-    print(f"# {machine_line()}; load average {load_at_start:.2f} at start", flush=True)
+    env = allocator_env()
+    print(f"# {machine_line()}; load average {load_at_start:.2f} at start"
+          + "".join(f"; {k}={v}" for k, v in env.items()), flush=True)
     meta = dict(machine=machine_line(), date=date.today().isoformat(), argv=sys.argv[1:],
-                load_at_start=load_at_start)
+                load_at_start=load_at_start, env=env)
     cells, start = [], time.perf_counter()
     print(HEADER, flush=True)
     for dt, shape, tokens, config in itertools.product(args.dtype, args.shape, args.tokens, args.config):

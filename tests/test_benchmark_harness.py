@@ -70,3 +70,14 @@ def test_settled_load_gives_up_on_a_busy_machine(monkeypatch):
     now = _fake_clock(monkeypatch, [3.0] * 100)
     load = harness.settled_load(max_wait=20, poll=5)
     assert load == 3.0 and harness.machine_busy(load) and now[0] == 20
+
+
+def test_allocator_env_names_the_malloc_settings_a_run_was_made_under(monkeypatch):
+    for var in harness.ALLOCATOR_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert harness.allocator_env() == {}
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4294967296")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "4294967296")
+    monkeypatch.setenv("HOME", "/root")  # not an allocator setting
+    assert harness.allocator_env() == {"MALLOC_MMAP_THRESHOLD_": "4294967296",
+                                       "MALLOC_TRIM_THRESHOLD_": "4294967296"}
