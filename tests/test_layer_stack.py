@@ -198,7 +198,7 @@ def test_scanned_layers_gather_whole_slices_and_layers_of_their_own_in_slabs(mon
 
     backend = jax.default_backend()
     monkeypatch.setitem(DENSE_WHEN, backend, DENSE_WHEN.get(backend, DENSE_WHEN["cpu"])._replace(
-        gather_share=1.0, gather_slab_bytes=64, gather_slab_steps=4))
+        gather_share=1.0, gather_slab_bytes=64, gather_slab_steps=4, gather_slab_min_bytes=0))
     stacked = Decoder(ModelConfig.from_hf(QWEN_MOE), rngs=nnx.Rngs(0))
     apart = stacked.unstacked()
     assert isinstance(stacked.layers, LayerStack) and apart is not stacked

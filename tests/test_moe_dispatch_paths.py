@@ -137,14 +137,16 @@ def test_the_cpu_rule_pads_few_experts_at_up_to_256_tokens_and_over_large_expert
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU rule")
 def test_the_cpu_rule_gathers_one_token_in_slabs_over_llama_7b_experts_in_fp32():
     """One token over Llama-2-7B's experts (4096 x 11008 / 8 or / 16) gathers, in fp32 a
-    slab of at most 256 KiB an expert at a time (16 steps of 1.4 MiB at most); bf16 and
-    SmolLM2's experts too."""
+    slab of at most 256 KiB an expert at a time (16 steps of 1.4 MiB at most), where
+    SmolLM2's and Gemma 3 270M's experts (at most 1 MiB) stay whole; bf16 and SmolLM2's
+    experts gather too."""
     mode = lambda k, e, m, dtype=jnp.float32: dispatch_mode(PairCall(k, e, k, dtype, 4096 * m))  # noqa: E731
     assert mode(1, 7, 1376) == mode(3, 15, 688) == mode(2, 6, 1376) == mode(3, 5, 1376) == "gather"
     assert mode(1, 7, 1376, jnp.bfloat16) == "gather"
     assert dispatch_mode(PairCall(1, 7, 1, jnp.float32, 576 * 192)) == "gather"
     slabs = dense_when(jnp.float32).slabs()
-    assert slab_steps(4096, 4096 * 1376 * 4, slabs) == 16 and slab_steps(576, 576 * 192 * 4, slabs) == 2
+    assert slab_steps(4096, 4096 * 1376 * 4, slabs) == 16
+    assert slab_steps(576, 576 * 192 * 4, slabs) == slab_steps(640, 640 * 256 * 4, slabs) == 1  # in cache whole
     assert dense_when(jnp.bfloat16).slabs() is None
 
 
@@ -173,6 +175,8 @@ def test_slab_steps_divide_the_contraction_within_the_budget():
     assert slab_steps(1376, 1376 * 4096 * 4, Slabs(1 << 20, 16)) == 16  # 22 wanted, 16 at most
     assert slab_steps(4096, 22 << 20, Slabs(1 << 20, 16)) == 16
     assert slab_steps(7, 100, Slabs(1, 16)) == 7 and slab_steps(7, 100, Slabs(1, 4)) == 1  # a prime
+    assert slab_steps(576, 576 * 192 * 4, Slabs(1 << 18, 16, min_bytes=1 << 20)) == 1  # small: whole
+    assert slab_steps(576, (1 << 20) + 1, Slabs(1 << 18, 16, min_bytes=1 << 20)) == 6   # just above it
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])

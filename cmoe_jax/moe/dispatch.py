@@ -163,10 +163,13 @@ def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax
 
 class Slabs(NamedTuple):
     """How `pair_products` cuts an expert's slice: slabs of at most `max_bytes` each, in at
-    most `max_steps` loop steps (the loop's fixed cost a step bounds how small they get)."""
+    most `max_steps` loop steps (the loop's fixed cost a step bounds how small they get);
+    slices of at most `min_bytes` stay whole (their copy stays in cache anyway, and the
+    loop's steps cost)."""
 
     max_bytes: int
     max_steps: int
+    min_bytes: int = 0
 
 
 def pair_products(a: jax.Array, w: jax.Array, experts: jax.Array, slabs: Slabs | None = None) -> jax.Array:
@@ -191,7 +194,9 @@ def pair_products(a: jax.Array, w: jax.Array, experts: jax.Array, slabs: Slabs |
 def slab_steps(depth: int, expert_bytes: int, slabs: Slabs) -> int:
     """The fewest slabs, a divisor of `depth`, of at most `slabs.max_bytes` of an expert's
     `expert_bytes` each; where that takes more than `slabs.max_steps`, the most slabs within
-    it (1 when the whole expert fits)."""
+    it (1 when the whole expert fits, or is at most `slabs.min_bytes`)."""
+    if expert_bytes <= slabs.min_bytes:
+        return 1
     divisors = [s for s in range(1, min(depth, slabs.max_steps) + 1) if depth % s == 0]
     return next((s for s in divisors if expert_bytes <= s * slabs.max_bytes), divisors[-1])
 

@@ -47,7 +47,8 @@ class DenseWhen(NamedTuple):
     `share_tokens` tokens. The gather path runs below `gather_share` pairs per expert,
     reading each product's expert slices in slabs of at most `gather_slab_bytes` (0: whole)
     in at most `gather_slab_steps` loop steps (`cmoe_jax.moe.dispatch.pair_products`): where
-    XLA:CPU copies a sliced operand before its product, a slab's copy stays in cache. Above
+    XLA:CPU copies a sliced operand before its product, a slab's copy stays in cache; slices
+    of at most `gather_slab_min_bytes` stay whole. Above
     it, the padded path runs where its first capacity is at most `padded_share` of the
     tokens (its `E * C` rows against the dense path's `E * T`; 0: never) and the layer has
     at least `padded_experts` routed experts; over fewer it runs for calls of at most
@@ -64,10 +65,13 @@ class DenseWhen(NamedTuple):
     large_expert_size: int = 1 << 62
     gather_slab_bytes: int = 0
     gather_slab_steps: int = 1
+    gather_slab_min_bytes: int = 0
 
     def slabs(self) -> Slabs | None:
         """How the gather cuts its expert slices (None: whole)."""
-        return Slabs(self.gather_slab_bytes, self.gather_slab_steps) if self.gather_slab_bytes > 0 else None
+        if self.gather_slab_bytes <= 0:
+            return None
+        return Slabs(self.gather_slab_bytes, self.gather_slab_steps, self.gather_slab_min_bytes)
 
 
 # keyed by platform, or "platform:dtype" where the expert weights' dtype changes the answer:
@@ -98,7 +102,8 @@ class DenseWhen(NamedTuple):
 # the dense FFN's speed in the layer alone, where its dense path runs 0.72x-1.08x
 DENSE_WHEN = {"cpu": DenseWhen(rows_per_expert=16, share=0.5, share_tokens=1024, gather_share=0.75,
                                padded_share=0.7, padded_experts=8, padded_tokens=256,
-                               large_expert_size=1 << 20, gather_slab_bytes=1 << 18, gather_slab_steps=16),
+                               large_expert_size=1 << 20, gather_slab_bytes=1 << 18, gather_slab_steps=16,
+                               gather_slab_min_bytes=1 << 20),
               "cpu:bfloat16": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30,
                                         gather_share=0.75, padded_share=0.7),
               "gpu": DenseWhen(rows_per_expert=64, share=0.5, share_tokens=1 << 30, padded_share=0.7)}
