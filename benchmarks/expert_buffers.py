@@ -7,8 +7,8 @@ experts' SwiGLU for one token four ways:
 
 - `gather`: the layer's gather path on the stacked weights, whole slices (as in a scan over
   stacked layers, and in bf16);
-- `slabs`: the same in slabs of each expert (the layer's fp32 path on the CPU for weights of
-  their own, `cmoe_jax.moe.dispatch.pair_products`);
+- `slabs`: the same in the CPU rule's slabs of each expert, at every size (the layer's fp32
+  path on the CPU for experts over 1 MiB held apart, `cmoe_jax.moe.dispatch.pair_products`);
 - `switch`: every expert in a buffer of its own, the chosen one picked by `lax.switch`
   (the product reads the expert in place: nothing is copied);
 - `contiguous`: one SwiGLU of k experts' width on weights of its own (the bytes the k
@@ -76,7 +76,7 @@ def sides(d: int, d_h: int, num_experts: int, top_k: int, seed: int = 0):
     gates = jnp.ones((1, top_k), jnp.float32)
     gather = jax.jit(lambda x, ids, g, a, b, c: gathered_experts(x, ids, g, a, b, c, "silu")[0])
     slabs = jax.jit(lambda x, ids, g, a, b, c: gathered_experts(x, ids, g, a, b, c, "silu",
-                                                                DENSE_WHEN["cpu"].slabs())[0])
+                                                                DENSE_WHEN["cpu"].slabs()._replace(min_bytes=0))[0])
     switch = jax.jit(switched_experts)
     ffn = jax.jit(swiglu)
     ref = np.asarray(gather(x, ids, gates, w_gate, w_up, w_down))
