@@ -121,6 +121,21 @@ def test_dropped_and_repeated_pairs():
     np.testing.assert_allclose(y, brute_force(x, ids, gates, w), rtol=1e-5, atol=1e-5)
 
 
+def test_a_dropped_pair_adds_exactly_zero_whatever_its_row_holds():
+    """Token 0 is padding (both its pairs dropped) and holds NaN, which the padded rows copy;
+    the dropped pairs of the other tokens point at such rows, and still add nothing: every
+    other token equals the recomputation without token 0, token 0's output is 0."""
+    ids = np.concatenate([routing(40), (routing(70) + 1) % E], axis=1)
+    ids[0] = E
+    ids[3::5, 1] = E
+    gates = jnp.where(jnp.asarray(ids) < E, 0.7, 0.0)
+    x = jax.random.normal(jax.random.key(1), (T, D)).at[0].set(jnp.nan)
+    w = weights(3)
+    y, _ = padded_experts(x, jnp.asarray(ids), gates, experts(w))
+    assert np.all(np.asarray(y[0]) == 0)
+    np.testing.assert_allclose(y[1:], brute_force(x[1:], ids[1:], gates[1:], w), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_padded_path_lowers_for_accelerators(platform):
     """Value and gradients at Llama-2-7B S3A3E8 expert shapes, 256 tokens, bf16 (the sort

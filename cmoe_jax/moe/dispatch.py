@@ -120,22 +120,30 @@ def expert_swiglu(rows: jax.Array, group_sizes: jax.Array, experts: GLUExperts) 
     return proj("down", h.astype(rows.dtype), experts.w_down)
 
 
-def combine(ys: jax.Array, gates: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+def combine(ys: jax.Array, gates: jax.Array, rows: jax.Array | None = None,
+            ran: jax.Array | None = None) -> jax.Array:
     """float32 `[T, d]`: sum over slots of `gates [T, k]` times the slot outputs, `ys [T*k, d]`
-    in (token, slot) order or, with `rows [T*k]`, row `rows[t*k + j]` of `ys` for pair (t, j).
+    in (token, slot) order or, with `rows [T*k]`, row `rows[t*k + j]` of `ys` for pair (t, j);
+    a pair whose `ran [T*k]` is False adds exactly 0 (its row may hold another pair's output).
 
     Slot by slot, each a gather, scale and add that XLA fuses into one pass: the einsum over
-    a gathered `[T, k, d]` wrote and re-read that copy and ran 2-3x slower on XLA:CPU (4096
-    tokens, k=3, d=576: 4.5 to 1.5 ms; d=4096: 85 to 41 ms; benchmarks/moe_breakdown.py)."""
+    a gathered `[T, k, d]` wrote and re-read that copy (XLA:CPU, the sort path's unsort and
+    combine at 576x1536, 4096 tokens, S3A3E8: 4.6-5.4 ms to 0.66-0.77 ms;
+    benchmarks/moe_breakdown.py)."""
     num_tokens, top_k = gates.shape
     g = gates.astype(jnp.float32)
     if rows is None:
         slot = lambda j: ys.reshape(num_tokens, top_k, -1)[:, j]  # noqa: E731
     else:
         slot = lambda j: ys[rows.reshape(num_tokens, top_k)[:, j]]  # noqa: E731
-    out = slot(0).astype(jnp.float32) * g[:, :1]
+
+    def term(j):
+        y = slot(j).astype(jnp.float32) * g[:, j:j + 1]
+        return y if ran is None else jnp.where(ran.reshape(num_tokens, top_k)[:, j:j + 1], y, 0.0)
+
+    out = term(0)
     for j in range(1, top_k):
-        out = out + slot(j).astype(jnp.float32) * g[:, j:j + 1]
+        out = out + term(j)
     return out
 
 

@@ -67,7 +67,7 @@ def padded_rows(x: jax.Array, d: Dispatch, top_k: int, capacity: int) -> jax.Arr
 
 def padded_output_rows(ids: jax.Array, d: Dispatch, capacity: int) -> jax.Array:
     """int32 `[T*k]`: each (token, slot) pair's row in the padded outputs `[E * C, d]`. A
-    dropped pair (id E, gate 0) points at a real row, which its zero gate cancels."""
+    dropped pair (id E) points at some other row, which `combine` skips for it."""
     num_experts = d.group_sizes.shape[0]
     expert = jnp.minimum(ids.reshape(-1), num_experts - 1)
     slot = jnp.clip(d.inverse - group_starts(d)[expert], 0, capacity - 1)
@@ -93,7 +93,8 @@ def padded_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, experts: GLUE
     def at_capacity(capacity):
         def run(x, gates):
             ys = padded_glu(padded_rows(x, d, top_k, capacity), experts)
-            return combine(ys.reshape(-1, ys.shape[-1]), gates, padded_output_rows(ids, d, capacity))
+            return combine(ys.reshape(-1, ys.shape[-1]), gates, padded_output_rows(ids, d, capacity),
+                           ran=ids.reshape(-1) < num_experts)
         return run
 
     caps = capacity_ladder(ids.size, num_experts, num_tokens if cover_tokens else None)
