@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import WIKITEXT, interleaved_times, load_average, machine_line, print_load  # noqa: E402
+from benchmarks.harness import WIKITEXT, interleaved_times, load_average, machine_line, module_call, print_load  # noqa: E402
 
 PATHS = ("auto", "sort", "padded", "dense")
 
@@ -41,18 +41,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def ffn_call(mlp, path: str):
     """`mlp(x)` jitted with its dispatch forced to `path` (the rule is read at trace time)."""
-    import jax
-    from flax import nnx
-
-    graphdef, state = nnx.split(mlp)
-
-    def run(state, x):
-        layer = nnx.merge(graphdef, state)
+    def run(layer, x):
         if path != "auto":
             object.__setattr__(layer, "dispatch", path)
         return layer(x)
-    run = jax.jit(run)
-    return lambda x: run(state, x)
+    f, leaves = module_call(mlp, run)
+    return lambda x: f(leaves, x)
 
 
 def main(argv=None) -> None:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import interleaved_times, load_average, machine_line  # noqa: E402
+from benchmarks.harness import interleaved_times, load_average, machine_line, module_call  # noqa: E402
 from benchmarks.moe_grid import DTYPES, build, parse_config, swiglu, swiglu_f32_acc  # noqa: E402
 
 TILES = ("128x64x128", "128x64x256", "64x64x128", "128x128x128", "64x128x128", "128x32x256",
@@ -67,17 +67,15 @@ def triple(text: str) -> tuple[int, ...]:
 def parts(layer, x, gmm):
     """The layer's steps as separate jitted calls over precomputed inputs (weights passed
     as arguments: closed over, XLA would constant-fold their padding at compile time)."""
-    from flax import nnx
-
     from cmoe_jax.moe.activations import glu_activation
     from cmoe_jax.moe.dispatch import combine, counting_plan, plan, sorting_plan
     from cmoe_jax.moe.routers.cmoe import cmoe_scores
 
     act = glu_activation(layer.activation)
-    graphdef, state = nnx.split(layer)
-    method = lambda name: jax.jit(lambda st, x: getattr(nnx.merge(graphdef, st), name)(x))  # noqa: E731
+    method = lambda name: module_call(layer, lambda m, x: getattr(m, name)(x))  # noqa: E731
     w = tuple(p[...] for p in (layer.expert_gate, layer.expert_up, layer.expert_down))
-    ids, gates = method("route")(state, x)
+    route, leaves = method("route")
+    ids, gates = route(leaves, x)
     k, e = ids.shape[1], w[0].shape[0]
     d = jax.jit(plan, static_argnums=1)(ids, e)
     src = d.order // k
@@ -91,10 +89,10 @@ def parts(layer, x, gmm):
                      static_argnums=3)
     argsort = lambda i: jax.lax.sort_key_val(i.reshape(-1), jnp.arange(i.size))[1]  # noqa: E731
     return {
-        "router": (method("route"), (state, x)),
+        "router": (route, (leaves, x)),
         "router scores": (scores, (x, *router, lambda a: a)),
         "router scores, upcast operands": (scores, (x, *router, lambda a: a.astype(jnp.float32))),
-        "shared MLP": (method("shared"), (state, x)),
+        "shared MLP": (method("shared")[0], (leaves, x)),
         "plan by counting": (jax.jit(counting_plan, static_argnums=1), (ids.reshape(-1), e)),
         "plan by argsort": (jax.jit(sorting_plan, static_argnums=1), (ids.reshape(-1), e)),
         "argsort alone": (jax.jit(argsort), (ids,)),
@@ -123,8 +121,6 @@ def tile_sweep(inputs, tiles_list, launches, calls, reps, interpret=False) -> di
 
 
 def run_config(args, config: str) -> dict:
-    from flax import nnx
-
     from cmoe_jax.moe.gmm import get_gmm
 
     dtype = DTYPES[args.dtype]
@@ -135,8 +131,8 @@ def run_config(args, config: str) -> dict:
     steps, inputs = parts(layer, x, get_gmm(args.backend))
 
     def whole(path):
-        graphdef, state = nnx.split(layer_of(path))
-        return jax.jit(lambda st, x: nnx.merge(graphdef, st)(x)), (state, x)
+        f, leaves = module_call(layer_of(path))
+        return f, (leaves, x)
 
     sides = {"dense FFN": (jax.jit(swiglu), (x, *dense)),
              "dense FFN (f32 acc)": (jax.jit(swiglu_f32_acc), (x, *dense))}

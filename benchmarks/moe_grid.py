@@ -37,7 +37,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import allocator_env, interleaved_times, load_average, machine_busy, machine_line  # noqa: E402
+from benchmarks.harness import (allocator_env, interleaved_times, load_average, machine_busy,  # noqa: E402
+                                machine_line, module_call)
 
 SHAPES = ("576x1536", "640x2048", "4096x11008")
 TOKENS = (1, 16, 128, 4096)
@@ -110,17 +111,14 @@ def auto_path(tokens: int, config: str, dtype, shape: str) -> str:
 
 
 def run_cell(shape, tokens, config, dtype_name, paths, router_neurons, reps, load_at_start) -> dict:
-    from flax import nnx
-
     load = load_average()  # includes this run's own threads after the first cell
     dtype = DTYPES[dtype_name]
     s, a, z = parse_config(config)
     dense, layer = build(shape, config, dtype, router_neurons, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (tokens, int(shape.split("x")[0])), jnp.float32).astype(dtype)
     paths = [p for p in paths if not (p.startswith("gather") and tokens * a > GATHER_MAX_PAIRS)]
-    def pure(path):  # split once: nnx.jit would walk the module's graph on every call
-        graphdef, state = nnx.split(layer(path))
-        return jax.jit(lambda st, x: nnx.merge(graphdef, st)(x, return_load=True)), state
+    def pure(path):  # once: nnx.jit would walk the module's graph on every call
+        return module_call(layer(path), lambda m, x: m(x, return_load=True))
 
     baselines = [swiglu] + ([swiglu_f32_acc] if dtype != jnp.float32 else [])
     sides = ([(jax.jit(f), (x, *dense)) for f in baselines]

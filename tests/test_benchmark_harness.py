@@ -81,3 +81,23 @@ def test_allocator_env_names_the_malloc_settings_a_run_was_made_under(monkeypatc
     monkeypatch.setenv("HOME", "/root")  # not an allocator setting
     assert harness.allocator_env() == {"MALLOC_MMAP_THRESHOLD_": "4294967296",
                                        "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+
+
+def test_module_call_takes_plain_arrays_and_computes_what_the_module_does():
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from cmoe_jax.moe import MoEFFN
+
+    layer = MoEFFN(d_model=16, expert_width=8, num_experts=4, top_k=2, shared_width=8, router="cmoe",
+                   activation="silu", expert_axis=None, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (5, 16))
+    f, leaves = harness.module_call(layer, lambda m, x: m(x, return_load=True))
+    assert all(isinstance(leaf, jax.Array) for leaf in leaves)  # no State to flatten per call
+    y, load = f(leaves, x)
+    y_ref, load_ref = layer(x, return_load=True)
+    assert jnp.array_equal(load, load_ref)
+    assert jnp.allclose(y, y_ref, atol=1e-6)
+    route, _ = harness.module_call(layer, lambda m, x: m.route(x))
+    assert jnp.array_equal(route(leaves, x)[0], layer.route(x)[0])
