@@ -91,19 +91,58 @@ def module_call(module, method: Callable = lambda m, x: m(x)):
     return jax.jit(lambda ls, x: method(nnx.merge(graphdef, jax.tree.unflatten(treedef, ls)), x)), leaves
 
 
-def interleaved_times(sides: Sequence[Callable[[], object]], repeats: int, warmup: int = 1
+def interleaved_times(sides: Sequence[Callable[[], object]], repeats: int, warmup: int = 1,
+                      before: Callable[[Callable[[], object]], object] | None = None
                       ) -> list[list[float]]:
-    """Wall times of each zero-argument `side` (which must block until its result is ready)."""
+    """Wall times of each zero-argument `side` (which must block until its result is ready);
+    `before(side)`, untimed, runs ahead of each timed call (`cache_state`)."""
     for _ in range(warmup):
         for side in sides:
             side()
     times: list[list[float]] = [[] for _ in sides]
     for _ in range(repeats):
         for side, ts in zip(sides, times):
+            if before is not None:
+                before(side)
             t0 = time.perf_counter()
             side()
             ts.append(time.perf_counter() - t0)
     return times
+
+
+CACHE_STATES = ("mixed", "warm", "cold")
+
+
+def last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The largest CPU cache's size (Linux sysfs), or `default` where it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return max(sizes, default=default)
+
+
+def cache_state(state: str) -> Callable[[Callable[[], object]], object] | None:
+    """What runs, untimed, before each timed call so that every call starts from the same
+    cache state, whatever the other sides read: "warm" calls the side once more (its weights
+    in cache, as a layer called again and again), "cold" streams through four times the
+    last-level cache (its weights come from memory, as each layer of a model's step does),
+    "mixed" nothing (each call finds what the side before it left: at small shapes a side's
+    time then depends on how many other sides a cell times)."""
+    if state not in CACHE_STATES:
+        raise ValueError(f"cache state must be one of {CACHE_STATES}, got {state!r}")
+    if state == "warm":
+        return lambda side: side()
+    if state == "cold":
+        import numpy as np
+
+        buffer = np.zeros(4 * last_level_cache_bytes() // 8)
+        return lambda side: np.add(buffer, 1.0, out=buffer)
+    return None
 
 
 def print_load(load_start: float, repeats: int, ratio: bool = True) -> bool:

@@ -15,8 +15,12 @@ expert's own, so the loads are as balanced as a converted model's), random weigh
 `--paths` names the layer's dispatch paths timed beside the dense FFN: "auto" (what the
 layer picks; the ratio column), "sort", "dense", "gather" (at most 64 pairs), each
 optionally "@backend" for the grouped matmul (e.g. "sort@ragged_dot"). The ideal ratio is
-z / (x + y). Rows are printed as they finish; `--out` gets the JSON (rewritten after every
-cell, so a cut run keeps what it measured), a markdown table and a PNG plot beside it.
+z / (x + y). `--cache` sets what each timed call finds in the cache
+(`benchmarks/harness.cache_state`): "cold" (the weights evicted, as each layer of a model's
+step finds them), "warm" (the side run once more first) or "mixed" (the default: whatever
+the side before it left, so at small shapes a cell's ratios depend on how many paths it
+times). Rows are printed as they finish; `--out` gets the JSON (rewritten after every cell,
+so a cut run keeps what it measured), a markdown table and a PNG plot beside it.
 Ratios are withheld (`busy`) when the load average at the run's start exceeds the cores;
 each row's load column is the load at the cell's start (this run's own threads included).
 """
@@ -37,8 +41,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import (allocator_env, interleaved_times, load_average, machine_busy,  # noqa: E402
-                                machine_line, module_call)
+from benchmarks.harness import (CACHE_STATES, allocator_env, cache_state, interleaved_times,  # noqa: E402
+                                load_average, machine_busy, machine_line, module_call)
 
 SHAPES = ("576x1536", "640x2048", "4096x11008")
 TOKENS = (1, 16, 128, 4096)
@@ -110,7 +114,8 @@ def auto_path(tokens: int, config: str, dtype, shape: str) -> str:
     return dispatch_mode(PairCall(tokens * a, z - s, a, dtype, d * (d_h // z)))
 
 
-def run_cell(shape, tokens, config, dtype_name, paths, router_neurons, reps, load_at_start) -> dict:
+def run_cell(shape, tokens, config, dtype_name, paths, router_neurons, reps, load_at_start,
+             cache: str = "mixed") -> dict:
     load = load_average()  # includes this run's own threads after the first cell
     dtype = DTYPES[dtype_name]
     s, a, z = parse_config(config)
@@ -133,7 +138,8 @@ def run_cell(shape, tokens, config, dtype_name, paths, router_neurons, reps, loa
         call()
     per_round = time.perf_counter() - t0
     n = max(reps, min(50, int(2.0 / max(per_round, 1e-6))))
-    times = [statistics.median(ts) for ts in interleaved_times(calls, n, warmup=0)]
+    before = cache_state(cache)
+    times = [statistics.median(ts) for ts in interleaved_times(calls, n, warmup=0, before=before)]
     first_moe = sides[len(baselines)]
     counts = jax.device_get(first_moe[0](*first_moe[1])[1])
     t_dense, t_paths = min(times[:len(baselines)]), dict(zip(paths, times[len(baselines):]))
@@ -142,7 +148,7 @@ def run_cell(shape, tokens, config, dtype_name, paths, router_neurons, reps, loa
     return dict(shape=shape, tokens=tokens, config=config, dtype=dtype_name,
                 dense_s=t_dense, dense_plain_s=times[0], moe_s=t_paths, auto_path=auto_path(tokens, config, dtype, shape),
                 ratio=None if busy else t_dense / t_paths[moe_path],
-                best=min(t_paths, key=t_paths.get), ideal=z / (s + a), load=load, busy=busy,
+                best=min(t_paths, key=t_paths.get), ideal=z / (s + a), cache=cache, load=load, busy=busy,
                 max_over_mean_load=float(counts.max() / max(counts.mean(), 1e-9)), reps=n,
                 compile_s=once)
 
@@ -195,16 +201,19 @@ def main(argv=None) -> int:
     p.add_argument("--router-neurons", type=int, default=16)
     p.add_argument("--reps", type=int, default=3, help="at least this many interleaved rounds")
     p.add_argument("--time-budget", type=float, default=0, help="seconds: start no cell after (0: none)")
+    p.add_argument("--cache", choices=CACHE_STATES, default="mixed",
+                   help="the cache state each timed call starts from (benchmarks/harness.cache_state): "
+                        "warm (weights in cache), cold (from memory, as in a model's step), mixed (as left)")
     p.add_argument("--out", type=Path, help="JSON results (a .md table and a .png plot beside it)")
     args = p.parse_args(argv)
     for c in args.config:
         parse_config(c)
     load_at_start = load_average()
     env = allocator_env()
-    print(f"# {machine_line()}; load average {load_at_start:.2f} at start"
+    print(f"# {machine_line()}; load average {load_at_start:.2f} at start; cache {args.cache}"
           + "".join(f"; {k}={v}" for k, v in env.items()), flush=True)
     meta = dict(machine=machine_line(), date=date.today().isoformat(), argv=sys.argv[1:],
-                load_at_start=load_at_start, env=env)
+                load_at_start=load_at_start, env=env, cache=args.cache)
     cells, start = [], time.perf_counter()
     print(HEADER, flush=True)
     for dt, shape, tokens, config in itertools.product(args.dtype, args.shape, args.tokens, args.config):
@@ -212,7 +221,7 @@ def main(argv=None) -> int:
             print(f"# time budget {args.time_budget:.0f} s spent: cells left out", flush=True)
             break
         cells.append(run_cell(shape, tokens, config, dt, args.paths, args.router_neurons, args.reps,
-                              load_at_start))
+                              load_at_start, args.cache))
         print(row(cells[-1]), flush=True)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,39 @@ def test_sides_alternate_after_warmup():
     assert all(t >= 0 for ts in times for t in ts)
 
 
+def test_before_runs_untimed_ahead_of_every_timed_call():
+    calls = []
+    sides = [lambda: calls.append("A"), lambda: calls.append("B")]
+    harness.interleaved_times(sides, repeats=2, warmup=0, before=lambda side: calls.append("-"))
+    assert calls == ["-", "A", "-", "B"] * 2
+
+
+def test_cache_states_warm_repeats_the_side_cold_touches_more_than_the_cache(monkeypatch):
+    calls = []
+    side = lambda: calls.append("A")  # noqa: E731
+    harness.cache_state("warm")(side)
+    assert calls == ["A"]  # a warm call follows one of its own
+    assert harness.cache_state("mixed") is None
+    monkeypatch.setattr(harness, "last_level_cache_bytes", lambda: 1 << 20)
+    import numpy as np
+    seen = []
+    real_add = np.add
+    monkeypatch.setattr(np, "add", lambda a, b, out: seen.append(out.nbytes) or real_add(a, b, out=out))
+    harness.cache_state("cold")(side)
+    assert calls == ["A"] and seen == [4 << 20]  # the side itself does not run; 4x the cache is
+    with pytest.raises(ValueError, match="cache state"):
+        harness.cache_state("hot")
+
+
+def test_last_level_cache_is_the_largest_cache_level(tmp_path, monkeypatch):
+    for index, size in (("index0", "48K"), ("index2", "1024K"), ("index3", "32768K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    real_path = harness.Path
+    monkeypatch.setattr(harness, "Path", lambda p: tmp_path if "cpu0/cache" in str(p) else real_path(p))
+    assert harness.last_level_cache_bytes() == 32 << 20
+
+
 @pytest.fixture
 def two_cores(monkeypatch):
     monkeypatch.setattr(harness.os, "cpu_count", lambda: 2)
