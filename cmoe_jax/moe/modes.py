@@ -96,9 +96,12 @@ class DenseWhen(NamedTuple):
 # benchmarks/model_dispatch.py, benchmarks/decode_step.py --paths, performance.md). One
 # token at 4096x11008 in fp32 gathered in slabs of 256 KiB an expert runs 1.08x-3.07x the
 # dense FFN's speed (S3A3E8 to S1A1E8), where sorted it ran 0.53x-1.93x and on the dense
-# path 0.66x-0.82x; expert slices of at most 1 MiB (576x1536's, 640x2048's) stay whole, in
-# cache anyway, where the slabs' loop cost more than it saved (one token of S2A2E8 0.72x-0.82x
-# of the dense FFN's speed in slabs, 0.88x-0.95x whole; S1A1E8 1.06x-1.23x, 1.32x-1.50x); in bf16 they are
+# path 0.66x-0.82x; expert slices of at most 1 MiB (576x1536's, 640x2048's) stay whole: the
+# layer alone, its weights left in cache, ran slower in slabs (one token of S2A2E8 0.72x-0.82x
+# of the dense FFN's speed, 0.88x-0.95x whole; S1A1E8 1.06x-1.23x, 1.32x-1.50x), and though
+# slabs of 128 KiB won with its weights evicted first (`moe_grid.py --cache cold`), whole
+# decoding steps of SmolLM2 conversions whose layers hold their own weights were level or
+# up to 3% slower with them (performance.md, "The cache state a call starts from"); in bf16 they are
 # slower (the one-row bf16 product is what costs), the gather of whole slices 2-3x the sort
 # at every width, and one token of S3A3E8 (3 of 5 routed experts) gathered runs 0.9x-1.7x
 # the dense FFN's speed in the layer alone, where its dense path runs 0.72x-1.08x
