@@ -81,7 +81,7 @@ def settled_load(max_wait: float = 90.0, poll: float = 5.0) -> float:
 def module_call(module, method: Callable = lambda m, x: m(x)):
     """`(f, leaves)`: `method(module, x)` jitted as `f(leaves, x)` over the module's arrays,
     split and flattened once. A module's nnx `State` passed to every call is flattened again
-    each time (about 25 us a call on XLA:CPU, a third of a one-token MoE cell's margin), a
+    each time (about 25 us a call on XLA:CPU, up to a twentieth of a one-token MoE cell), a
     cost the dense baseline's plain arrays do not pay and no model pays per layer."""
     import jax
     from flax import nnx
