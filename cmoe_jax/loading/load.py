@@ -1,8 +1,11 @@
 """Load a checkpoint into a `Decoder`, one tensor at a time, straight onto its sharding.
 
 The model is built abstractly (`nnx.eval_shape`), then each parameter is read, checked
-against the config's shape, cast and `device_put` with its target sharding, so peak host
-memory stays near one tensor (one per layer for stacked layers) plus the model on device.
+against the config's shape, cast into a 64-byte-aligned host buffer (stacked layers: one
+buffer, filled layer by layer) and `device_put` with its target sharding. On a CPU the
+device adopts such a buffer without copying it, so the model is held once and peak host
+memory stays near the model plus one tensor; the checkpoint's pages read for a stacked
+parameter are dropped after it (`TensorSource.release`).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from tqdm.auto import tqdm
 from cmoe_jax.checkpoint import is_converted, read_manifest, restore_model
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.loading import hf_names
+from cmoe_jax.loading.host_arrays import aligned_copy, aligned_empty, copy_into
 from cmoe_jax.loading.sources import GGUFSource, TensorSource, open_source
 from cmoe_jax.loading.tokenizer import Tokenizer, load_tokenizer
 from cmoe_jax.loading.zoo import resolve
@@ -68,13 +72,9 @@ def _hf_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(raw)
 
 
-def _to_dtype(a: np.ndarray, dtype) -> np.ndarray:
-    return np.asarray(a).astype(jnp.dtype(dtype), copy=False)
-
-
-def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected: tuple,
-                   dtype) -> np.ndarray:
-    """One Decoder parameter (state `path`) from the source, shape-checked and cast."""
+def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected: tuple) -> np.ndarray:
+    """One Decoder parameter (state `path`) from the source in JAX layout, shape-checked
+    (possibly a transposed view of the checkpoint's array; `host_arrays.copy_into` places it)."""
     if path[-1] in hf_names.EXPERT_LEAVES and path[2] == "mlp":
         name = f"model.layers.{path[1]}.mlp.experts.*.{path[3]}"
         arr = hf_names.fetch_experts(source, cfg, path[1], path[3], expected[0])
@@ -84,7 +84,7 @@ def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected
         held, implied = _as_in_file(source, name, arr.shape, expected)
         raise CheckpointError(f"tensor {name!r} has shape {held} in the file but the config "
                               f"implies {implied}: config.json does not match the weights")
-    return _to_dtype(arr, dtype)
+    return np.asarray(arr)
 
 
 def _as_in_file(source: TensorSource, name: str, got: tuple, expected: tuple) -> tuple[tuple, tuple]:
@@ -112,8 +112,12 @@ def _fill(source: TensorSource, cfg: ModelConfig, abstract: nnx.Module, prefix: 
         path, shape = prefix + tuple(path), abstract_value.shape
         layers, stacked = per_layer_paths(getattr(abstract, "layers", None), path)
         if stacked:  # stacked layers: every layer's tensor, stacked
-            return np.stack([read_parameter(source, cfg, p, shape[1:], dtype) for p in layers])
-        return read_parameter(source, cfg, layers[0], shape, dtype)
+            out = aligned_empty(shape, jnp.dtype(dtype))
+            for i, p in enumerate(layers):
+                copy_into(out[i], read_parameter(source, cfg, p, shape[1:]))
+            source.release()
+            return out
+        return aligned_copy(read_parameter(source, cfg, layers[0], shape), jnp.dtype(dtype))
 
     try:
         state = place_state(state, shardings, read)

@@ -12,13 +12,13 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-import gguf
 import ml_dtypes
 import numpy as np
-from gguf.quants import dequantize
 from safetensors import safe_open
 
 from cmoe_jax.errors import CheckpointError, UnsupportedModelError, require
+from cmoe_jax.loading.gguf_dequant import dequantize
+from cmoe_jax.loading.gguf_reader import FastGGUFReader
 from cmoe_jax.models.families import by_gguf_arch
 
 
@@ -147,7 +147,7 @@ _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
 
 
 class GGUFSource(_InMemoryIndex):
-    """A GGUF file, dequantised with the `gguf` package and renamed to `transformers` names.
+    """A GGUF file, dequantised (`gguf_dequant`) and renamed to `transformers` names.
 
     The family unit (`cmoe_jax.models.families`) of the file's architecture names its
     tensors and says what llama.cpp changed: the rows of Q and K permuted for its interleaved
@@ -157,7 +157,7 @@ class GGUFSource(_InMemoryIndex):
 
     def __init__(self, path: Path):
         try:
-            self.reader = gguf.GGUFReader(str(path))
+            self.reader = FastGGUFReader(str(path))
         except Exception as e:
             raise CheckpointError(f"{path} is not a readable GGUF file ({e})") from e
         self.path = Path(path)
@@ -243,8 +243,7 @@ class GGUFSource(_InMemoryIndex):
 
     def get(self, name):
         t = self._tensors[name]
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape(tuple(int(s) for s in reversed(t.shape)))
+        w = dequantize(t.data, t.tensor_type).reshape(tuple(int(s) for s in reversed(t.shape)))
         if self.family.gguf_norm_shift and name.endswith("norm.weight"):
             w = w - np.float32(self.family.gguf_norm_shift)
         if self.family.gguf_permute_qk and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):

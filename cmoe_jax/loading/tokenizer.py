@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cmoe_jax.errors import CheckpointError
+from cmoe_jax.loading.gguf_reader import FastGGUFReader
 
 
 class Tokenizer:
@@ -63,7 +64,6 @@ def gguf_tokenizer_metadata(reader) -> tuple[str, dict, dict]:
 
 def gguf_tokenizer(path: Path, reader=None) -> Tokenizer | None:
     """The tokenizer a GGUF file describes, or None when the file carries no vocabulary."""
-    import gguf
     import transformers
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -71,7 +71,7 @@ def gguf_tokenizer(path: Path, reader=None) -> Tokenizer | None:
     transformers.logging.set_verbosity_error()
     if reader is None:
         try:
-            reader = gguf.GGUFReader(str(path))
+            reader = FastGGUFReader(str(path))
         except Exception as e:
             raise CheckpointError(f"{path} is not a readable GGUF file ({e})") from e
     if "tokenizer.ggml.model" not in reader.fields:
