@@ -124,14 +124,18 @@ def shardings_of(model: nnx.Module, mesh: Mesh) -> dict[tuple, NamedSharding]:
             for p, axes in logical_axes(model).items()}
 
 
-def place_state(state: nnx.State, shardings: dict, value: Callable | None = None) -> nnx.State:
+def place_state(state: nnx.State, shardings: dict, value: Callable | None = None,
+                largest_first: bool = False) -> nnx.State:
     """`state` with every variable's value on `shardings[path]`, one variable at a time.
 
     `value(path, current)` gives the array to place (default: the variable's own); a
     `jax.ShapeDtypeStruct` becomes an abstract target carrying the sharding (for restores).
+    `largest_first` places the biggest variables first: a loader's temporaries for a large
+    tensor (a dequantised LM head and its transposed copy) then come while little else is held.
     """
     flat = list(nnx.to_flat_state(state))
-    for path, var in flat:
+    order = sorted(flat, key=lambda pv: -int(np.prod(pv[1].get_value().shape))) if largest_first else flat
+    for path, var in order:
         v = var.get_value() if value is None else value(path, var.get_value())
         sh = shardings[tuple(path)]
         var.set_value(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)

@@ -4,8 +4,9 @@ The model is built abstractly (`nnx.eval_shape`), then each parameter is read, c
 against the config's shape, cast into a 64-byte-aligned host buffer (stacked layers: one
 buffer, filled layer by layer) and `device_put` with its target sharding. On a CPU the
 device adopts such a buffer without copying it, so the model is held once and peak host
-memory stays near the model plus one tensor; the checkpoint's pages read for a stacked
-parameter are dropped after it (`TensorSource.release`).
+memory stays near the model plus one tensor (the largest tensors come first, while little
+else is held); the checkpoint's pages read for a stacked parameter are dropped after it
+(`TensorSource.release`).
 """
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ def _fill(source: TensorSource, cfg: ModelConfig, abstract: nnx.Module, prefix: 
         return aligned_copy(read_parameter(source, cfg, layers[0], shape), jnp.dtype(dtype))
 
     try:
-        state = place_state(state, shardings, read)
+        state = place_state(state, shardings, read, largest_first=True)
     finally:
         bar.close()  # also on an error: the bar's line is cleared before the error is printed
     return nnx.merge(graphdef, state)
