@@ -12,6 +12,9 @@ from cmoe_jax.checkpoint.layout import MANIFEST
 from cmoe_jax.errors import CheckpointError
 
 READERS_LOCKED = (MANIFEST, "cmoe_export.json")  # the record whose flock is a directory's readers' lock
+# (st_dev, st_ino) of every readers' lock this process holds shared, with how many times: an
+# `flock` taken again on another descriptor of the same file would wait on itself for ever
+_HELD: dict[tuple[int, int], int] = {}
 
 
 def _readers_lock_file(directory: Path) -> Path:
@@ -54,10 +57,20 @@ def reading(directory: Path):
         if same:
             break
         os.close(fd)  # replaced between the open and the lock: read the new one
+    key = _key(fd)
+    _HELD[key] = _HELD.get(key, 0) + 1
     try:
         yield
     finally:
+        _HELD[key] -= 1
+        if not _HELD[key]:
+            del _HELD[key]
         os.close(fd)
+
+
+def _key(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
 
 
 @contextmanager
@@ -65,6 +78,9 @@ def readers_excluded(directory: Path):
     """The exclusive side of `reading`: held while a publish moves `directory` away."""
     fd = _open_manifest(directory) if Path(directory).is_dir() else None
     try:
+        if fd is not None and _key(fd) in _HELD:
+            raise CheckpointError(f"{directory} is being read by this job itself: a job never replaces "
+                                  "what it reads; choose an --out apart from its inputs")
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
