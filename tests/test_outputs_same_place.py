@@ -108,8 +108,8 @@ def test_out_spelled_as_an_input_is_refused_without_waiting(inputs, tmp_path, jo
 
 
 def test_a_publish_over_a_directory_this_process_reads_is_refused_not_awaited(inputs, tmp_path):  # noqa: F811
-    """The lock's own guard, below the path checks: the exclusive side asked for while this
-    process holds the shared side is one error (an `flock` on a second descriptor of the same
+    """The lock's own guard, below the path checks: the exclusive side asked for by a thread
+    that holds the shared side is one error (an `flock` on a second descriptor of the same
     file would wait for ever)."""
     link = tmp_path / "alias"
     link.symlink_to(inputs["converted"])

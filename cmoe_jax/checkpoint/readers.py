@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -12,9 +13,16 @@ from cmoe_jax.checkpoint.layout import MANIFEST
 from cmoe_jax.errors import CheckpointError
 
 READERS_LOCKED = (MANIFEST, "cmoe_export.json")  # the record whose flock is a directory's readers' lock
-# (st_dev, st_ino) of every readers' lock this process holds shared, with how many times: an
-# `flock` taken again on another descriptor of the same file would wait on itself for ever
-_HELD: dict[tuple[int, int], int] = {}
+# (st_dev, st_ino) of every readers' lock this thread holds shared, with how many times: an
+# `flock` taken again by the same thread on another descriptor of the same file would wait on
+# itself for ever (another thread's shared lock is waited for, as another process's)
+_THREAD = threading.local()
+
+
+def _held() -> dict[tuple[int, int], int]:
+    if not hasattr(_THREAD, "held"):
+        _THREAD.held = {}
+    return _THREAD.held
 
 
 def _readers_lock_file(directory: Path) -> Path:
@@ -57,14 +65,14 @@ def reading(directory: Path):
         if same:
             break
         os.close(fd)  # replaced between the open and the lock: read the new one
-    key = _key(fd)
-    _HELD[key] = _HELD.get(key, 0) + 1
+    key, held = _key(fd), _held()
+    held[key] = held.get(key, 0) + 1
     try:
         yield
     finally:
-        _HELD[key] -= 1
-        if not _HELD[key]:
-            del _HELD[key]
+        held[key] -= 1
+        if not held[key]:
+            del held[key]
         os.close(fd)
 
 
@@ -78,7 +86,7 @@ def readers_excluded(directory: Path):
     """The exclusive side of `reading`: held while a publish moves `directory` away."""
     fd = _open_manifest(directory) if Path(directory).is_dir() else None
     try:
-        if fd is not None and _key(fd) in _HELD:
+        if fd is not None and _key(fd) in _held():
             raise CheckpointError(f"{directory} is being read by this job itself: a job never replaces "
                                   "what it reads; choose an --out apart from its inputs")
         if fd is not None:
