@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cmoe_jax.checkpoint.seal import sealed
 from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.compress.cli import main as compress_main
 from cmoe_jax.convert import Calibration, ConvertConfig, ConvertSettings, convert
@@ -290,7 +291,7 @@ def test_export_resume_refuses_a_changed_source(inputs, tmp_path, capsys):
     settings = ExportSettings(calib_samples=0, max_shard_mb=0.01)
     assert export(str(src), settings, out=tmp_path / "hf", stop_after_shards=2, progress=False)["out"] is None
     manifest = json.loads((src / "cmoe_manifest.json").read_text())
-    (src / "cmoe_manifest.json").write_text(json.dumps(dict(manifest, note="edited")))  # new content
+    (src / "cmoe_manifest.json").write_text(json.dumps(sealed(dict(manifest, note="edited"))))  # new content
     capsys.readouterr()
     assert _export(inputs, tmp_path / "hf", "--resume", "--max-shard-mb", "0.01", model=src) == 2
     err = capsys.readouterr().err.strip().splitlines()
