@@ -16,13 +16,14 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from cmoe_jax.checkpoint import is_converted, read_manifest, restore_model
+from cmoe_jax.checkpoint import MANIFEST, is_converted, read_manifest, restore_model
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.loading import hf_names
 from cmoe_jax.loading.sources import GGUFSource, TensorSource, open_source
 from cmoe_jax.loading.tokenizer import Tokenizer, load_tokenizer
 from cmoe_jax.loading.zoo import resolve
 from cmoe_jax.models import Decoder, DecoderLayer, ModelConfig
+from cmoe_jax.models.config_fields import check_gguf
 from cmoe_jax.models.layer_parts import per_layer_paths
 from cmoe_jax.sharding import make_mesh, place_state, shardings_of
 
@@ -41,10 +42,11 @@ def open_model(name_or_path: str) -> tuple[ModelConfig, Path, TensorSource | Non
     the weights, read once (a GGUF file is parsed here and reused)."""
     path = resolve(name_or_path)
     if is_converted(path):
-        return ModelConfig.from_dict(read_manifest(path)["model_config"]), path, None
+        return ModelConfig.from_dict(read_manifest(path)["model_config"], where=path / MANIFEST), path, None
     if path.is_file() and path.suffix == ".gguf":
         source = GGUFSource(path)
-        return ModelConfig.from_hf(source.hf_config()), path, source
+        check_gguf(source.field, source.arch, path)  # before its metadata is turned into a config
+        return ModelConfig.from_hf(source.hf_config(), where=path), path, source
     return _hf_config(path), path, None
 
 
@@ -63,9 +65,9 @@ def _hf_config(path: Path) -> ModelConfig:
                               "config.json next to its weights")
     try:
         raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON ({e})") from e
-    return ModelConfig.from_hf(raw)
+    except ValueError as e:  # not JSON, or not UTF-8 text
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({e})") from None
+    return ModelConfig.from_hf(raw, where=cfg_file)
 
 
 def _to_dtype(a: np.ndarray, dtype) -> np.ndarray:
