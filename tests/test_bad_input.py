@@ -198,6 +198,8 @@ CASES = [
      "--lora-rank must be at most"),
     ("train-lora-rank-beyond-full-rank", _train, ["--lora-rank", "33"], None,
      "--lora-rank 33 exceeds the rank of every adapted weight (at most 32)"),
+    ("train-lora-alpha-huge", _train, ["--lora-alpha", "1e23"], None,
+     "--lora-alpha 1e+23 with --lora-rank 8 scales the adapters' update by 1.25e+22"),
     ("train-kd-temperature-huge", _train, ["--distill", "--kd-temperature", "1e23"], None,
      "--kd-temperature must be at most"),
     ("train-recover-lr-diverges", _train, ["--recover", "layerwise", "--recover-samples", "2", "--recover-lr",
