@@ -77,7 +77,12 @@ def _to_dtype(a: np.ndarray, dtype) -> np.ndarray:
 def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected: tuple,
                    dtype) -> np.ndarray:
     """One Decoder parameter (state `path`) from the source, shape-checked and cast."""
-    if path[-1] in hf_names.EXPERT_LEAVES and path[2] == "mlp":
+    carved = _carved_name(cfg, path)
+    if carved in source:  # a carved export's MoE layer: cmoe_jax's own name and layout
+        name, arr = carved, source.get(carved)
+        if not np.issubdtype(arr.dtype, np.floating):  # an index table (ConMoE's slot map) stays whole numbers
+            dtype = arr.dtype
+    elif path[-1] in hf_names.EXPERT_LEAVES and path[2] == "mlp":
         name = f"model.layers.{path[1]}.mlp.experts.*.{path[3]}"
         arr = hf_names.fetch_experts(source, cfg, path[1], path[3], expected[0])
     else:
@@ -87,6 +92,13 @@ def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected
         raise CheckpointError(f"tensor {name!r} has shape {held} in the file but the config "
                               f"implies {implied}: config.json does not match the weights")
     return _to_dtype(arr, dtype)
+
+
+def _carved_name(cfg: ModelConfig, path: tuple) -> str | None:
+    """Where `export` writes an MoE layer's parameter of a carved model (`cmoe_jax.models.carved_export`)."""
+    if len(path) == 4 and path[0] == "layers" and path[2] == "mlp" and cfg.ffn_spec(path[1]) is not None:
+        return f"model.layers.{path[1]}.mlp.{path[3]}"
+    return None
 
 
 def _as_in_file(source: TensorSource, name: str, got: tuple, expected: tuple) -> tuple[tuple, tuple]:

@@ -96,5 +96,6 @@ def load_tokenizer(path: Path, gguf_reader=None) -> Tokenizer | None:
         import transformers
 
         transformers.logging.set_verbosity_error()
-        return Tokenizer(transformers.AutoTokenizer.from_pretrained(str(path)))
+        # never the remote code an exported carved model ships for its layers: a tokenizer needs none
+        return Tokenizer(transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=False))
     return None

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from cmoe_jax.errors import UnsupportedModelError
-from cmoe_jax.models import config_fields
+from cmoe_jax.models import carved_export, config_fields
 from cmoe_jax.models.families import FAMILIES, Family, family as family_of
 from cmoe_jax.moe.activations import from_hf_name
 from cmoe_jax.moe.spec import FFNSpec
@@ -108,14 +108,20 @@ class ModelConfig:
             lambda k, default=None: getattr(hf, k, default))
         model_type = get("model_type")
         config_fields.check_model_type(model_type, where)
+        exported = carved_export.is_carved_export(model_type, get)  # export's form of a carved model
+        if exported:
+            get = carved_export.base_getter(get)
+            model_type = get("model_type")
         unit = family_of(model_type)
         config_fields.check_hf(get, where)
+        moe_layers = carved_export.exported_moe_layers(get, where) if exported else None
         try:
-            return cls._built_from_hf(get, unit)
+            cfg = cls._built_from_hf(get, unit)
         except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field no table knows
             raise config_fields.ConfigFieldError(
                 f"{where}: cannot be read as a {model_type} config ({type(e).__name__}: {e}): fix it, "
                 "or use a complete, unedited copy of the model") from None
+        return cfg if moe_layers is None else cfg.with_moe_layers(moe_layers)
 
     @classmethod
     def _built_from_hf(cls, get, unit: Family) -> "ModelConfig":

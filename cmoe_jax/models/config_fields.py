@@ -125,7 +125,7 @@ SPEC_RANGES: dict[str, Kind] = {  # an MoE layer spec's fields beyond their type
 BY_TYPE: dict[str, Kind] = {"int": COUNT, "float": REAL, "bool": FLAG, "str": TEXT}
 
 
-def _fail(where, field: str, value, must: str):
+def fail(where, field: str, value, must: str):
     shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
     raise ConfigFieldError(f"{where}: {field} is {shown}, but must be {must}: fix that field, or "
                            "use a complete, unedited copy of the model")
@@ -134,19 +134,19 @@ def _fail(where, field: str, value, must: str):
 def _check(values: Mapping, table: Mapping[str, Kind], where, prefix: str = "") -> None:
     for field, (must, ok) in table.items():
         if field in values and not ok(values[field]):
-            _fail(where, prefix + field, values[field], must)
+            fail(where, prefix + field, values[field], must)
 
 
 def _require(values: Mapping, names, where, what: str, prefix: str = "") -> None:
     for name in names:
         if values.get(name) is None:
-            _fail(where, prefix + name, values.get(name), f"given ({what} needs it)")
+            fail(where, prefix + name, values.get(name), f"given ({what} needs it)")
 
 
 def check_model_type(value, where) -> None:
     """The first field read (it picks the family that reads the rest)."""
     if not isinstance(value, str):
-        _fail(where, "model_type", value, "a string naming the model's family")
+        fail(where, "model_type", value, "a string naming the model's family")
 
 
 def check_hf(get: Callable, where) -> None:
@@ -162,26 +162,26 @@ def check_hf(get: Callable, where) -> None:
         _require(rope, ROPE_NEEDS.get(kind, ()), where, f"{key} of type {kind}", f"{key}.")
         if kind == "llama3" and \
                 rope.get("high_freq_factor") == rope.get("low_freq_factor"):
-            _fail(where, f"{key}.high_freq_factor", rope.get("high_freq_factor"),
+            fail(where, f"{key}.high_freq_factor", rope.get("high_freq_factor"),
                   "unlike low_freq_factor (Llama-3 scaling divides by their difference)")
     heads, hidden, layers = values["num_attention_heads"], values["hidden_size"], values["num_hidden_layers"]
     if values.get("head_dim") is None and hidden % heads:
-        _fail(where, "hidden_size", hidden, f"a multiple of num_attention_heads ({heads}) when head_dim "
+        fail(where, "hidden_size", hidden, f"a multiple of num_attention_heads ({heads}) when head_dim "
               "is not given")
     kv = values.get("num_key_value_heads") or heads
     if heads % kv:
-        _fail(where, "num_key_value_heads", kv, f"a divisor of num_attention_heads ({heads})")
+        fail(where, "num_key_value_heads", kv, f"a divisor of num_attention_heads ({heads})")
     experts = values.get("num_experts") or values.get("num_local_experts")
     if experts and (values.get("num_experts_per_tok") or 0) > experts:
-        _fail(where, "num_experts_per_tok", values["num_experts_per_tok"], f"at most the {experts} experts")
+        fail(where, "num_experts_per_tok", values["num_experts_per_tok"], f"at most the {experts} experts")
     if any(i >= layers for i in values.get("mlp_only_layers") or ()):
-        _fail(where, "mlp_only_layers", values["mlp_only_layers"], f"layer numbers below {layers}")
+        fail(where, "mlp_only_layers", values["mlp_only_layers"], f"layer numbers below {layers}")
     _check_layer_types(values.get("layer_types"), layers, where, "num_hidden_layers")
 
 
 def _check_layer_types(types, layers: int, where, count_field: str) -> None:
     if types and (len(types) != layers or any(t not in LAYER_TYPES for t in types)):
-        _fail(where, "layer_types", types, f"one of {', '.join(LAYER_TYPES)} per layer ({count_field} "
+        fail(where, "layer_types", types, f"one of {', '.join(LAYER_TYPES)} per layer ({count_field} "
               f"is {layers})")
 
 
@@ -197,7 +197,7 @@ def check_gguf(field: Callable, arch: str, where) -> None:
     if values.get(f"{arch}.vocab_size") is None:  # then the vocabulary is counted from the tokens
         tokens = field("tokenizer.ggml.tokens")
         if not (NAMES[1](tokens) and tokens):
-            _fail(where, "GGUF metadata tokenizer.ggml.tokens", tokens,
+            fail(where, "GGUF metadata tokenizer.ggml.tokens", tokens,
                   f"a list of strings ({arch}.vocab_size is not given)")
 
 
@@ -205,20 +205,24 @@ def check_manifest_config(d: Mapping, where, fields, spec_fields) -> None:
     """A manifest's `model_config` (`fields`: ModelConfig's dataclass fields; `spec_fields`:
     FFNSpec's), before `ModelConfig.from_dict` builds from it."""
     if not isinstance(d, Mapping):
-        _fail(where, "model_config", d, "an object")
+        fail(where, "model_config", d, "an object")
     _check_dataclass(d, fields, MANIFEST_RANGES, where, "model_config.")
     for i, spec in enumerate(d.get("moe_layers") or ()):
         if spec is not None:
-            _check_dataclass(spec, spec_fields, SPEC_RANGES, where, f"model_config.moe_layers[{i}].")
-            if spec["top_k"] > spec["num_experts"]:
-                _fail(where, f"model_config.moe_layers[{i}].top_k", spec["top_k"],
-                      f"at most num_experts ({spec['num_experts']})")
+            check_spec(spec, where, f"model_config.moe_layers[{i}].", spec_fields)
     if d.get("moe_layers") and len(d["moe_layers"]) != d["num_layers"]:
-        _fail(where, "model_config.moe_layers", f"{len(d['moe_layers'])} layers",
+        fail(where, "model_config.moe_layers", f"{len(d['moe_layers'])} layers",
               f"one entry per layer ({d['num_layers']})")
     if d["num_heads"] % d["num_kv_heads"]:
-        _fail(where, "model_config.num_kv_heads", d["num_kv_heads"], f"a divisor of num_heads ({d['num_heads']})")
+        fail(where, "model_config.num_kv_heads", d["num_kv_heads"], f"a divisor of num_heads ({d['num_heads']})")
     _check_layer_types(d.get("layer_types"), d["num_layers"], where, "num_layers")
+
+
+def check_spec(spec: Mapping, where, prefix: str, spec_fields) -> None:
+    """One MoE layer's spec (`FFNSpec`'s fields), its top-k within its experts."""
+    _check_dataclass(spec, spec_fields, SPEC_RANGES, where, prefix)
+    if spec["top_k"] > spec["num_experts"]:
+        fail(where, f"{prefix}top_k", spec["top_k"], f"at most num_experts ({spec['num_experts']})")
 
 
 def _check_dataclass(d: Mapping, fields, ranges: Mapping[str, Kind], where, prefix: str) -> None:
@@ -227,12 +231,12 @@ def _check_dataclass(d: Mapping, fields, ranges: Mapping[str, Kind], where, pref
     known = {f.name: f for f in fields}
     for key in d:
         if key not in known:
-            _fail(where, prefix + str(key), d[key], f"absent (no such field; known: {', '.join(known)})")
+            fail(where, prefix + str(key), d[key], f"absent (no such field; known: {', '.join(known)})")
     for name, f in known.items():
         if name not in d:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                _fail(where, prefix + name, None, "given")
+                fail(where, prefix + name, None, "given")
             continue
         must, ok = ranges.get(name) or BY_TYPE.get(str(f.type), ("", lambda v: True))
         if not ok(d[name]):
-            _fail(where, prefix + name, d[name], must)
+            fail(where, prefix + name, d[name], must)
