@@ -170,6 +170,8 @@ CASES = [
     ("convert-out-dot", _convert, ["OUT=.", "--overwrite"], None, "names the working directory"),
     ("convert-out-dotdot", _convert, ["OUT=..", "--overwrite"], None, "names the working directory"),
     ("convert-out-empty", _convert, ["OUT=", "--overwrite"], None, "--out must name a path"),
+    ("convert-out-not-utf8", _convert, ["OUT=out-\udcff"], None, "is not valid UTF-8"),
+    ("eval-out-not-utf8", _eval, ["--json", "r-\udcff.json"], None, "is not valid UTF-8"),
     ("convert-out-is-source", _convert, ["OUT=SOURCE_PARENT", "--overwrite"], lambda i, t: _copy_dense(i, t),
      "is the source model"),
     ("train-out-is-source", _train, ["OUT=SOURCE_PARENT", "--overwrite"], lambda i, t: _copy_dense(i, t),
