@@ -238,6 +238,11 @@ def out_path(text: str) -> str:
     """An output path as given, `~` expanded (the same path is checked and written)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("must name a path, got an empty string")
+    try:
+        text.encode("utf-8")  # a name the shell passed as bytes that are not UTF-8
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"{ascii(text)} is not valid UTF-8: the path is recorded in "
+                                         "the output's files; choose a name of UTF-8 characters") from None
     return os.path.expanduser(text)
 
 

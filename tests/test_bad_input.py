@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cmoe_jax.checkpoint.seal import sealed
 from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.compress.cli import main as compress_main
 from cmoe_jax.convert import Calibration, ConvertConfig, ConvertSettings, convert
@@ -169,6 +170,8 @@ CASES = [
     ("convert-out-dot", _convert, ["OUT=.", "--overwrite"], None, "names the working directory"),
     ("convert-out-dotdot", _convert, ["OUT=..", "--overwrite"], None, "names the working directory"),
     ("convert-out-empty", _convert, ["OUT=", "--overwrite"], None, "--out must name a path"),
+    ("convert-out-not-utf8", _convert, ["OUT=out-\udcff"], None, "is not valid UTF-8"),
+    ("eval-out-not-utf8", _eval, ["--json", "r-\udcff.json"], None, "is not valid UTF-8"),
     ("convert-out-is-source", _convert, ["OUT=SOURCE_PARENT", "--overwrite"], lambda i, t: _copy_dense(i, t),
      "is the source model"),
     ("train-out-is-source", _train, ["OUT=SOURCE_PARENT", "--overwrite"], lambda i, t: _copy_dense(i, t),
@@ -197,6 +200,8 @@ CASES = [
      "--lora-rank must be at most"),
     ("train-lora-rank-beyond-full-rank", _train, ["--lora-rank", "33"], None,
      "--lora-rank 33 exceeds the rank of every adapted weight (at most 32)"),
+    ("train-lora-alpha-huge", _train, ["--lora-alpha", "1e23"], None,
+     "--lora-alpha 1e+23 with --lora-rank 8 scales the adapters' update by 1.25e+22"),
     ("train-kd-temperature-huge", _train, ["--distill", "--kd-temperature", "1e23"], None,
      "--kd-temperature must be at most"),
     ("train-recover-lr-diverges", _train, ["--recover", "layerwise", "--recover-samples", "2", "--recover-lr",
@@ -290,7 +295,7 @@ def test_export_resume_refuses_a_changed_source(inputs, tmp_path, capsys):
     settings = ExportSettings(calib_samples=0, max_shard_mb=0.01)
     assert export(str(src), settings, out=tmp_path / "hf", stop_after_shards=2, progress=False)["out"] is None
     manifest = json.loads((src / "cmoe_manifest.json").read_text())
-    (src / "cmoe_manifest.json").write_text(json.dumps(dict(manifest, note="edited")))  # new content
+    (src / "cmoe_manifest.json").write_text(json.dumps(sealed(dict(manifest, note="edited"))))  # new content
     capsys.readouterr()
     assert _export(inputs, tmp_path / "hf", "--resume", "--max-shard-mb", "0.01", model=src) == 2
     err = capsys.readouterr().err.strip().splitlines()

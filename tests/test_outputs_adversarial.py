@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from cmoe_jax.checkpoint import MANIFEST, restore_model
+from cmoe_jax.checkpoint.seal import sealed
 from cmoe_jax.convert import convert
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.jobs import OutputDir, ResumeMismatchError, fingerprint
@@ -219,7 +220,7 @@ def test_manifest_layer_count_disagreeing_with_the_state_is_refused(inputs, tmp_
     d = _copy_converted(inputs, tmp_path)
     manifest = json.loads((d / MANIFEST).read_text())
     manifest["model_config"]["num_layers"] -= 1
-    (d / MANIFEST).write_text(json.dumps(manifest))
+    (d / MANIFEST).write_text(json.dumps(sealed(manifest)))  # resealed: the check below the seal's
     with pytest.raises(CheckpointError, match="describes 1 layers but state/ holds 2 layer states"):
         restore_model(d)
 
@@ -236,7 +237,7 @@ def test_a_layer_state_of_another_shape_is_refused(inputs, tmp_path, save_tiny):
     d = _copy_converted(inputs, tmp_path)
     manifest = json.loads((d / MANIFEST).read_text())
     manifest["model_config"]["hidden_size"] = 64
-    (d / MANIFEST).write_text(json.dumps(manifest))
+    (d / MANIFEST).write_text(json.dumps(sealed(manifest)))  # resealed: the check below the seal's
     with pytest.raises(CheckpointError):
         restore_model(d)
 

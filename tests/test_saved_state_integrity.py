@@ -23,6 +23,7 @@ from orbax.checkpoint._src.serialization import serialization
 from cmoe_jax import atomic_files
 from cmoe_jax.atomic_files import write_json_atomic
 from cmoe_jax.checkpoint import MANIFEST, restore_model
+from cmoe_jax.checkpoint.seal import SEAL
 from cmoe_jax.errors import CheckpointError, run_job
 from cmoe_jax.loading import load_model
 from cmoe_jax.orbax_io import os_error_of
@@ -83,7 +84,7 @@ def test_a_manifest_without_checksums_loads_as_before(inputs, tmp_path):
     older = tmp_path / "older"
     shutil.copytree(inputs["converted"], older)
     _flip_two_bytes(_largest_data_file(older / "state" / "layer_0001"))
-    del manifest[DIGESTS]
+    del manifest[DIGESTS], manifest[SEAL]  # neither checksums nor a seal, as then
     write_json_atomic(older / MANIFEST, manifest)
     # no checksums, no check: the flipped bytes load (what every directory did before)
     assert any(not np.array_equal(a, b) for a, b in zip(_leaves(older), _leaves(inputs["converted"])))

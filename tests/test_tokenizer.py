@@ -155,3 +155,33 @@ def test_gguf_without_vocabulary_has_no_tokenizer(tmp_path):
     w.write_tensors_to_file()
     w.close()
     assert load_tokenizer(tmp_path / "w.gguf") is None
+
+
+def test_gguf_tokenizer_ids_beyond_the_vocabulary_are_one_line(tmp_path):
+    """A special token id past the vocabulary: one line naming the file, not an IndexError."""
+    from cmoe_jax.errors import CheckpointError
+
+    tokens, types, scores, _ = sentencepiece_vocab(300)
+    path = write_tokenizer_gguf(tmp_path / "t.gguf", model="llama", tokens=tokens, token_types=types,
+                                scores=scores, bos=len(tokens) + 5)
+    with pytest.raises(CheckpointError) as e:
+        load_tokenizer(path)
+    assert str(e.value).startswith(f"{path}: its tokenizer metadata") and "\n" not in str(e.value)
+
+
+def test_gguf_tokenizer_model_without_tokens_is_one_line(tmp_path):
+    import gguf
+
+    from cmoe_jax.errors import CheckpointError
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_bos_token_id(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError) as e:
+        load_tokenizer(path)
+    assert str(e.value).startswith(f"{path}: ") and "\n" not in str(e.value)

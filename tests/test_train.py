@@ -344,3 +344,29 @@ def test_resume_with_another_configuration_is_refused(model_dirs, tmp_path, caps
     # and a plain rerun onto the interrupted run asks for --resume / --overwrite
     assert _cli(model_dirs, out) == 2
     assert "--resume" in capsys.readouterr().err
+
+
+def test_a_merged_model_with_a_non_finite_weight_is_refused_naming_it(models):
+    from cmoe_jax.errors import TrainError
+    from cmoe_jax.train.run import check_finite
+
+    dense, _ = models
+    check_finite(dense)  # a finite model passes
+    graphdef, state = nnx.split(dense)
+    flat = dict(nnx.to_flat_state(state))
+    path = next(p for p in flat if p[-1] == "down")
+    value = np.asarray(flat[path].get_value()).copy()
+    value.flat[3] = np.inf
+    flat[path].set_value(jnp.asarray(value))
+    broken = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    with pytest.raises(TrainError, match=r"mlp/down of the model NaN or infinite: nothing was written"):
+        check_finite(broken)
+
+
+@pytest.mark.parametrize("alpha", [1e23, 8001.0, float("nan"), 0.0])
+def test_an_absurd_lora_alpha_is_refused_before_any_work(alpha):
+    from cmoe_jax.errors import TrainError
+
+    with pytest.raises(TrainError, match="--lora-alpha .* scales the adapters' update"):
+        LoRAConfig(rank=8, alpha=alpha).validate()
+    LoRAConfig(rank=8, alpha=8000.0).validate()  # 1000 x the rank: the largest accepted

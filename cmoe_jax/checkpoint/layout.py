@@ -8,6 +8,7 @@ from pathlib import Path
 
 from flax import nnx
 
+from cmoe_jax.checkpoint.seal import check_seal
 from cmoe_jax.errors import CheckpointError
 
 MANIFEST = "cmoe_manifest.json"
@@ -38,6 +39,8 @@ def read_manifest(directory: Path) -> dict:
     except ValueError as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}): the model directory is damaged; "
                               "write it again with the job that made it") from None
+    if isinstance(manifest, dict):
+        check_seal(manifest, path, DAMAGED)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         manifest = manifest if isinstance(manifest, dict) else {}
         raise CheckpointError(f"{path}: unknown format {manifest.get('format')!r}, expected {FORMAT}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -12,6 +13,16 @@ from cmoe_jax.checkpoint.layout import MANIFEST
 from cmoe_jax.errors import CheckpointError
 
 READERS_LOCKED = (MANIFEST, "cmoe_export.json")  # the record whose flock is a directory's readers' lock
+# (st_dev, st_ino) of every readers' lock this thread holds shared, with how many times: an
+# `flock` taken again by the same thread on another descriptor of the same file would wait on
+# itself for ever (another thread's shared lock is waited for, as another process's)
+_THREAD = threading.local()
+
+
+def _held() -> dict[tuple[int, int], int]:
+    if not hasattr(_THREAD, "held"):
+        _THREAD.held = {}
+    return _THREAD.held
 
 
 def _readers_lock_file(directory: Path) -> Path:
@@ -54,10 +65,20 @@ def reading(directory: Path):
         if same:
             break
         os.close(fd)  # replaced between the open and the lock: read the new one
+    key, held = _key(fd), _held()
+    held[key] = held.get(key, 0) + 1
     try:
         yield
     finally:
+        held[key] -= 1
+        if not held[key]:
+            del held[key]
         os.close(fd)
+
+
+def _key(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
 
 
 @contextmanager
@@ -65,6 +86,9 @@ def readers_excluded(directory: Path):
     """The exclusive side of `reading`: held while a publish moves `directory` away."""
     fd = _open_manifest(directory) if Path(directory).is_dir() else None
     try:
+        if fd is not None and _key(fd) in _held():
+            raise CheckpointError(f"{directory} is being read by this job itself: a job never replaces "
+                                  "what it reads; choose an --out apart from its inputs")
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield

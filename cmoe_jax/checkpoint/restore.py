@@ -49,7 +49,7 @@ def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None, stack: bool 
 
 
 def _restore_state(directory: Path, manifest: dict, mesh):
-    cfg = ModelConfig.from_dict(manifest["model_config"])
+    cfg = ModelConfig.from_dict(manifest["model_config"], where=directory / "cmoe_manifest.json")
     mesh = mesh if mesh is not None else make_mesh(devices=jax.local_devices())
     abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), stack=False))
     graphdef, abstract_state = nnx.split(abstract)

@@ -9,8 +9,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from cmoe_jax import distributed
-from cmoe_jax.atomic_files import write_json_atomic
 from cmoe_jax.checkpoint.layout import FORMAT, MANIFEST, PER_LAYER, layer_part, without_layers
+from cmoe_jax.checkpoint.seal import write_sealed
 from cmoe_jax.models import Decoder, ModelConfig
 from cmoe_jax.models.stack import layer_state
 from cmoe_jax.state_digests import manifest_digests, save_checked
@@ -47,7 +47,7 @@ def write_manifest(directory: Path, config: ModelConfig, manifest: dict, tokeniz
         tokenizer.hf.save_pretrained(str(Path(directory) / "tokenizer"))
     manifest = dict(manifest, **manifest_digests(Path(directory) / "state"), format=FORMAT,
                     model_config=config.to_dict())
-    write_json_atomic(Path(directory) / MANIFEST, manifest)
+    write_sealed(Path(directory) / MANIFEST, manifest)
 
 
 def save_state_part(directory: Path, part: str, state: nnx.State) -> None:

@@ -67,13 +67,36 @@ def _check_file(path: Path) -> None:
         raise DataError(f"data path {path} is not a file (give the text file itself)")
 
 
+# control characters that are not whitespace (NUL, escape, DEL, C1 controls): a text holds few
+_CONTROL = dict.fromkeys([c for c in (*range(0x20), *range(0x7f, 0xa0)) if not chr(c).isspace()])
+_CONTROL_OR_SPACE = dict.fromkeys([*_CONTROL, *(c for c in range(0x3001) if chr(c).isspace())])
+CONTROL_SHARE = 0.1  # more than this share of a text's visible characters: not a text
+
+
+def check_text(path: Path, items: list[str]) -> list[str]:
+    """`items` of the local file `path`, refused (one line) when they hold no printable text or
+    mostly control characters (a binary file, a file of NUL bytes): the perplexity of such a
+    "text" is a number about nothing."""
+    text = "".join(items)
+    visible = len(text.translate(_CONTROL_OR_SPACE))
+    control = len(text) - len(text.translate(_CONTROL))
+    if not visible:
+        raise DataError(f"data file {path} holds no printable text{' (only control characters)' if control else ''}: "
+                        "give a text file")
+    if control > CONTROL_SHARE * (visible + control):
+        raise DataError(f"data file {path} is not text: {control} of its {visible + control} visible "
+                        "characters are control characters (NUL and the like); give a text file")
+    return items
+
+
 def wikitext_items_from_file(path: Path) -> list[str]:
-    """The `datasets` items of a WikiText release file: lines with their "\\n", blank -> ""."""
+    """The `datasets` items of a WikiText release file: lines with their "\\n", blank -> ""
+    (a UTF-8 byte order mark at the start is not text, and is dropped)."""
     path = Path(path)
     _check_file(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            return [line if line.strip() else "" for line in f]
+        with open(path, encoding="utf-8-sig") as f:
+            return check_text(path, [line if line.strip() else "" for line in f])
     except UnicodeDecodeError as e:
         raise DataError(f"data file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
@@ -86,7 +109,7 @@ def c4_documents_from_file(path: Path, limit: int = C4_DOCUMENTS) -> list[str]:
     is_json = ".json" in "".join(path.suffixes)
     docs: list[str] = []
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:  # a byte order mark is dropped
             for lineno, line in enumerate(f, 1):
                 if len(docs) == limit:
                     break
@@ -104,7 +127,7 @@ def c4_documents_from_file(path: Path, limit: int = C4_DOCUMENTS) -> list[str]:
         raise DataError(f"data file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except (gzip.BadGzipFile, EOFError) as e:
         raise DataError(f"data file {path} is not a valid gzip file ({e})") from None
-    return docs
+    return check_text(path, docs)
 
 
 def _from_datasets(dataset: str, split: str) -> list[str]:

@@ -14,7 +14,7 @@ import inspect
 from pathlib import Path
 
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.models import ModelConfig
+from cmoe_jax.models import ModelConfig, carved_export
 from cmoe_jax.models.families import FAMILIES
 from cmoe_jax.moe.activations import to_hf_name
 from cmoe_jax.moe.routers import ROUTERS, Routing
@@ -101,7 +101,7 @@ def hf_config(cfg: ModelConfig) -> dict:
         raise ExportError(f"a carved {cfg.model_type} model has no transformers form yet "
                           f"(remote code covers carved {', '.join(remote)} models)")
     name = unit.remote
-    out.update(model_type=f"cmoe_{cfg.model_type}", architectures=[f"{name}ForCausalLM"],
+    out.update(model_type=carved_export.PREFIX + cfg.model_type, architectures=[f"{name}ForCausalLM"],
                moe_layers=[_moe_layer(s, cfg.hidden_size, cfg.activation) for s in cfg.moe_layers],
                auto_map={"AutoConfig": f"modeling_cmoe.{name}Config",
                          "AutoModelForCausalLM": f"modeling_cmoe.{name}ForCausalLM"})

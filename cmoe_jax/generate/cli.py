@@ -56,7 +56,7 @@ def _prompts(args) -> list[str]:
     check_readable_file(args.prompts_file, "--prompts-file")
     path = Path(args.prompts_file).expanduser()
     try:
-        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]  # BOM dropped
     except UnicodeDecodeError as e:
         raise CmoeError(f"--prompts-file {path} is not UTF-8 text (byte {e.start}): save it as "
                         "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None

@@ -25,6 +25,7 @@ from pathlib import Path
 from cmoe_jax import distributed
 from cmoe_jax.atomic_files import write_json_atomic
 from cmoe_jax.checkpoint import MANIFEST, reading, save_converted
+from cmoe_jax.checkpoint.seal import write_sealed
 from cmoe_jax.jobs.apart import check_apart, declared_inputs, output_paths
 from cmoe_jax.jobs.fingerprint import InputWatch, fingerprint
 from cmoe_jax.jobs.output import OutputDir, check_output_free
@@ -213,7 +214,8 @@ def _staged(job: Job, run: JobRun) -> dict:
     fields = job.finish(run, outcome, t_save) if job.manifest_name else None
     if run.main and fields:
         manifest = run.final / job.manifest_name
-        write_json_atomic(manifest, dict(json.loads(manifest.read_text()), **fields))
+        write = write_sealed if job.manifest_name == MANIFEST else write_json_atomic
+        write(manifest, dict(json.loads(manifest.read_text()), **fields))
     distributed.on_main(run.watch.check)  # what was read is still what the job started from
     job.publish(run)
     distributed.barrier(f"{job.kind}:published")

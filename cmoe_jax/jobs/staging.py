@@ -27,6 +27,7 @@ from pathlib import Path
 
 from cmoe_jax.atomic_files import remove_write_leftovers, write_json_atomic
 from cmoe_jax.checkpoint import MANIFEST, readers_excluded
+from cmoe_jax.checkpoint.seal import write_sealed
 from cmoe_jax.errors import CheckpointError, CmoeError
 from cmoe_jax.faults import fault_point
 from cmoe_jax.jobs.fingerprint import ResumeMismatchError, check_same
@@ -175,12 +176,12 @@ class Staging:
         """The fingerprint's content digests, added to the finished output's manifest."""
         if self.fingerprint is None:
             return
-        for name in ("cmoe_manifest.json", "cmoe_export.json"):
+        for name in (MANIFEST, "cmoe_export.json"):
             path = finished / name
             if path.is_file():
                 manifest = json.loads(path.read_text())
                 manifest["inputs"] = input_digests(self.fingerprint)
-                write_json_atomic(path, manifest)
+                (write_sealed if name == MANIFEST else write_json_atomic)(path, manifest)
 
     def _discard_dir(self) -> None:
         """Move the staging directory to a recorded trash name, then delete it there: a kill

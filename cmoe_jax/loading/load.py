@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from cmoe_jax.checkpoint import is_converted, read_manifest, restore_model
+from cmoe_jax.checkpoint import MANIFEST, is_converted, read_manifest, restore_model
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.loading import hf_names
 from cmoe_jax.loading.host_arrays import aligned_copy, aligned_empty, copy_into
@@ -28,6 +28,7 @@ from cmoe_jax.loading.sources import GGUFSource, TensorSource, open_source
 from cmoe_jax.loading.tokenizer import Tokenizer, load_tokenizer
 from cmoe_jax.loading.zoo import resolve
 from cmoe_jax.models import Decoder, DecoderLayer, ModelConfig
+from cmoe_jax.models.config_fields import check_gguf
 from cmoe_jax.models.layer_parts import per_layer_paths
 from cmoe_jax.sharding import make_mesh, place_state, shardings_of
 
@@ -46,10 +47,11 @@ def open_model(name_or_path: str) -> tuple[ModelConfig, Path, TensorSource | Non
     the weights, read once (a GGUF file is parsed here and reused)."""
     path = resolve(name_or_path)
     if is_converted(path):
-        return ModelConfig.from_dict(read_manifest(path)["model_config"]), path, None
+        return ModelConfig.from_dict(read_manifest(path)["model_config"], where=path / MANIFEST), path, None
     if path.is_file() and path.suffix == ".gguf":
         source = GGUFSource(path)
-        return ModelConfig.from_hf(source.hf_config()), path, source
+        check_gguf(source.field, source.arch, path)  # before its metadata is turned into a config
+        return ModelConfig.from_hf(source.hf_config(), where=path), path, source
     return _hf_config(path), path, None
 
 
@@ -68,15 +70,18 @@ def _hf_config(path: Path) -> ModelConfig:
                               "config.json next to its weights")
     try:
         raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON ({e})") from e
-    return ModelConfig.from_hf(raw)
+    except ValueError as e:  # not JSON, or not UTF-8 text
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({e})") from None
+    return ModelConfig.from_hf(raw, where=cfg_file)
 
 
 def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected: tuple) -> np.ndarray:
     """One Decoder parameter (state `path`) from the source in JAX layout, shape-checked
     (possibly a transposed view of the checkpoint's array; `host_arrays.copy_into` places it)."""
-    if path[-1] in hf_names.EXPERT_LEAVES and path[2] == "mlp":
+    carved = _carved_name(cfg, path)
+    if carved in source:  # a carved export's MoE layer: cmoe_jax's own name and layout
+        name, arr = carved, source.get(carved)
+    elif path[-1] in hf_names.EXPERT_LEAVES and path[2] == "mlp":
         name = f"model.layers.{path[1]}.mlp.experts.*.{path[3]}"
         arr = hf_names.fetch_experts(source, cfg, path[1], path[3], expected[0])
     else:
@@ -86,6 +91,18 @@ def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected
         raise CheckpointError(f"tensor {name!r} has shape {held} in the file but the config "
                               f"implies {implied}: config.json does not match the weights")
     return np.asarray(arr)
+
+
+def _held_dtype(arr: np.ndarray, dtype):
+    """The model's dtype for weights; an index table (ConMoE's slot map) stays whole numbers."""
+    return jnp.dtype(dtype) if np.issubdtype(arr.dtype, np.floating) else arr.dtype
+
+
+def _carved_name(cfg: ModelConfig, path: tuple) -> str | None:
+    """Where `export` writes an MoE layer's parameter of a carved model (`cmoe_jax.models.carved_export`)."""
+    if len(path) == 4 and path[0] == "layers" and path[2] == "mlp" and cfg.ffn_spec(path[1]) is not None:
+        return f"model.layers.{path[1]}.mlp.{path[3]}"
+    return None
 
 
 def _as_in_file(source: TensorSource, name: str, got: tuple, expected: tuple) -> tuple[tuple, tuple]:
@@ -113,12 +130,16 @@ def _fill(source: TensorSource, cfg: ModelConfig, abstract: nnx.Module, prefix: 
         path, shape = prefix + tuple(path), abstract_value.shape
         layers, stacked = per_layer_paths(getattr(abstract, "layers", None), path)
         if stacked:  # stacked layers: every layer's tensor, stacked
-            out = aligned_empty(shape, jnp.dtype(dtype))
+            out = None
             for i, p in enumerate(layers):
-                copy_into(out[i], read_parameter(source, cfg, p, shape[1:]))
+                arr = read_parameter(source, cfg, p, shape[1:])
+                if out is None:
+                    out = aligned_empty(shape, _held_dtype(arr, dtype))
+                copy_into(out[i], arr)
             source.release()
             return out
-        return aligned_copy(read_parameter(source, cfg, layers[0], shape), jnp.dtype(dtype))
+        arr = read_parameter(source, cfg, layers[0], shape)
+        return aligned_copy(arr, _held_dtype(arr, dtype))
 
     try:
         state = place_state(state, shardings, read, largest_first=True)

@@ -76,11 +76,14 @@ def gguf_tokenizer(path: Path, reader=None) -> Tokenizer | None:
             raise CheckpointError(f"{path} is not a readable GGUF file ({e})") from e
     if "tokenizer.ggml.model" not in reader.fields:
         return None
-    architecture, tokenizer_dict, config = gguf_tokenizer_metadata(reader)
     try:
+        architecture, tokenizer_dict, config = gguf_tokenizer_metadata(reader)
         backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from e
+    except (KeyError, IndexError, TypeError, AttributeError) as e:  # a field missing or of another type
+        raise CheckpointError(f"{path}: its tokenizer metadata (tokenizer.ggml.*) is incomplete or "
+                              f"damaged ({type(e).__name__}: {e}): re-convert or re-download the file") from None
     return Tokenizer(TokenizersBackend(tokenizer_object=backend, **config, **extra))
 
 
@@ -96,5 +99,6 @@ def load_tokenizer(path: Path, gguf_reader=None) -> Tokenizer | None:
         import transformers
 
         transformers.logging.set_verbosity_error()
-        return Tokenizer(transformers.AutoTokenizer.from_pretrained(str(path)))
+        # never the remote code an exported carved model ships for its layers: a tokenizer needs none
+        return Tokenizer(transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=False))
     return None

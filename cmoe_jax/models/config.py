@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from cmoe_jax.errors import UnsupportedModelError
+from cmoe_jax.models import carved_export, config_fields
 from cmoe_jax.models.families import FAMILIES, Family, family as family_of
 from cmoe_jax.moe.activations import from_hf_name
 from cmoe_jax.moe.spec import FFNSpec
@@ -87,7 +88,10 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "ModelConfig":
+    def from_dict(cls, d: Mapping, where="the manifest's model_config") -> "ModelConfig":
+        """From `to_dict`'s form (a manifest's `model_config`), every field checked first
+        (`where`: the file it came from, for the one-line error)."""
+        config_fields.check_manifest_config(d, where, dataclasses.fields(cls), dataclasses.fields(FFNSpec))
         d = dict(d)
         rs = d.get("rope_scaling")
         d["rope_scaling"] = _frozen_items(rs) if rs else None
@@ -97,12 +101,31 @@ class ModelConfig:
 
     # ---- Hugging Face configs -------------------------------------------------------------
     @classmethod
-    def from_hf(cls, hf: Any) -> "ModelConfig":
-        """Build from a `transformers` config object or a raw `config.json` dict."""
+    def from_hf(cls, hf: Any, where="the model's config") -> "ModelConfig":
+        """Build from a `transformers` config object or a raw `config.json` dict, every field
+        checked first (`where`: the file it came from, for the one-line error)."""
         get = (lambda k, default=None: hf.get(k, default)) if isinstance(hf, Mapping) else (
             lambda k, default=None: getattr(hf, k, default))
         model_type = get("model_type")
+        config_fields.check_model_type(model_type, where)
+        exported = carved_export.is_carved_export(model_type, get)  # export's form of a carved model
+        if exported:
+            get = carved_export.base_getter(get)
+            model_type = get("model_type")
         unit = family_of(model_type)
+        config_fields.check_hf(get, where)
+        moe_layers = carved_export.exported_moe_layers(get, where) if exported else None
+        try:
+            cfg = cls._built_from_hf(get, unit)
+        except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field no table knows
+            raise config_fields.ConfigFieldError(
+                f"{where}: cannot be read as a {model_type} config ({type(e).__name__}: {e}): fix it, "
+                "or use a complete, unedited copy of the model") from None
+        return cfg if moe_layers is None else cfg.with_moe_layers(moe_layers)
+
+    @classmethod
+    def _built_from_hf(cls, get, unit: Family) -> "ModelConfig":
+        model_type = get("model_type")
         num_heads = get("num_attention_heads")
         hidden = get("hidden_size")
         head_dim = get("head_dim") or hidden // num_heads

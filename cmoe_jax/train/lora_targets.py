@@ -51,6 +51,11 @@ class LoRAConfig:
     def validate(self) -> None:
         if self.rank < 1:
             raise TrainError(f"--lora-rank must be at least 1, got {self.rank}")
+        if not 0 < self.alpha <= MAX_SCALE * self.rank:  # also refuses nan
+            raise TrainError(f"--lora-alpha {self.alpha:g} with --lora-rank {self.rank} scales the adapters' "
+                             f"update by {self.alpha / self.rank:g}: give a value above 0 and at most "
+                             f"{MAX_SCALE * self.rank:g} ({MAX_SCALE:g} x the rank; the usual alpha is 1 to 2 x "
+                             "the rank)")
         if not 0.0 <= self.dropout < 1.0:
             raise TrainError(f"--dropout must be in [0, 1), got {self.dropout}")
         if not self.targets:
@@ -59,6 +64,12 @@ class LoRAConfig:
     def applied(self, lora: dict, u: dict | None = None, bias: dict | None = None) -> AdapterSet:
         """The adapters `lora` (with router scales u / biases b by layer) at this scale and dropout."""
         return AdapterSet(lora, u or {}, bias or {}, self.scale, self.dropout)
+
+
+# the largest update scale alpha/rank: beyond it one optimiser step of an adapter (B moves by
+# about the learning rate) changes each weight by more than the weight itself, and the
+# "trained" model is noise (at 1e22 its predictions are uniform) though every loss is finite
+MAX_SCALE = 1000.0
 
 
 def parse_targets(targets) -> tuple[str, ...]:

@@ -39,6 +39,20 @@ def check_settings(s: TrainSettings) -> None:
             raise TrainError(f"{name} must be non-negative, got {value}")
 
 
+def check_finite(model) -> None:
+    """One line, before anything is written, when training left a weight NaN or infinite."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from cmoe_jax.state_digests import path_name
+
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model)):
+        if jnp.issubdtype(leaf.dtype, jnp.floating) and not bool(jnp.isfinite(leaf).all()):
+            raise TrainError(f"training made {path_name(path)} of the model NaN or infinite: nothing was "
+                             "written; lower --lr or --lora-alpha")
+
+
 class FineTuning:
     """One fine-tuning run under `settings` (checked here), step by step."""
 
@@ -236,6 +250,7 @@ class FineTuning:
         self.adapters = distributed.to_host((state["trainable"]["lora"], state["trainable"]["u"], state["bias"]))
         adapters, us, bs = self.adapters
         merged = merge_adapters(self.lm.model, adapters, lora.scale, us, bs)
+        check_finite(merged)
         summary = self.summary(how, settings)
         manifest["finetune"] = {k: summary[k] for k in (*settings, "steps", "final_loss")}
         final, main = staging / "final", distributed.is_main()

@@ -212,6 +212,11 @@ class CmoeSteps:
         budget = self.settings.budget
         if budget is None:
             return
+        if budget.active >= 1:  # every neuron active: the one allocation is every layer dense
+            layers = (None,) * run.source.config.num_layers
+            method = dataclasses.replace(self.settings.method, plan=None, layer_plans=layers)
+            self.settings = dataclasses.replace(self.settings, method=method)
+            return
         errors, save_error = run.json_rows("damage")
         gains, save_gain = run.json_rows("gains")
         rises, save_rise = run.json_rows("rises")
