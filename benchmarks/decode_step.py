@@ -75,11 +75,11 @@ def compiled_step(model, batch: int, length: int, slot: int = 10, prompts=None):
 
 
 def moe_layers(model) -> list:
-    """The model's `MoEFFN` modules (a stacked run has one, its template)."""
+    """The model's MoE layers (a stacked run has one, its template)."""
     from flax import nnx
 
-    from cmoe_jax.moe.layer import MoEFFN
-    return [m for _, m in nnx.iter_graph(model) if isinstance(m, MoEFFN)]
+    from cmoe_jax.moe import MoELayer
+    return [m for _, m in nnx.iter_graph(model) if isinstance(m, MoELayer)]
 
 
 def forced_step(model, path: str, batch: int, length: int, prompts=None):

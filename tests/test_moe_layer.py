@@ -345,11 +345,11 @@ def test_router_jitter_acts_only_in_training_on_the_router_input():
     nnx.update(layer, nnx.state(make("linear", 2, shared=0), nnx.Param))
     x, key = jnp.asarray(tokens()), jax.random.PRNGKey(7)
     np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(make("linear", 2, shared=0)(x)))
-    noisy = np.asarray(jittered(x, layer.routing, key))
+    noisy = np.asarray(jittered(x, layer.router_settings, key))
     ratio = noisy / np.asarray(x)
     assert 0.5 <= ratio.min() and ratio.max() <= 1.5 and ratio.std() > 0.1
     ids, gates = layer.route(x, key)
-    want_ids, want_gates = layer.router_unit.route(jnp.asarray(noisy), layer._router_arrays(), layer.routing)
+    want_ids, want_gates = layer.router_unit.route(jnp.asarray(noisy), layer.router_arrays(), layer.router_settings)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
     np.testing.assert_allclose(np.asarray(gates), np.asarray(want_gates), rtol=1e-6)
     assert (np.asarray(ids) != np.asarray(layer.route(x)[0])).any()
