@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import interleaved_times, load_average, machine_line, print_load  # noqa: E402
-from cmoe_jax.moe.modes import DISPATCHES  # noqa: E402
+from cmoe_jax.moe.checks import DISPATCHES  # noqa: E402
 
 
 def compiled_step(model, batch: int, length: int, slot: int = 10, prompts=None):

@@ -90,7 +90,7 @@ class Front:
         """Each layer's stream errors and loss gains: the marginal measure at each budget's
         operating point, the dense-stream ones ("loss", "stream") once for every budget."""
         from cmoe_jax.convert import ConvertConfig
-        from cmoe_jax.methods.cmoe.budget import Sensitivity, measure_damage
+        from cmoe_jax.methods.cmoe.sensitivity import Sensitivity, measure_damage
 
         marginal = budget.measure_by == "marginal"
         measured = budget if marginal else dataclasses.replace(budget, measure_by="loss")  # both measures

@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from cmoe_jax.moe.gmm import resolve_backend
-from cmoe_jax.moe.modes import DISPATCHES
+
+# a layer's `dispatch`: "auto" (`cmoe_jax.moe.modes` picks per call) or one forced path
+DISPATCHES = ("auto", "sort", "gather", "dense", "padded")
 
 
 def check_input(x, d_model: int, owner: str = "MoEFFN") -> None:

@@ -85,14 +85,15 @@ def _exchange(x, expert_ids, gates, params, apply, axis, tokens_axes, block=None
         return ragged_exchange(rows, out, send_offsets, send_sizes, lands_at, recv_sizes,
                                axis_name=axis, block=block)
 
-    recv = there(x[d.order // top_k], 0)
-    recv_ids = there(sorted_ids % local_experts, local_experts)  # empty rows: past every expert
+    with jax.named_scope("dispatch"):
+        recv = there(x[d.order // top_k], 0)
+        recv_ids = there(sorted_ids % local_experts, local_experts)  # empty rows: past every expert
     r = plan(recv_ids[:, None], local_experts)
     ys = apply(recv[r.order], r.group_sizes, params)[r.inverse]
-    # back again: my received slices to their senders, at the offsets they sent them from
-    back_at = _exclusive_cumsum(sizes, axis=1)[:, me]
-    back = ragged_exchange(ys, varying(jnp.zeros((num_tokens * top_k,) + ys.shape[1:], ys.dtype)),
-                           recv_offsets, recv_sizes, back_at, send_sizes, axis_name=axis, block=block)
+    with jax.named_scope("dispatch"):  # back again: my received slices to their senders
+        back_at = _exclusive_cumsum(sizes, axis=1)[:, me]
+        back = ragged_exchange(ys, varying(jnp.zeros((num_tokens * top_k,) + ys.shape[1:], ys.dtype)),
+                               recv_offsets, recv_sizes, back_at, send_sizes, axis_name=axis, block=block)
     out = combine(back, gates, d.inverse)
     counts = jax.lax.psum(d.group_sizes, tokens_axes)
     return out, counts.astype(jnp.int32)

@@ -32,7 +32,6 @@ from cmoe_jax.moe.mesh_axes import expert_parallel_active
 from cmoe_jax.moe.padded import capacity_ladder, padded_experts
 
 Mode = Literal["expert_parallel", "gather", "dense", "padded", "sort"]
-DISPATCHES = ("auto", "sort", "gather", "dense", "padded")
 
 
 class DenseWhen(NamedTuple):
@@ -188,16 +187,26 @@ def _pads(call: PairCall, when: DenseWhen, tokens: int) -> bool:
     return call.num_experts >= when.padded_experts or few_tokens or call.expert_size > when.large_expert_size
 
 
-def run_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, experts: GLUExperts, *, dtype,
-                expert_axis: str | None, dispatch: str = "auto", weight=None, adapters: dict | None = None,
-                make_lora: Callable | None = None) -> tuple[jax.Array, jax.Array]:
+class ExpertRun(NamedTuple):
+    """A layer's settings for running its experts: compute `dtype`, the mesh `expert_axis`,
+    its `dispatch` ("auto" or a forced path) and the stored expert `weight` (whose sharding
+    tells a mesh not set with `jax.set_mesh`)."""
+
+    dtype: object
+    expert_axis: str | None
+    dispatch: str = "auto"
+    weight: object = None
+
+
+def run_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, experts: GLUExperts, run: ExpertRun,
+                adapters: dict | None = None, make_lora: Callable | None = None) -> tuple[jax.Array, jax.Array]:
     """float32 `[T, d]` sum of each token's gated expert outputs and int32 `[E]` loads, on the
-    path `dispatch_mode` picks for the pairs `ids`/`gates [T, k]` (`weight`: the stored expert
-    weights, whose sharding tells a mesh not set with `jax.set_mesh`; `adapters`: LoRA
-    factors that ride on the grouped matmuls, `make_lora` their hook)."""
+    path `dispatch_mode` picks for the pairs `ids`/`gates [T, k]` (`adapters`: LoRA factors
+    that ride on the grouped matmuls, `make_lora` their hook)."""
+    dtype, expert_axis = run.dtype, run.expert_axis
     call = PairCall(ids.size, experts.w_gate.shape[0], ids.shape[1], dtype,
                     experts.w_gate.shape[1] * experts.w_gate.shape[2])
-    mode = dispatch_mode(call, expert_axis, adapters=bool(adapters), weight=weight, dispatch=dispatch)
+    mode = dispatch_mode(call, expert_axis, adapters=bool(adapters), weight=run.weight, dispatch=run.dispatch)
     if mode == "gather":
         return gathered_experts(x, ids, gates, *experts.weights, experts.activation, slabs=gather_slabs(dtype))
     if mode == "dense":

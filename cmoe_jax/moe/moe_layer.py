@@ -24,7 +24,7 @@ from cmoe_jax.moe.checks import check_input, check_layer, check_mask
 from cmoe_jax.moe.dispatch import GLUExperts
 from cmoe_jax.moe.gmm import get_glu, get_gmm
 from cmoe_jax.moe.mesh_axes import DEFAULT_EXPERT_AXIS, expert_parallel_active, token_devices
-from cmoe_jax.moe.modes import run_experts
+from cmoe_jax.moe.modes import ExpertRun, run_experts
 from cmoe_jax.moe.params import make_param
 from cmoe_jax.moe.router_outputs import router_output
 from cmoe_jax.moe.shared_mlp import make_shared_mlp, shared_mlp
@@ -177,9 +177,8 @@ class MoELayer(nnx.Module):
         limit = (capacity(x.shape[0] // token_devices(), ids.shape[1], weights[0].shape[0], factor)
                  if factor > 0 else None)
         experts = GLUExperts(*weights, gmm, self.activation, glu=get_glu(self.backend), capacity=limit)
-        return run_experts(x, ids, gates, experts, dtype=self.dtype, expert_axis=self.expert_axis,
-                           dispatch=self.dispatch, weight=self.expert_gate.get_value(), adapters=adapters,
-                           make_lora=make_lora)
+        run = ExpertRun(self.dtype, self.expert_axis, self.dispatch, self.expert_gate.get_value())
+        return run_experts(x, ids, gates, experts, run, adapters, make_lora)
 
     def outputs(self, x, shape, y, counts, pairs: tuple, return_load: bool, return_router: bool):
         """`y`, plus the loads and the router outputs asked for (computed only then)."""

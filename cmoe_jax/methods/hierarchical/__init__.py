@@ -6,7 +6,7 @@ from cmoe_jax.methods.hierarchical.convert import (HierLayerRecord, convert_moe_
 from cmoe_jax.methods.hierarchical.report import write_hier_report
 from cmoe_jax.methods.hierarchical.job import HierarchicalSteps
 from cmoe_jax.methods.hierarchical import flags
-from cmoe_jax.methods.cmoe import ConvertSettings
+from cmoe_jax.methods.cmoe.job import ConvertSettings
 from cmoe_jax.methods.method import Method
 
 # chosen by --method cmoe when the source is an MoE; the CMoE flags describe its settings
