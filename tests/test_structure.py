@@ -151,9 +151,9 @@ def test_the_layer_pass_is_written_once():
     runs = re.compile(r"\b(layer_pass|converted_ffns)\(")
     callers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                      if runs.search(p.read_text()) and p.name != "layer_pass.py")
-    assert callers == ["methods/cmoe/convert.py", "methods/cmoe/sensitivity.py", "methods/cmoe/streamed.py",
-                       "methods/conmoe/expert_stats.py", "methods/expertweaver/convert.py",
-                       "methods/hierarchical/convert.py", "train/layerwise.py"], callers
+    # the methods (a new method's folder included) and layer-wise recovery run it; nothing else
+    assert all(c.startswith("methods/") or c == "train/layerwise.py" for c in callers), callers
+    assert {"methods/cmoe/convert.py", "methods/conmoe/expert_stats.py", "train/layerwise.py"} <= set(callers)
 
 
 def tier_edges() -> list[list]:

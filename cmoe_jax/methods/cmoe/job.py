@@ -20,7 +20,7 @@ from cmoe_jax.methods.cmoe.config import ConvertConfig
 from cmoe_jax.methods.cmoe.convert import LayerRecord, check_plans, check_router, conversion_mesh, convert_model
 from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.methods.cmoe.report import write_report
-from cmoe_jax.methods.cmoe.sensitivity import Measured, measure_damage
+from cmoe_jax.methods.cmoe.sensitivity import Measured, Sensitivity, measure_damage
 from cmoe_jax.methods.cmoe.settings import ConvertSettings
 from cmoe_jax.methods.cmoe.spread_choice import HELD_OUT_WINDOWS, BandRun, choose_band
 from cmoe_jax.methods.method import Method
@@ -265,3 +265,8 @@ METHOD = Method(name="cmoe", command="convert", choices=("cmoe",), title="CMoE",
                 summary="cmoe (CMoE; hierarchical when --model is an MoE)",
                 settings=ConvertSettings, steps=CmoeSteps, add_flags=flags.add_flags,
                 from_args=flags.settings_from_args, check_args=flags.check_args, takes_source=is_dense)
+
+# the names of the conversion job other packages use (the package itself stays light)
+__all__ = ["METHOD", "CmoeSteps", "ConvertSettings", "base_manifest", "check_context", "is_dense", "stage_seconds",
+           "active_share", "plan_entry", "AUTO", "Budget", "adaptive_config", "Measured", "Sensitivity",
+           "measure_damage", "HELD_OUT_WINDOWS", "BandRun", "choose_band", "Streamed", "convert_streamed"]
