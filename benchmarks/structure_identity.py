@@ -7,8 +7,12 @@ forward in each dispatch mode, saved once and checked after the change.
     python benchmarks/structure_identity.py --check /tmp/base.json  # after: exit 1 on a difference
 
 The lowered text is printed without source locations, so `jax.named_scope` names (which
-live in the locations) do not count as a difference; `--hlo-dir DIR` writes each text out
-for a diff. CPU only, a few minutes, under 2 GiB.
+live in the locations) do not count as a difference; the compiled HLO is recorded too, its
+debug metadata (op names, source frames) removed, which independent ops traced in another
+order leave unchanged. Each layer's parameters are set from their names before it runs, so
+its outputs do not depend on the order a constructor draws them in. `--hlo-dir DIR` writes
+each lowered text out for a diff; `--only layers` (or `models`) records one half. CPU only,
+a few minutes, under 2 GiB.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import sys
 import tempfile
 
@@ -109,6 +114,23 @@ LAYERS = {  # name -> (class, keyword arguments)
 }
 
 
+def set_by_name(layer) -> None:
+    """Every parameter of `layer` drawn from a key of its path (not its construction order)."""
+    for path, var in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
+        seed = int(hashlib.sha256("/".join(map(str, path)).encode()).hexdigest()[:8], 16)
+        value = var.get_value()
+        var.set_value(0.1 * jax.random.normal(jax.random.key(seed), value.shape, value.dtype))
+
+
+def compiled_text(lowered) -> str:
+    """The compiled HLO without its debug metadata (op names, source frames)."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", lowered.compile().as_text())
+    text = re.sub(r", stack_frame_id=[0-9]+", "", text)
+    text = re.sub(r"^HloModule \S+", "HloModule", text, flags=re.M)
+    return "\n".join(line for line in text.splitlines()
+                     if not re.match(r"^([0-9]+ |FileNames$|FunctionNames$|FileLocations$|StackFrames$)", line))
+
+
 def layer_texts(tokens: int) -> dict:
     """name -> lowered StableHLO text (no locations) of each layer's forward on `tokens` tokens."""
     out = {}
@@ -119,6 +141,7 @@ def layer_texts(tokens: int) -> dict:
             kw = dict(dict(top_k=2), **kw)
             layer = cls(d_model=32, expert_width=16, num_experts=8, shared_width=16, activation="silu",
                         rngs=nnx.Rngs(0), dispatch=dispatch, **kw)
+            set_by_name(layer)
             graphdef, state = nnx.split(layer)
 
             def forward(state, x, mask, key):
@@ -126,17 +149,20 @@ def layer_texts(tokens: int) -> dict:
 
             lowered = jax.jit(forward).lower(state, x, mask, jax.random.key(2))
             out[f"{name}/{dispatch}/{tokens}"] = lowered.as_text()
+            out[f"{name}/{dispatch}/{tokens}/compiled"] = compiled_text(lowered)
             y = jax.jit(forward)(state, x, mask, jax.random.key(2))
             out[f"{name}/{dispatch}/{tokens}/values"] = [digest(a) for a in jax.tree.leaves(y)]
     return out
 
 
-def collect() -> dict:
-    texts = {}
-    for tokens in (1, 24, 300):
-        texts.update(layer_texts(tokens))
-    with tempfile.TemporaryDirectory() as tmp:
-        models = conversions(pathlib.Path(tmp))
+def collect(only: str | None = None) -> dict:
+    texts, models = {}, {}
+    if only != "models":
+        for tokens in (1, 24, 300):
+            texts.update(layer_texts(tokens))
+    if only != "layers":
+        with tempfile.TemporaryDirectory() as tmp:
+            models = conversions(pathlib.Path(tmp))
     return {"models": models, "layers": texts}
 
 
@@ -150,6 +176,8 @@ def summary(record: dict) -> dict:
 def differences(base: dict, now: dict) -> list[str]:
     out = []
     for part in ("models", "layers"):
+        if not now[part]:  # not recorded this time (--only)
+            continue
         for key in sorted(set(base[part]) | set(now[part])):
             if base[part].get(key) != now[part].get(key):
                 b, n = base[part].get(key), now[part].get(key)
@@ -167,12 +195,13 @@ def main(argv=None) -> int:
     g.add_argument("--save", help="write the digests to this JSON file")
     g.add_argument("--check", help="compare with the digests in this JSON file; exit 1 on a difference")
     p.add_argument("--hlo-dir", help="write each lowered text here (for a diff)")
+    p.add_argument("--only", choices=["layers", "models"], help="record one half only")
     args = p.parse_args(argv)
-    record = collect()
+    record = collect(args.only)
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
         for k, v in record["layers"].items():
-            if isinstance(v, str):
+            if isinstance(v, str) and not k.endswith("/compiled"):
                 pathlib.Path(args.hlo_dir, k.replace("/", "_") + ".mlir").write_text(v)
     now = summary(record)
     arrays = sum(len(v) for v in now["models"].values())

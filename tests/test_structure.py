@@ -310,3 +310,14 @@ def test_the_busiest_packages_are_shallow():
 def test_the_chain_measure_counts_modules():
     graph = {"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": set()}
     assert longest_chain(graph) == ["a", "b", "c"]
+
+
+def test_no_import_circle_between_benchmarks():
+    """The benchmark scripts import each other only one way (shared helpers in their own
+    modules), as the package's parts do."""
+    root = PACKAGE.parent / "benchmarks"
+    graph = {}
+    for path in root.glob("*.py"):
+        graph[path.stem] = {m.split(".")[1] for m in _imports(path)
+                            if m.startswith("benchmarks.") and m.split(".")[1] != path.stem}
+    longest_chain(graph)  # asserts on a circle
