@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -63,27 +62,10 @@ def windows(lm, args):
     return valid, bos, text_windows(test, 2048, args.max_windows, bos=bos)
 
 
-def calibration(valid, bos, variant: str, seqlen: int = 2048, n: int = 8, seed: int = 0):
-    """The calibration windows of `variant`: the project's sampler, or the authors'
-    (`random.seed(seed)`; `random.randint(0, len - seqlen - 1)` per window); `calib-bos`
-    opens each window with BOS."""
-    from cmoe_jax.data import calibration_windows
-
-    if variant == "authors-sampler":
-        random.seed(seed)
-        starts = [random.randint(0, len(valid) - seqlen - 1) for _ in range(n)]
-        calib = np.stack([valid[s:s + seqlen] for s in starts]).astype(np.int32)
-    else:
-        calib = calibration_windows(valid, n, seqlen, seed)
-    with_bos = {"calib-bos": bos}.get(variant)
-    if with_bos is not None:
-        calib = np.concatenate([np.full((n, 1), with_bos, np.int32), calib[:, :-1]], axis=1)
-    return calib
-
-
 def run(lm, valid, bos, test, config: str, variant: str) -> dict:
     import copy
 
+    from benchmarks.cmoe_authors_reference import calibration
     from cmoe_jax.convert import ConvertConfig, convert_model
     from cmoe_jax.eval import perplexity
     from cmoe_jax.methods.cmoe import MoEPlan
@@ -108,7 +90,7 @@ def _authors_carve(markers, mu, energy, cc, plan):
     import torch
 
     from benchmarks.cmoe_authors_reference import authors_carving
-    from cmoe_jax.methods.cmoe.carve import LayerCarving
+    from cmoe_jax.methods.cmoe import LayerCarving
 
     c = authors_carving(torch.from_numpy(np.asarray(markers, np.float32)),
                         torch.from_numpy(np.asarray(mu, np.float32)), plan.shared, plan.total)

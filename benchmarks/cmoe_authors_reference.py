@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import random
 import sys
 from pathlib import Path
 
@@ -187,9 +188,27 @@ def convert(model, calib: np.ndarray, shared: int, active: int, total: int, k_ac
     return out
 
 
+def calibration(valid, bos, variant: str, seqlen: int = 2048, n: int = 8, seed: int = 0):
+    """The calibration windows of `variant`: the project's sampler, or the authors'
+    (`random.seed(seed)`; `random.randint(0, len - seqlen - 1)` per window); `calib-bos`
+    opens each window with BOS."""
+    from cmoe_jax.data import calibration_windows
+
+    if variant == "authors-sampler":
+        random.seed(seed)
+        starts = [random.randint(0, len(valid) - seqlen - 1) for _ in range(n)]
+        calib = np.stack([valid[s:s + seqlen] for s in starts]).astype(np.int32)
+    else:
+        calib = calibration_windows(valid, n, seqlen, seed)
+    with_bos = {"calib-bos": bos}.get(variant)
+    if with_bos is not None:
+        calib = np.concatenate([np.full((n, 1), with_bos, np.int32), calib[:, :-1]], axis=1)
+    return calib
+
+
 def main(argv=None) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.cmoe_ablation import WIKITEXT, calibration
+    from benchmarks.harness import WIKITEXT
     from benchmarks.torch_reference import load_torch_causal_lm
     from cmoe_jax.data import load_text_tokens, text_windows
     from cmoe_jax.jobs.source import SourceModel

@@ -109,7 +109,7 @@ def _load_moe(mlp, bias_speed: float) -> ReferenceMoE:
     """A `ReferenceMoE` holding the weights of a cmoe_jax `MoEFFN` with the cmoe router."""
     gate, up, down = (np.asarray(getattr(mlp, "expert_" + n)[...]) for n in ("gate", "up", "down"))
     moe = ReferenceMoE(mlp.d_model, mlp.expert_width, mlp.num_experts, mlp.top_k,
-                       mlp.shared_width, mlp.router_neurons, bias_speed)
+                       mlp.shared_width, mlp.spec.router_neurons, bias_speed)
     with torch.no_grad():
         for e, expert in enumerate(moe.experts):
             expert.gate_proj.weight.copy_(_t(gate[e].T))

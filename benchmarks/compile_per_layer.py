@@ -38,7 +38,7 @@ SHAPES = ("dense", "dense-unrolled", "S3A3E8", "budget", "budget-grouped", "dist
 def layer_plans(kind: str, n: int):
     """Each layer's shape (None: dense) of model `kind` (`SHAPES`)."""
     from cmoe_jax.methods.cmoe import MoEPlan
-    from cmoe_jax.methods.cmoe.budget import Budget
+    from cmoe_jax.methods.cmoe.job import Budget
 
     if kind in ("dense", "dense-unrolled"):
         return [None] * n

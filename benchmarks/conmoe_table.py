@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import WIKITEXT  # noqa: E402
 from cmoe_jax.methods.conmoe import apply_plans, collect_stats, materialize, routed_bytes
 from cmoe_jax.methods.conmoe import CompressConfig, make_plans
-from cmoe_jax.methods.conmoe.expert_stats import LayerStats
+from cmoe_jax.methods.conmoe import LayerStats
 from cmoe_jax.data import calibration_windows, eval_windows, load_text_tokens
 from cmoe_jax.eval.perplexity import perplexity
 from cmoe_jax.eval.tasks import evaluate_task, get_task, load_documents

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import interleaved_times, load_average, machine_line, print_load  # noqa: E402
-from cmoe_jax.moe.modes import DISPATCHES  # noqa: E402
+from cmoe_jax.moe.checks import DISPATCHES  # noqa: E402
 
 
 def compiled_step(model, batch: int, length: int, slot: int = 10, prompts=None):
@@ -75,11 +75,11 @@ def compiled_step(model, batch: int, length: int, slot: int = 10, prompts=None):
 
 
 def moe_layers(model) -> list:
-    """The model's `MoEFFN` modules (a stacked run has one, its template)."""
+    """The model's MoE layers (a stacked run has one, its template)."""
     from flax import nnx
 
-    from cmoe_jax.moe.layer import MoEFFN
-    return [m for _, m in nnx.iter_graph(model) if isinstance(m, MoEFFN)]
+    from cmoe_jax.moe import MoELayer
+    return [m for _, m in nnx.iter_graph(model) if isinstance(m, MoELayer)]
 
 
 def forced_step(model, path: str, batch: int, length: int, prompts=None):

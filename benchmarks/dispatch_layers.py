@@ -57,7 +57,7 @@ def main(argv=None) -> None:
 
     from cmoe_jax.data import load_text_tokens
     from cmoe_jax.loading import load_model
-    from cmoe_jax.moe import MoEFFN
+    from cmoe_jax.moe import MoELayer
     from cmoe_jax.moe.modes import PairCall, dispatch_mode
 
     load_start = load_average()
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     for i in args.layers if args.layers is not None else range(len(model.layers)):
         x = inputs[i].reshape(n, -1)
         mlp = model.layers[i].mlp
-        moe = isinstance(mlp, MoEFFN)
+        moe = isinstance(mlp, MoELayer)
         calls = [ffn_call(source.model.layers[i].mlp, "auto")]  # a kept dense layer: this alone
         calls += [ffn_call(mlp, p) for p in args.paths] if moe else []
         times = interleaved_times([lambda f=f: jax.block_until_ready(f(x)) for f in calls], args.repeats)

@@ -58,7 +58,7 @@ class Front:
 
     def __init__(self, args):
         from cmoe_jax.data import calibration_windows, held_out_windows
-        from cmoe_jax.methods.cmoe.spread_choice import HELD_OUT_WINDOWS
+        from cmoe_jax.methods.cmoe.job import HELD_OUT_WINDOWS
         from cmoe_jax.loading import load_model
 
         from benchmarks.cmoe_ablation import windows
@@ -90,7 +90,7 @@ class Front:
         """Each layer's stream errors and loss gains: the marginal measure at each budget's
         operating point, the dense-stream ones ("loss", "stream") once for every budget."""
         from cmoe_jax.convert import ConvertConfig
-        from cmoe_jax.methods.cmoe.budget import Sensitivity, measure_damage
+        from cmoe_jax.methods.cmoe.job import Sensitivity, measure_damage
 
         marginal = budget.measure_by == "marginal"
         measured = budget if marginal else dataclasses.replace(budget, measure_by="loss")  # both measures
@@ -111,8 +111,7 @@ class Front:
         """The conversion settings of `budget`'s allocation; with `--spread auto` the band
         chosen as `convert` chooses it, each band's held-out loss kept in a cell of its own."""
         from cmoe_jax.convert import ConvertConfig
-        from cmoe_jax.methods.cmoe.budget import AUTO, adaptive_config
-        from cmoe_jax.methods.cmoe.spread_choice import BandRun, choose_band
+        from cmoe_jax.methods.cmoe.job import AUTO, BandRun, adaptive_config, choose_band
 
         damage = self.sensitivity(budget).damage(budget.measure_by)
         if budget.spread != AUTO:
@@ -183,7 +182,7 @@ class Front:
 
 def variant(spec: str):
     """`--screen F:MEASURE:SPREAD[:EXPERTS]` (e.g. 0.75:loss:2, 0.25:stream:any:16) as a Budget."""
-    from cmoe_jax.methods.cmoe.budget import Budget
+    from cmoe_jax.methods.cmoe.job import Budget
 
     share, measure, spread, *experts = spec.split(":")
     return Budget(float(share), int(experts[0]) if experts else 8, measure_by=measure,
@@ -192,7 +191,7 @@ def variant(spec: str):
 
 def sweep(args) -> list[dict]:
     from cmoe_jax.convert import ConvertConfig
-    from cmoe_jax.methods.cmoe.budget import Budget
+    from cmoe_jax.methods.cmoe.job import Budget
     from cmoe_jax.methods.cmoe.job import active_share
 
     front = Front(args)

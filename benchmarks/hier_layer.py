@@ -26,9 +26,8 @@ from flax import nnx  # noqa: E402
 
 from benchmarks.harness import load_average  # noqa: E402
 from cmoe_jax.methods.cmoe import MoEPlan  # noqa: E402
-from cmoe_jax.methods.hierarchical.carve import carve_moe_layer  # noqa: E402
 from cmoe_jax.convert import ConvertConfig  # noqa: E402
-from cmoe_jax.methods.hierarchical.convert import build_hier_ffn, hier_spec  # noqa: E402
+from cmoe_jax.methods.hierarchical import build_hier_ffn, carve_moe_layer, hier_spec  # noqa: E402
 from cmoe_jax.models import FFNSpec  # noqa: E402
 from cmoe_jax.moe import MoEFFN  # noqa: E402
 

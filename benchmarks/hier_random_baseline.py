@@ -19,7 +19,7 @@ from benchmarks.harness import load_average  # noqa: E402
 from cmoe_jax.methods.cmoe import MoEPlan  # noqa: E402
 from cmoe_jax.checkpoint import is_converted  # noqa: E402
 from cmoe_jax.convert import ConvertConfig  # noqa: E402
-from cmoe_jax.methods.hierarchical.convert import random_hierarchical  # noqa: E402
+from cmoe_jax.methods.hierarchical import random_hierarchical  # noqa: E402
 from cmoe_jax.data import load_text_tokens, text_windows  # noqa: E402
 from cmoe_jax.eval import perplexity  # noqa: E402
 from cmoe_jax.loading import load_model, load_tokenizer  # noqa: E402

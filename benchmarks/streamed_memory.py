@@ -89,7 +89,7 @@ def convert_child(source: str, out: str, stream: bool, config: str, samples: int
     from cmoe_jax.methods.cmoe import MoEPlan
     from cmoe_jax.checkpoint import PER_LAYER, save_converted, write_manifest
     from cmoe_jax.convert import ConvertConfig, convert_model
-    from cmoe_jax.methods.cmoe.streamed import Streamed, convert_streamed
+    from cmoe_jax.methods.cmoe.job import Streamed, convert_streamed
     from cmoe_jax.loading import load_config, load_model, open_source
 
     base = peak_rss()

@@ -1,7 +1,9 @@
 """Device meshes and parameter shardings, with the sharding rules kept as data.
 
-Every module declares the logical axes of its variables next to its code, in a class
-attribute `LOGICAL_AXES = {"q_proj": ("embed", "heads"), ...}`. One rules table, `RULES`,
+Every variable carries the logical axes of its dimensions: as Flax partitioning metadata
+given when it is created (`nnx.Param(value, out_sharding=("expert", "embed", "mlp"),
+eager_sharding=False)`, the MoE layers' variables: `cmoe_jax.moe.params`), or declared next
+to its module's code in a class attribute `LOGICAL_AXES = {"q_proj": ("embed", "heads"), ...}`. One rules table, `RULES`,
 maps each logical axis to the mesh axes it may be split over, in order of preference:
 projections are split Megatron-style over "model" (columns of q/k/v/gate/up, rows of
 o/down), stacked experts over "expert" when the mesh has that axis and over "model"
@@ -88,10 +90,11 @@ def spec_for(axes: tuple, shape: tuple, mesh: Mesh) -> P:
 
 
 def declared_axes(module) -> dict:
-    """A module's logical axes by variable name: its `variable_axes()` where the variables
-    depend on its settings (an MoE layer's router), else its class's `LOGICAL_AXES`."""
-    own = getattr(module, "variable_axes", None)
-    return own() if callable(own) else getattr(type(module), "LOGICAL_AXES", {})
+    """A module's logical axes by variable name: those its variables were created with
+    (partitioning metadata `out_sharding`), over its class's `LOGICAL_AXES`."""
+    own = {name: axes for name, var in vars(module).items()
+           if isinstance(var, nnx.Variable) and (axes := var.get_metadata().get("out_sharding")) is not None}
+    return {**getattr(type(module), "LOGICAL_AXES", {}), **own}
 
 
 def logical_axes(model: nnx.Module) -> dict[tuple, tuple]:
@@ -109,7 +112,8 @@ def logical_axes(model: nnx.Module) -> dict[tuple, tuple]:
         axes = declared.get(path[-1]) or adapter_axes(str(path[-1]), declared)
         if axes is None:
             raise ShardingError(f"variable {'/'.join(map(str, path))} of "
-                                f"{type(owner).__name__} has no logical axes: declare them in "
+                                f"{type(owner).__name__} has no logical axes: create it with "
+                                f"them (out_sharding metadata) or declare them in "
                                 f"{type(owner).__name__}.LOGICAL_AXES")
         stacked = [getattr(type(modules[path[:k]]), "STACKED_AXIS", None)
                    for k in range(len(path) - 1) if path[:k] in modules]

@@ -39,7 +39,7 @@ def forward(layer, x):
         probs = softmax(logits(p, xt, layer.router, e))
         if layer.router == "linear":
             sel = np.argsort(-probs, kind="stable")[:k]
-            gates = probs[sel] / (probs[sel].sum() if layer.norm_topk_prob else 1.0)
+            gates = probs[sel] / (probs[sel].sum() if layer.spec.norm_topk_prob else 1.0)
         elif layer.router == "cmoe":
             sel = np.argsort(-(probs + p["router_bias"]), kind="stable")[:k]
             gates = 1.0 + probs[sel] * p["u"][sel]

@@ -192,7 +192,7 @@ def test_marginal_damage_is_each_layers_loss_drop_in_the_uniform_model(tiny_chec
     stream: the layers before it uniform), and the damage there is drop + rise."""
     from cmoe_jax.convert import ConvertConfig, convert_model
     from cmoe_jax.loading import load_model
-    from cmoe_jax.methods.cmoe.budget import Measured, measure_damage
+    from cmoe_jax.methods.cmoe.sensitivity import Measured, measure_damage
 
     _, path, _ = tiny_checkpoint
     calib = np.random.default_rng(1).integers(0, 96, (2, 32)).astype(np.int32)

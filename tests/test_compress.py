@@ -69,7 +69,7 @@ def assert_stats_match(model, stats, outputs):
     probs /= probs.sum(1, keepdims=True)
     top = np.argsort(-probs, axis=1)[:, :2]
     gates = np.take_along_axis(probs, top, 1)
-    if mlp.norm_topk_prob:
+    if mlp.spec.norm_topk_prob:
         gates /= gates.sum(1, keepdims=True)
     outs = outputs(mlp, x)
     freq, contrib = np.zeros(4), np.zeros(4)

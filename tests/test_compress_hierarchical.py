@@ -96,7 +96,7 @@ def _family_outputs(mlp, x):
          for k in ("expert_gate", "expert_up", "expert_down", "sub_gate", "sub_up", "u", "router_bias")}
     silu = lambda a: a / (1 + np.exp(-a))
     expert = lambda e, v: (silu(v @ p["expert_gate"][e]) * (v @ p["expert_up"][e])) @ p["expert_down"][e]
-    n_sub, n_s, r = mlp.sub_experts, mlp.sub_shared, mlp.sub_router_neurons
+    n_sub, n_s, r = mlp.sub_experts, mlp.sub_shared, mlp.spec.sub_router_neurons
     out = np.zeros((len(x), mlp.top_experts, x.shape[1]))
     for t, v in enumerate(x):
         for i in range(mlp.top_experts):

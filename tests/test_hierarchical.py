@@ -68,7 +68,7 @@ def _loop_reference(layer: HierMoEFFN, x):
     ids, w = (np.asarray(a) for a in layer.top_route(jnp.asarray(x, jnp.float32)))
     p = {k: np.asarray(getattr(layer, k)[...], np.float64)
          for k in ("expert_gate", "expert_up", "expert_down", "sub_gate", "sub_up", "u", "router_bias")}
-    n_sub, n_s, r = layer.sub_experts, layer.sub_shared, layer.sub_router_neurons
+    n_sub, n_s, r = layer.sub_experts, layer.sub_shared, layer.spec.sub_router_neurons
     silu = lambda a: a / (1 + np.exp(-a))
     expert = lambda e, v: (silu(v @ p["expert_gate"][e]) * (v @ p["expert_up"][e])) @ p["expert_down"][e]
     out = np.zeros_like(x)

@@ -56,7 +56,7 @@ def test_plots_without_matplotlib_are_skipped_with_one_note(tmp_path):
 from pathlib import Path
 from types import SimpleNamespace
 import numpy as np
-from cmoe_jax.methods.cmoe import write_report
+from cmoe_jax.methods.cmoe.report import write_report
 from cmoe_jax.train.report import plot_loss, write_log
 
 out = Path(sys.argv[1])

@@ -128,7 +128,8 @@ def test_uneven_splits_fail_with_a_clear_message():
     import jax.numpy as jnp
     import pytest
 
-    from cmoe_jax.moe.expert_parallel import expert_axis_size, routed_experts_sharded
+    from cmoe_jax.moe.expert_parallel import routed_experts_sharded
+    from cmoe_jax.moe.mesh_axes import expert_axis_size
 
     mesh = jax.sharding.AbstractMesh((2, 4), ("data", "expert"))
     assert expert_axis_size("expert", mesh) == 4 and expert_axis_size("model", mesh) == 1

@@ -1,5 +1,7 @@
 """MoEFFN against a per-token numpy loop (forward) and a dense per-expert jnp recomputation
 (gradients), for every router and every grouped-matmul backend."""
+import re
+
 import numpy as np
 import pytest
 
@@ -345,11 +347,11 @@ def test_router_jitter_acts_only_in_training_on_the_router_input():
     nnx.update(layer, nnx.state(make("linear", 2, shared=0), nnx.Param))
     x, key = jnp.asarray(tokens()), jax.random.PRNGKey(7)
     np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(make("linear", 2, shared=0)(x)))
-    noisy = np.asarray(jittered(x, layer.routing, key))
+    noisy = np.asarray(jittered(x, layer.router_settings, key))
     ratio = noisy / np.asarray(x)
     assert 0.5 <= ratio.min() and ratio.max() <= 1.5 and ratio.std() > 0.1
     ids, gates = layer.route(x, key)
-    want_ids, want_gates = layer.router_unit.route(jnp.asarray(noisy), layer._router_arrays(), layer.routing)
+    want_ids, want_gates = layer.router_unit.route(jnp.asarray(noisy), layer.router_arrays(), layer.router_settings)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
     np.testing.assert_allclose(np.asarray(gates), np.asarray(want_gates), rtol=1e-6)
     assert (np.asarray(ids) != np.asarray(layer.route(x)[0])).any()
@@ -359,3 +361,30 @@ def test_router_jitter_acts_only_in_training_on_the_router_input():
 def test_bad_routing_options_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, activation="silu", rngs=nnx.Rngs(0), **{field: value})
+
+
+@pytest.mark.parametrize("dispatch", ["sort", "gather", "dense", "padded"])
+def test_a_compiled_layer_names_its_router_dispatch_experts_and_combine(dispatch):
+    """The op names a profile shows carry the layer's parts (docs/guides/moe-layer.md)."""
+    layer = MoEFFN(d_model=16, expert_width=8, num_experts=4, top_k=2, shared_width=8, router="cmoe",
+                   activation="silu", rngs=nnx.Rngs(0), dispatch=dispatch)
+    graphdef, state = nnx.split(layer)
+    forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    hlo = forward.lower(state, jnp.ones((6, 16))).compile().as_text()
+    names = set(re.findall(r'op_name="[^"]*?/(router|dispatch|experts|shared_mlp|combine)/', hlo))
+    assert names == {"router", "dispatch", "experts", "shared_mlp", "combine"}, names
+
+
+def test_every_variable_carries_its_logical_axes():
+    """Axes are metadata of the variables themselves, one per dimension."""
+    from cmoe_jax.moe import HierMoEFFN
+
+    for layer in (MoEFFN(d_model=16, expert_width=8, num_experts=4, top_k=2, shared_width=8, router="cmoe",
+                         shared_gated=True, num_prototypes=3, activation="silu", rngs=nnx.Rngs(0)),
+                  HierMoEFFN(d_model=16, expert_width=4, num_experts=4, top_k=2, router="linear", sub_experts=4,
+                             sub_shared=1, sub_top_k=2, activation="silu", rngs=nnx.Rngs(0))):
+        for path, var in nnx.to_flat_state(nnx.state(layer)):
+            axes = var.get_metadata().get("out_sharding")
+            assert axes is not None and len(axes) == var.get_value().ndim, (path, axes)
+    assert dict(nnx.to_flat_state(nnx.state(layer)))[("expert_gate",)].get_metadata()["out_sharding"] == (
+        "expert", "embed", "mlp")

@@ -26,7 +26,8 @@ from cmoe_jax.eval.loglikelihood import encode_pair
 from cmoe_jax.export import ExportSettings, export
 from cmoe_jax.generate import Decoding, generate
 from cmoe_jax.loading import load_config, load_model, load_tokenizer, open_source, window_bos
-from cmoe_jax.methods.cmoe import MoEPlan, Streamed, convert_streamed
+from cmoe_jax.methods.cmoe import MoEPlan
+from cmoe_jax.methods.cmoe.streamed import Streamed, convert_streamed
 from cmoe_jax.methods.cmoe.budget import Budget
 from cmoe_jax.methods.conmoe import ScopePlan
 from cmoe_jax.methods.conmoe.build import materialize

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cmoe_jax import distributed
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.models.nll import chunked_nll
-from cmoe_jax.moe import MoEFFN
+from cmoe_jax.moe import MoELayer
 from cmoe_jax.sharding import ShardingError, batch_axes, make_mesh, place_state, shardings_of
 
 
@@ -80,7 +80,7 @@ def ffn_residual_step(graphdef, state, h_mid, x, norm_graphdef=None, norm_state=
     is normed before the add, as the layer's own forward does; without it every later
     layer of a sandwich-norm model would be profiled on a stream the model never produces."""
     ffn = nnx.merge(graphdef, state)
-    if isinstance(ffn, MoEFFN):
+    if isinstance(ffn, MoELayer):
         y, load = ffn(x, return_load=True)
     else:
         y, load = ffn(x), jnp.zeros((0,), jnp.int32)
@@ -152,7 +152,7 @@ def run_ffn(ffn, h_mid, x, mesh: Mesh, out_norm: nnx.Module | None = None):
     (`DecoderLayer.ffn_out`); the FFN's variables placed by the sharding rules (an "expert"
     axis in `mesh` makes an MoE FFN run expert-parallel)."""
     fg, fs = nnx.split(ffn)
-    if "expert" in mesh.axis_names and isinstance(ffn, MoEFFN):  # routed experts split over it
+    if "expert" in mesh.axis_names and isinstance(ffn, MoELayer):  # routed experts split over it
         fs = place_state(fs, shardings_of(ffn, mesh))
     else:  # a dense FFN, or a mesh that splits only the batch: every device holds it whole
         fs = replicate(fs, mesh)

@@ -4,7 +4,8 @@ from cmoe_jax.checkpoint import read_manifest, save_converted
 from cmoe_jax.convert.api import convert
 from cmoe_jax.data import Calibration
 from cmoe_jax.loading import load_converted
-from cmoe_jax.methods.cmoe import ConversionError, ConvertConfig, ConvertSettings, LayerRecord, convert_model
+from cmoe_jax.methods.cmoe import ConversionError, ConvertConfig, LayerRecord, convert_model
+from cmoe_jax.methods.cmoe.job import ConvertSettings
 from cmoe_jax.methods.expertweaver import TaskCalibration, WeaveConfig, WeaverSettings
 
 __all__ = ["convert", "ConvertSettings", "Calibration", "convert_model", "ConvertConfig", "ConversionError",

@@ -17,7 +17,7 @@ from cmoe_jax.cli_args import (Parser, active_amount, add_calib_samples, add_dat
                                nonneg_int, positive_int)
 from cmoe_jax.convert.api import convert
 from cmoe_jax.methods import registry
-from cmoe_jax.methods.cmoe import band_table, layer_table
+from cmoe_jax.methods.cmoe.report import band_table, layer_table
 
 EXAMPLE = ("{prog} --model smollm2 --config S3A3E8 --shared-by energy "
            "--data-path wikitext-2/wiki.valid.raw --out out/s3a3e8")

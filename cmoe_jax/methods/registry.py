@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.methods import cmoe, conmoe, expertweaver, hierarchical
+from cmoe_jax.methods import conmoe, expertweaver, hierarchical
+from cmoe_jax.methods.cmoe import job as cmoe  # its METHOD apart from the light carving package
 from cmoe_jax.methods.method import Method
 
 METHODS: list[Method] = [

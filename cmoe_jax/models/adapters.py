@@ -20,7 +20,7 @@ from flax import nnx
 
 from cmoe_jax.lora_variables import attach
 from cmoe_jax.models.stack import LayerRuns, LayerStack, each_layer, layer_value, stack_trees
-from cmoe_jax.moe.balance import RouterBias
+from cmoe_jax.moe.params import like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +114,9 @@ def with_adapters(model, adapters: dict, scale: float, u: dict | None = None,
             for name, ab in tree[group].items():
                 attach(getattr(layer, group), name, ab["a"], ab["b"], scale, dropout)
         if "u" in tree:
-            layer.mlp.u = nnx.Param(tree["u"])
+            layer.mlp.u = like(layer.mlp.u, tree["u"])
         if "bias" in tree:
-            layer.mlp.router_bias = RouterBias(tree["bias"])
+            layer.mlp.router_bias = like(layer.mlp.router_bias, tree["bias"])
     return out
 
 
@@ -142,10 +142,10 @@ def merge_adapters(model, adapters: dict, scale: float, u: dict | None = None,
             for name, adapter in tree[group].items():
                 w = getattr(module, name)
                 new = w[...].astype(jnp.float32) + delta(adapter, scale)
-                setattr(module, name, nnx.Param(new.astype(w[...].dtype)))
+                setattr(module, name, like(w, new.astype(w[...].dtype)))
         mlp = layer.mlp
         if "u" in tree:
-            mlp.u = nnx.Param(tree["u"].astype(mlp.u[...].dtype))
+            mlp.u = like(mlp.u, tree["u"].astype(mlp.u[...].dtype))
         if "bias" in tree:
             mlp.router_bias[...] = tree["bias"].astype(mlp.router_bias[...].dtype)
     return merged

@@ -36,6 +36,7 @@ class DecoderLayer(nnx.Module):
         self.rope_index = int(cfg.local_rope(layer))
         self.mlp = make_ffn(cfg, cfg.ffn_spec(layer), dtype=dtype, rngs=rngs)
 
+    @jax.named_scope("attention")
     def _attend(self, h, rope, key=None, segments=None, cache=None):
         out = self.attn(self.input_norm(h), *rope[self.rope_index], key=key, segments=segments,
                         cache=cache)
@@ -57,12 +58,13 @@ class DecoderLayer(nnx.Module):
         `key` drives the LoRA adapters' dropout (None: none); `segments`: prefix-shared
         packing, see `causal_attention`; `cache`: a `LayerCache` (incremental decoding)."""
         h, kv = self._attend(h, rope, key, segments, cache)
-        x = self.ffn_input(h)
-        if isinstance(self.mlp, SwiGLU):
-            y, load = self.mlp(x, key), None
-        else:
-            y, load = self.mlp(x, return_load=True, key=key)
-        return LayerOutput(self.ffn_residual(h, y), x, load, kv)
+        with jax.named_scope("ffn"):
+            x = self.ffn_input(h)
+            if isinstance(self.mlp, SwiGLU):
+                y, load = self.mlp(x, key), None
+            else:
+                y, load = self.mlp(x, return_load=True, key=key)
+            return LayerOutput(self.ffn_residual(h, y), x, load, kv)
 
     def ffn_residual(self, h: jax.Array, y: jax.Array) -> jax.Array:
         """The residual stream after the FFN: h + y, or h + RMSNorm(y) with sandwich norms."""

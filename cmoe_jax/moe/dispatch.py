@@ -35,6 +35,7 @@ class Dispatch(NamedTuple):
 COUNTING_MAX_EXPERTS, COUNTING_MIN_PAIRS = 8, 128
 
 
+@jax.named_scope("dispatch")
 def plan(expert_ids: jax.Array, num_experts: int) -> Dispatch:
     """Sort the flattened (token, slot) pairs `expert_ids [T, k]` by expert id (stable); a
     dropped pair's id `num_experts` sorts after every group."""
@@ -99,14 +100,18 @@ def routed_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, expert
     num_tokens, top_k = expert_ids.shape
     d = plan(expert_ids, experts.w_gate.shape[0])
     if experts.glu is not None and experts.lora is None:
-        h = experts.glu(x, d.order // top_k, experts.w_gate, experts.w_up, d.group_sizes,
-                        glu_activation(experts.activation))
-        ys = experts.gmm(h, experts.w_down, d.group_sizes)
+        with jax.named_scope("experts"):  # the backend's fused gather, gate and up
+            h = experts.glu(x, d.order // top_k, experts.w_gate, experts.w_up, d.group_sizes,
+                            glu_activation(experts.activation))
+            ys = experts.gmm(h, experts.w_down, d.group_sizes)
     else:
-        ys = expert_swiglu(x[d.order // top_k], d.group_sizes, experts)
+        with jax.named_scope("dispatch"):
+            rows = x[d.order // top_k]
+        ys = expert_swiglu(rows, d.group_sizes, experts)
     return combine(ys, gates, d.inverse), d.group_sizes
 
 
+@jax.named_scope("experts")
 def expert_swiglu(rows: jax.Array, group_sizes: jax.Array, experts: GLUExperts) -> jax.Array:
     """Each expert's GLU on its rows (`rows` sorted by expert, `group_sizes [E]`)."""
     gmm, lora = experts.gmm, experts.lora
@@ -120,6 +125,7 @@ def expert_swiglu(rows: jax.Array, group_sizes: jax.Array, experts: GLUExperts) 
     return proj("down", h.astype(rows.dtype), experts.w_down)
 
 
+@jax.named_scope("combine")
 def combine(ys: jax.Array, gates: jax.Array, rows: jax.Array | None = None,
             ran: jax.Array | None = None) -> jax.Array:
     """float32 `[T, d]`: sum over slots of `gates [T, k]` times the slot outputs, `ys [T*k, d]`
@@ -161,11 +167,13 @@ def gathered_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax
     as its operand, which XLA copies whole, every expert (`cmoe_jax.moe.modes.sliced_weights`)."""
     num_tokens, top_k = ids.shape
     num_experts = w_gate.shape[0]
-    flat = jnp.minimum(ids.reshape(-1), num_experts - 1)  # a dropped pair (id E, gate 0) reads any
-    rows = jnp.repeat(x, top_k, axis=0)                                   # [T*k, d]
+    with jax.named_scope("dispatch"):
+        flat = jnp.minimum(ids.reshape(-1), num_experts - 1)  # a dropped pair (id E, gate 0) reads any
+        rows = jnp.repeat(x, top_k, axis=0)                                   # [T*k, d]
     mm = lambda a, w: pair_products(a, w, flat, slabs).astype(a.dtype)  # noqa: E731
-    h = glu_activation(activation)(mm(rows, w_gate)) * mm(rows, w_up)
-    ys = mm(h.astype(rows.dtype), w_down)
+    with jax.named_scope("experts"):
+        h = glu_activation(activation)(mm(rows, w_gate)) * mm(rows, w_up)
+        ys = mm(h.astype(rows.dtype), w_down)
     return combine(ys, gates), jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32)
 
 
@@ -218,13 +226,16 @@ def dense_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax.Ar
     E/k times the routed products, which pays where k/E is large or tokens are few."""
     num_tokens, _ = ids.shape
     num_experts = w_gate.shape[0]
-    weight = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
-        jnp.arange(num_tokens)[:, None], ids].add(gates.astype(jnp.float32))
-    # batched over experts with the tokens broadcast: "td,edm" would transpose (copy) every
-    # expert's weights first, which at few tokens costs more than the products
-    xs = jnp.broadcast_to(x, (num_experts,) + x.shape)
+    with jax.named_scope("dispatch"):  # each token's gate on every expert (0: not chosen)
+        weight = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
+            jnp.arange(num_tokens)[:, None], ids].add(gates.astype(jnp.float32))
+        # batched over experts with the tokens broadcast: "td,edm" would transpose (copy) every
+        # expert's weights first, which at few tokens costs more than the products
+        xs = jnp.broadcast_to(x, (num_experts,) + x.shape)
     mm = lambda w: jnp.einsum("etd,edm->etm", xs, w, preferred_element_type=jnp.float32)  # noqa: E731
-    h = glu_activation(activation)(mm(w_gate)) * mm(w_up)                 # [E, T, m] f32
-    h = (h * weight.T[:, :, None]).astype(x.dtype)
-    y = jnp.einsum("etm,emd->td", h, w_down, preferred_element_type=jnp.float32)
+    with jax.named_scope("experts"):
+        h = glu_activation(activation)(mm(w_gate)) * mm(w_up)                 # [E, T, m] f32
+    with jax.named_scope("combine"):  # the gates scale the hidden units; the down projection sums
+        h = (h * weight.T[:, :, None]).astype(x.dtype)
+        y = jnp.einsum("etm,emd->td", h, w_down, preferred_element_type=jnp.float32)
     return y, jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32)

@@ -31,10 +31,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from cmoe_jax.moe.dispatch import GLUExperts, combine, expert_swiglu, plan, routed_experts
-from cmoe_jax.moe.modes import DEFAULT_EXPERT_AXIS, expert_axis_size, expert_parallel_active
+from cmoe_jax.moe.mesh_axes import DEFAULT_EXPERT_AXIS, expert_axis_size, expert_parallel_active, token_split
 
-__all__ = ["DEFAULT_EXPERT_AXIS", "expert_axis_size", "padded_ragged_all_to_all", "ragged_exchange",
-           "routed_experts_sharded", "routed_swiglu_experts", "tokens_sharded"]
+__all__ = ["padded_ragged_all_to_all", "ragged_exchange", "routed_experts_sharded", "routed_swiglu_experts"]
 
 
 def _exclusive_cumsum(a, axis=0):
@@ -86,32 +85,18 @@ def _exchange(x, expert_ids, gates, params, apply, axis, tokens_axes, block=None
         return ragged_exchange(rows, out, send_offsets, send_sizes, lands_at, recv_sizes,
                                axis_name=axis, block=block)
 
-    recv = there(x[d.order // top_k], 0)
-    recv_ids = there(sorted_ids % local_experts, local_experts)  # empty rows: past every expert
+    with jax.named_scope("dispatch"):
+        recv = there(x[d.order // top_k], 0)
+        recv_ids = there(sorted_ids % local_experts, local_experts)  # empty rows: past every expert
     r = plan(recv_ids[:, None], local_experts)
     ys = apply(recv[r.order], r.group_sizes, params)[r.inverse]
-    # back again: my received slices to their senders, at the offsets they sent them from
-    back_at = _exclusive_cumsum(sizes, axis=1)[:, me]
-    back = ragged_exchange(ys, varying(jnp.zeros((num_tokens * top_k,) + ys.shape[1:], ys.dtype)),
-                           recv_offsets, recv_sizes, back_at, send_sizes, axis_name=axis, block=block)
+    with jax.named_scope("dispatch"):  # back again: my received slices to their senders
+        back_at = _exclusive_cumsum(sizes, axis=1)[:, me]
+        back = ragged_exchange(ys, varying(jnp.zeros((num_tokens * top_k,) + ys.shape[1:], ys.dtype)),
+                               recv_offsets, recv_sizes, back_at, send_sizes, axis_name=axis, block=block)
     out = combine(back, gates, d.inverse)
     counts = jax.lax.psum(d.group_sizes, tokens_axes)
     return out, counts.astype(jnp.int32)
-
-
-def _token_split(mesh, num_tokens: int) -> P:
-    if num_tokens % mesh.size:
-        raise ValueError(f"{num_tokens} tokens do not split over {mesh.size} devices; "
-                         f"pad the batch to a multiple of {mesh.size}")
-    return P(tuple(mesh.axis_names))
-
-
-def tokens_sharded(fn: Callable, x: jax.Array, params: Any, mesh=None):
-    """`fn(x, params)` on each device's tokens (`x`, arrays `[T, ...]` or a pytree of them,
-    split over every mesh axis; `params` replicated); the outputs keep the token split."""
-    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    tok = _token_split(mesh, jax.tree.leaves(x)[0].shape[0])
-    return jax.shard_map(fn, mesh=mesh, in_specs=(tok, P()), out_specs=tok)(x, params)
 
 
 def routed_experts_sharded(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, params: Any,
@@ -129,7 +114,7 @@ def routed_experts_sharded(x: jax.Array, expert_ids: jax.Array, gates: jax.Array
     global int32 `[E]` load counts.
     """
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    tok = _token_split(mesh, x.shape[0])
+    tok = token_split(mesh, x.shape[0])
     n_exp = expert_axis_size(expert_axis, mesh)
     num_experts = jax.tree.leaves(params)[0].shape[0]
     if num_experts % n_exp:

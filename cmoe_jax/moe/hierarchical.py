@@ -30,20 +30,20 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jaxtyping import Array, Float, Int
 
 from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.balance import RouterBias, update_router_bias
+from cmoe_jax.moe.checks import check_input
 from cmoe_jax.moe.dispatch import plan
-from cmoe_jax.moe.expert_parallel import tokens_sharded
-from cmoe_jax.moe.token_pairs import drop_pairs, kept_pairs
 from cmoe_jax.moe.gmm import get_gmm
-from cmoe_jax.moe.layer import LAYER_SETTINGS, MoEFFN
-from cmoe_jax.moe.modes import PairCall, check_input, dispatch_mode
+from cmoe_jax.moe.mesh_axes import tokens_sharded
+from cmoe_jax.moe.modes import PairCall, dispatch_mode
+from cmoe_jax.moe.moe_layer import MoELayer, RoutedPairs
+from cmoe_jax.moe.params import make_router_params, with_axes
 from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
-from cmoe_jax.moe.params import make_param, make_router_params
-from cmoe_jax.moe.routers import Routing, get_router, router_logits
-from cmoe_jax.moe.routers.base import jittered, options_of
-from cmoe_jax.moe.spec import FFNSpec, spec_with
+from cmoe_jax.moe.routers import Router, Routing, get_router, router_logits
+from cmoe_jax.moe.routers.base import jittered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,95 +98,95 @@ def sub_route(x, top_ids, top_w, routers: SubRouters):
     return ids.reshape(num_tokens, -1), weights.reshape(num_tokens, -1)
 
 
-class HierMoEFFN(MoEFFN):
-    """Hierarchical CMoE layer (see the module docstring).
+class HierMoEFFN(MoELayer):
+    """Hierarchical CMoE layer (see the module docstring), built like `MoEFFN` (`MoELayer`'s
+    arguments) from a spec with `sub_experts` > 0.
 
-    Args beyond `MoEFFN`'s: `num_experts` N and `top_k` k are the top level's;
-    `expert_width` is the sub-expert width m'; `router` (a kind of `cmoe_jax.moe.routers`:
-    conversions make "linear" or "cmoe") and `router_neurons` describe the top-level router; `sub_experts` N', `sub_shared` N'_s,
-    `sub_top_k` N'_k and `sub_router_neurons` r the sub-level.
+    `num_experts` N and `top_k` k of the spec are the top level's (`top_experts`,
+    `top_top_k` here); `expert_width` is the sub-expert width m'; `router` (a kind of
+    `cmoe_jax.moe.routers`: conversions make "linear" or "cmoe") and `router_neurons`
+    describe the top-level router; `sub_experts` N', `sub_shared` N'_s, `sub_top_k` N'_k and
+    `sub_router_neurons` r the sub-level. As the experts see it, the layer has
+    `num_experts` = N*N' rows and each token uses `top_k` = k*(N'_s + N'_k) of them.
 
     Parameters: `expert_gate/expert_up [N*N', d, m']`, `expert_down [N*N', m', d]`; the host
-    shared MLP as in `MoEFFN`; top-level router `router_kernel [d, N]` (linear) or
-    `top_gate/top_up [d, N*r0]`, `top_u [N]`, `top_bias [N]` (cmoe); sub-routers
-    `sub_gate/sub_up [N, d, N'_r*r]`, `u [N, N'_r]`, `router_bias [N, N'_r]`. `return_load`
-    gives the routed sub-experts' loads `[N, N'_r]`, so `update_router_bias` balances each
-    sub-router against its own mean. With `num_prototypes` K > 0 the expert tensors,
-    sub-routers, `u` and `router_bias` hold K families (`[K*N', d, m']`, `[K, ...]`) behind an
-    int32 `slot_map [N]` (-1: slot pruned) and the loads are the stored families' `[K, N'_r]`.
+    shared MLP as in `MoEFFN`; the top-level router's arrays under their top-level names
+    (linear `router_kernel [d, N]`; cmoe `top_gate/top_up [d, N*r0]`, `top_u [N]`,
+    `top_bias [N]`); sub-routers `sub_gate/sub_up [N, d, N'_r*r]`, `u [N, N'_r]`,
+    `router_bias [N, N'_r]`. `return_load` gives the routed sub-experts' loads `[N, N'_r]`,
+    so `update_router_bias` balances each sub-router against its own mean. With
+    `num_prototypes` K > 0 the expert tensors, sub-routers, `u` and `router_bias` hold K
+    families (`[K*N', d, m']`, `[K, ...]`) behind an int32 `slot_map [N]` (-1: slot pruned)
+    and the loads are the stored families' `[K, N'_r]`.
     """
 
     # what a cross-layer ConMoE scope shares (`tie_prototype_tables`); u and the balancing
     # bias stay per layer, since each layer trains and balances its own
     TABLE_NAMES = ("expert_gate", "expert_up", "expert_down", "sub_gate", "sub_up")
 
-    LOGICAL_AXES = dict(MoEFFN.LOGICAL_AXES,
-                        sub_gate=("expert", "embed", "router"), sub_up=("expert", "embed", "router"),
-                        u=("expert", "router"), router_bias=("expert", "router"))
+    def build(self, spec, param) -> None:
+        n_routed = spec.sub_experts - spec.sub_shared
+        if not (spec.sub_experts > 0 and 0 <= spec.sub_shared < spec.sub_experts and 1 <= spec.sub_top_k <= n_routed):
+            raise ValueError(f"sub-plan S{spec.sub_shared}A{spec.sub_top_k}E{spec.sub_experts} is invalid")
+        self.router_unit.validate(self.top_routing)
+        d, m, n = self.d_model, spec.expert_width, spec.num_experts
+        if spec.num_prototypes > 0:  # K stored families behind the N top-level slots
+            self.slot_map = SlotMap(jnp.arange(n, dtype=jnp.int32) % spec.num_prototypes, **with_axes(("router",)))
+        families = spec.num_prototypes or n
+        rows = families * spec.sub_experts
+        self.expert_gate = param(rows, d, m, axes=("expert", "embed", "mlp"))
+        self.expert_up = param(rows, d, m, axes=("expert", "embed", "mlp"))
+        self.expert_down = param(rows, m, d, axes=("expert", "mlp", "embed"))
+        make_router_params(self, self.router_unit.params(d, self.top_routing), param, self.param_dtype, top_level=True)
+        cols = n_routed * spec.sub_router_neurons
+        self.sub_gate = param(families, d, cols, axes=("expert", "embed", "router"))
+        self.sub_up = param(families, d, cols, axes=("expert", "embed", "router"))
+        self.u = nnx.Param(jnp.zeros((families, n_routed), self.param_dtype), **with_axes(("expert", "router")))
+        self.router_bias = RouterBias(jnp.zeros((families, n_routed), jnp.float32), **with_axes(("expert", "router")))
 
-    def __init__(self, spec: FFNSpec | None = None, *, d_model: int, rngs: nnx.Rngs, activation: str,
-                 **options):
-        """`options`: `MoEFFN`'s settings (`LAYER_SETTINGS`) and, as keywords, spec fields."""
-        settings = {k: options.pop(k) for k in LAYER_SETTINGS if k in options}
-        spec = spec_with(spec, options, type(self).__name__)
-        router, norm_topk_prob, router_neurons = spec.router, spec.norm_topk_prob, spec.router_neurons
-        num_experts, top_k, sub_experts = spec.num_experts, spec.top_k, spec.sub_experts
-        sub_shared, sub_top_k, num_prototypes = spec.sub_shared, spec.sub_top_k, spec.num_prototypes
-        expert_width, sub_router_neurons = spec.expert_width, spec.sub_router_neurons
-        unit = get_router(router)  # the top level's
-        unit.validate(Routing.of(spec, activation))
-        if spec.capacity_factor:
-            raise ValueError("capacity_factor is an option of MoEFFN, not of HierMoEFFN")
-        n_routed = sub_experts - sub_shared
-        if not (sub_experts > 0 and 0 <= sub_shared < sub_experts and 1 <= sub_top_k <= n_routed):
-            raise ValueError(f"sub-plan S{sub_shared}A{sub_top_k}E{sub_experts} is invalid")
-        # the base builds the host shared MLP, the stacked sub-experts and a flat cmoe router
-        flat = FFNSpec(num_experts * sub_experts, top_k * (sub_shared + sub_top_k), expert_width,
-                       spec.shared_width, "cmoe", shared_gated=spec.shared_gated)
-        super().__init__(flat, d_model=d_model, rngs=rngs, activation=activation, **settings)
-        self.spec = spec
-        # the base built a flat cmoe router over all sub-experts: replace it by the two levels
-        del self.router_gate, self.router_up
-        self.router, self.norm_topk_prob, self.router_neurons = router, norm_topk_prob, router_neurons
-        self.top_experts, self.top_top_k = num_experts, top_k
-        self.sub_experts, self.sub_shared, self.sub_top_k = sub_experts, sub_shared, sub_top_k
-        self.sub_router_neurons = sub_router_neurons
-        d, n = d_model, num_experts
+    # the two levels, as the spec says them
+    top_experts = property(lambda self: self.spec.num_experts, doc="N, the top-level router's slots")
+    top_top_k = property(lambda self: self.spec.top_k, doc="k, the top-level experts a token uses")
+    sub_experts = property(lambda self: self.spec.sub_experts, doc="N', sub-experts of each expert")
+    sub_shared = property(lambda self: self.spec.sub_shared, doc="N'_s, always on with their expert")
+    sub_top_k = property(lambda self: self.spec.sub_top_k, doc="N'_k, routed sub-experts chosen")
+    num_experts = property(lambda self: self.expert_gate.shape[0], doc="the stored sub-expert rows")
+    top_k = property(lambda self: self.spec.top_k * (self.spec.sub_shared + self.spec.sub_top_k),
+                     doc="the sub-experts a token runs")
 
-        param_dtype = self.param_dtype
-        param = make_param(rngs, param_dtype, settings.get("kernel_init"))
-        self.num_prototypes, self.duplicate_gates = num_prototypes, spec.duplicate_gates
-        if num_prototypes > 0:  # K stored families behind the N top-level slots
-            self.slot_map = SlotMap(jnp.arange(n, dtype=jnp.int32) % num_prototypes)
-            rows = num_prototypes * sub_experts
-            self.expert_gate, self.expert_up = param(rows, d, expert_width), param(rows, d, expert_width)
-            self.expert_down = param(rows, expert_width, d)
-            self.num_experts = rows
+    @property
+    def router_unit(self) -> Router:
+        """The top-level router kind's unit (`cmoe_jax.moe.routers`)."""
+        return get_router(self.spec.router)
 
-        make_router_params(self, unit.params(d, self.top_routing), param, param_dtype, top_level=True)
-        cols = n_routed * sub_router_neurons
-        families = num_prototypes or n
-        self.sub_gate, self.sub_up = param(families, d, cols), param(families, d, cols)
-        self.u = nnx.Param(jnp.zeros((families, n_routed), param_dtype))
-        self.router_bias = RouterBias(jnp.zeros((families, n_routed), jnp.float32))
+    @property
+    def top_routing(self) -> Routing:
+        """What the top-level router needs besides its arrays."""
+        return Routing.of(self.spec, self.activation)
 
-    def route(self, x: jax.Array, key=None) -> tuple[jax.Array, jax.Array]:
+    def top_arrays(self) -> dict:
+        """role -> the top-level router's arrays (its unit's `top_name`s)."""
+        return {role: getattr(self, p.attr(top_level=True))[...]
+                for role, p in self.router_unit.params(self.d_model, self.top_routing).items()}
+
+    def route(self, x: Float[Array, "T d"], key=None) -> tuple[Int[Array, "T r"], Float[Array, "T r"]]:
         """Flattened sub-expert ids and combine weights `[T, k*(N'_s+N'_k)]` (`key`: training,
         the top-level router's jitter if it has one, on the input of both levels)."""
         check_input(x, self.d_model, type(self).__name__)
-        x, top = jittered(x, self.top_routing, key), self._top_arrays()
+        x, top = jittered(x, self.top_routing, key), self.top_arrays()
         slots = (self.slot_map[...],) if self.num_prototypes > 0 else ()
         arrays = (top, self.sub_gate[...], self.sub_up[...], self.u[...], self.router_bias[...]) + slots
-        if self._expert_parallel():
-            return tokens_sharded(self._route, x, arrays)
-        return self._route(x, arrays)
+        return tokens_sharded(self.two_level_route, x, arrays) if self.expert_parallel() else \
+            self.two_level_route(x, arrays)
 
-    def _route(self, x, arrays):
+    def two_level_route(self, x, arrays):
+        """`route` on arrays (top, sub_gate, sub_up, u, bias[, slot_map]) given whole, so an
+        expert-parallel call passes each device its tokens."""
         top, sub_gate, sub_up, u, bias = arrays[:5]
         if self.num_prototypes > 0:  # pruned slots never win; chosen slots -> stored families
             slot_map = arrays[5]
             top_ids, top_w = self.top_route(x, top, keep=slot_map >= 0)
-            top_ids, top_w = to_prototypes(top_ids, top_w, slot_map, self.duplicate_gates)
+            top_ids, top_w = to_prototypes(top_ids, top_w, slot_map, self.spec.duplicate_gates)
         else:
             top_ids, top_w = self.top_route(x, top)
         return sub_route(x, top_ids, top_w, self.sub_routers((sub_gate, sub_up, u, bias)))
@@ -196,58 +196,40 @@ class HierMoEFFN(MoEFFN):
         given (a sharded call's), else from the layer's parameters."""
         if arrays is None:
             arrays = (self.sub_gate[...], self.sub_up[...], self.u[...], self.router_bias[...])
-        return SubRouters(*arrays, self.sub_shared, self.sub_top_k, get_gmm(self.backend),
-                          self.activation)
+        return SubRouters(*arrays, self.sub_shared, self.sub_top_k, get_gmm(self.backend), self.activation)
 
     def top_route(self, x, top=None, keep=None):
         """The unchanged top-level choice: expert ids int32 `[T, k]` and weights w `[T, k]`
         (`keep`, bool `[N]`: slots not kept are never chosen)."""
-        top = self._top_arrays() if top is None else top
+        top = self.top_arrays() if top is None else top
         return self.router_unit.route(x, top, self.top_routing, keep=keep)
 
-    @property
-    def top_routing(self) -> Routing:
-        return Routing(self.top_experts, self.top_top_k, self.activation, self.norm_topk_prob,
-                       self.router_neurons, **options_of(self.spec))
-
-    def _top_arrays(self) -> dict:
-        """role -> the top-level router's arrays (its units' `top_name`s)."""
-        return {role: getattr(self, p.attr(top_level=True))[...]
-                for role, p in self.router_unit.params(self.d_model, self.top_routing).items()}
-
-    def variable_axes(self) -> dict:
-        """Logical axes of every variable: the class's, and the top-level router's."""
-        return dict(self.LOGICAL_AXES, **{p.attr(top_level=True): p.axes for p in
-                                          self.router_unit.params(self.d_model, self.top_routing).values()})
-
-    def forward(self, x: jax.Array, key=None, mask=None):
-        """`MoEFFN.forward`; the loads are the routed sub-experts' `[N, N'_r]`; only the
-        mask drops pairs (no capacity factor), so no kept pairs are returned."""
+    def route_pairs(self, x, key=None) -> RoutedPairs:
         ids, weights = self.route(x, key)
-        ids, weights = drop_pairs(ids, weights, kept_pairs(ids, self.num_experts, mask), self.num_experts)
-        routed, counts = self.routed(x, ids, weights, key)
-        y = (self.shared(x, key).astype(jnp.float32) + routed).astype(self.dtype)
-        return ids, y, counts.reshape(-1, self.sub_experts)[:, self.sub_shared:], None
+        return RoutedPairs(ids, ids, weights)
+
+    def loads(self, pairs, keep, counts):
+        """The routed sub-experts' loads `[N, N'_r]` (each family's own)."""
+        return counts.reshape(-1, self.sub_experts)[:, self.sub_shared:]
 
     def empty_load(self) -> jax.Array:
         return jnp.zeros((self.u.shape[0], self.sub_experts - self.sub_shared), jnp.int32)
 
-    def router_scores(self, x: jax.Array) -> jax.Array:
+    def router_scores(self, x: Float[Array, "T d"]) -> Float[Array, "T N"]:
         """The top-level router's float32 logits `[T, N]` (pruned slots -inf)."""
         keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
-        return router_logits(self.router_unit, x, self._top_arrays(), self.top_routing, keep)
+        return router_logits(self.router_unit, x, self.top_arrays(), self.top_routing, keep)
 
-    def router_logits(self, x: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The top-level router's logits `[T, N]` and chosen slots `[T, k]` (`ids`, the
-        flattened sub-expert choice, is not what the top-level losses need)."""
+    def reported_pairs(self, x, pairs):
+        """The top-level choice `[T, k]` (the flattened sub-expert pairs are not what the
+        top-level losses describe); no kept pairs."""
         if x.shape[0] == 0:
-            return self.router_scores(x), jnp.zeros((0, self.top_top_k), jnp.int32)
+            return jnp.zeros((0, self.top_top_k), jnp.int32), None
         keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
-        return self.router_scores(x), self.top_route(x, keep=keep)[0]
+        return self.top_route(x, keep=keep)[0], None
 
     def update_bias(self, counts: jax.Array, gamma: float) -> None:
         """Balance every sub-router against its own mean load (`counts [N, N'_r]`)."""
-
         self.router_bias[...] = update_router_bias(self.router_bias, counts, gamma)
 
 

@@ -1,4 +1,4 @@
-"""Where a layer's routed experts run, decided in one place, and the layer's input checks.
+"""Where a layer's routed experts run, decided and run in one place (`run_experts`).
 
 Five ways to run the (token, expert) pairs of one call:
 
@@ -16,27 +16,22 @@ Five ways to run the (token, expert) pairs of one call:
 
 The choice is static (token count, experts, top-k, platform), made at trace time; a layer's
 `dispatch` argument forces one of the one-device paths instead (benchmarks, tests).
-
-A mesh entered the old way (`with mesh:`) is not seen by `jax.get_abstract_mesh`, so a
-layer under it would silently run every expert on every device: that case warns.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import warnings
-from typing import Literal, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from cmoe_jax.moe.dispatch import Slabs
-from cmoe_jax.moe.gmm import resolve_backend
-from cmoe_jax.moe.padded import capacity_ladder
+from cmoe_jax.moe.dispatch import GLUExperts, Slabs, dense_experts, gathered_experts
+from cmoe_jax.moe.expert_parallel import routed_swiglu_experts
+from cmoe_jax.moe.mesh_axes import expert_parallel_active
+from cmoe_jax.moe.padded import capacity_ladder, padded_experts
 
-DEFAULT_EXPERT_AXIS = "expert"
 Mode = Literal["expert_parallel", "gather", "dense", "padded", "sort"]
-DISPATCHES = ("auto", "sort", "gather", "dense", "padded")
 
 
 class DenseWhen(NamedTuple):
@@ -144,57 +139,6 @@ def gather_slabs(dtype) -> Slabs | None:
     return None if _SLICED_WEIGHTS.get() else dense_when(dtype).slabs()
 
 
-class ExpertParallelWarning(UserWarning):
-    """A mesh with an expert axis is around, but the layer does not run expert-parallel."""
-
-
-def expert_axis_size(axis: str | None, mesh=None) -> int:
-    """Devices along `axis` of `mesh` (default: the mesh set by `jax.set_mesh`), 1 if absent."""
-    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    if axis is None or axis not in mesh.axis_names:
-        return 1
-    return dict(mesh.shape)[axis]
-
-
-def _legacy_mesh_size(axis: str) -> int:
-    """Size of `axis` in a mesh entered with `with mesh:` (1 if none or on a JAX without it)."""
-    try:
-        from jax._src.mesh import thread_resources
-        mesh = thread_resources.env.physical_mesh
-    except (ImportError, AttributeError):  # pragma: no cover - other JAX versions
-        return 1
-    return dict(mesh.shape).get(axis, 1) if not mesh.empty else 1
-
-
-def _sharded_size(axis: str, weight) -> int:
-    """Devices a concrete weight array is split over along mesh axis `axis` (1: none)."""
-    try:  # a tracer (inside jit) has no concrete sharding
-        mesh = weight.sharding.mesh if isinstance(weight, jax.Array) else None
-    except Exception:
-        mesh = None
-    if mesh is None or axis not in getattr(mesh, "axis_names", ()):
-        return 1
-    return dict(mesh.shape)[axis]
-
-
-def expert_parallel_active(axis: str | None, weight=None) -> bool:
-    """Whether the layer runs expert-parallel; warns (`ExpertParallelWarning`) when a mesh
-    with `axis` is entered with `with mesh:` or holds the expert weights, but not set with
-    `jax.set_mesh`, which is the only way expert parallelism engages."""
-    if axis is None:
-        return False
-    if expert_axis_size(axis) > 1:
-        return True
-    n = max(_legacy_mesh_size(axis), _sharded_size(axis, weight))
-    if n > 1:
-        warnings.warn(f"a mesh with expert axis {axis!r} ({n} devices) is present but not set "
-                      "with `jax.set_mesh(mesh)`: the MoE layer runs every expert on every "
-                      "device (no expert parallelism); use `with jax.set_mesh(mesh):`, or "
-                      "build the layer with expert_axis=None to silence this",
-                      ExpertParallelWarning, stacklevel=3)
-    return False
-
-
 class PairCall(NamedTuple):
     """One call's (token, slot) pairs, as the dispatch rule sees them: `num_pairs` pairs of `top_k`
     slots a token over `num_experts` experts of `dtype` and `expert_size` elements each (d x m)."""
@@ -243,47 +187,31 @@ def _pads(call: PairCall, when: DenseWhen, tokens: int) -> bool:
     return call.num_experts >= when.padded_experts or few_tokens or call.expert_size > when.large_expert_size
 
 
-def check_input(x, d_model: int, owner: str = "MoEFFN") -> None:
-    """Refuse an input that is not floating point `[..., d_model]` with one line naming both
-    widths (a wrong width would otherwise be silently regrouped into tokens)."""
-    shape = getattr(x, "shape", None)
-    if shape is None or len(shape) == 0:
-        raise ValueError(f"{owner} expects an array [..., d_model={d_model}], got "
-                         f"{type(x).__name__} of shape {shape}")
-    if shape[-1] != d_model:
-        raise ValueError(f"{owner} was built for d_model={d_model} but the input's last "
-                         f"dimension is {shape[-1]} (shape {tuple(shape)})")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{owner} expects a floating-point input, got dtype {x.dtype}")
+class ExpertRun(NamedTuple):
+    """A layer's settings for running its experts: compute `dtype`, the mesh `expert_axis`,
+    its `dispatch` ("auto" or a forced path) and the stored expert `weight` (whose sharding
+    tells a mesh not set with `jax.set_mesh`)."""
+
+    dtype: object
+    expert_axis: str | None
+    dispatch: str = "auto"
+    weight: object = None
 
 
-def check_mask(mask, lead_shape: tuple, owner: str = "MoEFFN"):
-    """The token mask as bool `[T]` (None stays None); refuses one whose shape is not the
-    input's leading shape."""
-    if mask is None:
-        return None
-    shape = tuple(getattr(mask, "shape", ()))
-    if shape != tuple(lead_shape):
-        raise ValueError(f"{owner}'s mask must have the input's leading shape {tuple(lead_shape)} "
-                         f"(True: a real token, False: padding), got shape {shape}")
-    return jnp.asarray(mask).astype(bool).reshape(-1)
-
-
-def check_layer(d_model: int, spec, backend, dispatch: str) -> None:
-    """Refuse a layer's shape or settings in one line each, before anything is built."""
-    if min(d_model, spec.expert_width, spec.num_experts) < 1 or spec.shared_width < 0:
-        raise ValueError(f"d_model={d_model}, expert_width={spec.expert_width} and num_experts="
-                         f"{spec.num_experts} must be positive, shared_width={spec.shared_width} >= 0")
-    if not spec.capacity_factor >= 0:
-        raise ValueError(f"capacity_factor={spec.capacity_factor} must be >= 0 (0: no capacity limit)")
-    if not callable(backend):
-        resolve_backend(backend)  # fail early on a typo
-    if dispatch not in DISPATCHES:
-        raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
-
-
-def token_devices(mesh=None) -> int:
-    """Devices the tokens split over expert-parallel: every axis of the mesh set with
-    `jax.set_mesh`."""
-    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    return max(1, mesh.size)
+def run_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, experts: GLUExperts, run: ExpertRun,
+                adapters: dict | None = None, make_lora: Callable | None = None) -> tuple[jax.Array, jax.Array]:
+    """float32 `[T, d]` sum of each token's gated expert outputs and int32 `[E]` loads, on the
+    path `dispatch_mode` picks for the pairs `ids`/`gates [T, k]` (`adapters`: LoRA factors
+    that ride on the grouped matmuls, `make_lora` their hook)."""
+    dtype, expert_axis = run.dtype, run.expert_axis
+    call = PairCall(ids.size, experts.w_gate.shape[0], ids.shape[1], dtype,
+                    experts.w_gate.shape[1] * experts.w_gate.shape[2])
+    mode = dispatch_mode(call, expert_axis, adapters=bool(adapters), weight=run.weight, dispatch=run.dispatch)
+    if mode == "gather":
+        return gathered_experts(x, ids, gates, *experts.weights, experts.activation, slabs=gather_slabs(dtype))
+    if mode == "dense":
+        return dense_experts(x, ids, gates, *experts.weights, activation=experts.activation)
+    if mode == "padded":
+        return padded_experts(x, ids, gates, experts, cover_tokens=pads_every_token(call))
+    return routed_swiglu_experts(x, ids, gates, experts, expert_axis=expert_axis, adapters=adapters or None,
+                                 make_lora=make_lora, expert_parallel=mode == "expert_parallel")

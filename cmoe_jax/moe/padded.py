@@ -56,6 +56,7 @@ def group_starts(d: Dispatch) -> jax.Array:
     return jnp.cumsum(d.group_sizes) - d.group_sizes
 
 
+@jax.named_scope("dispatch")
 def padded_rows(x: jax.Array, d: Dispatch, top_k: int, capacity: int) -> jax.Array:
     """`[E, C, d]`: expert e's rows in sorted order, then copies of row 0 as padding."""
     offsets = group_starts(d)
@@ -74,6 +75,7 @@ def padded_output_rows(ids: jax.Array, d: Dispatch, capacity: int) -> jax.Array:
     return expert * capacity + slot
 
 
+@jax.named_scope("experts")
 def padded_glu(rows: jax.Array, experts: GLUExperts) -> jax.Array:
     """Each expert's GLU on its padded rows `[E, C, d]`, float32 accumulation."""
     mm = lambda a, w: jnp.einsum("ecd,edm->ecm", a, w, preferred_element_type=jnp.float32)  # noqa: E731

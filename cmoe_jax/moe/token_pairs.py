@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cmoe_jax.moe.expert_parallel import tokens_sharded
+from cmoe_jax.moe.mesh_axes import tokens_sharded
 
 
 class Pairs(NamedTuple):

@@ -24,7 +24,8 @@ from flax import nnx
 from cmoe_jax.errors import TrainError
 from cmoe_jax.lora_variables import attach
 from cmoe_jax.models.stack import each_layer
-from cmoe_jax.moe import MoEFFN
+from cmoe_jax.moe import MoELayer
+from cmoe_jax.moe.params import like
 from cmoe_jax.calibration_pass.layer_pass import (calibration_mesh, layer_pass, replicate,
                                                   start_pass)
 from cmoe_jax.models.adapters import trains_router
@@ -55,7 +56,7 @@ def _adapted(graphdef, state, params: dict, scale: float):
     for name, ab in params["lora"].items():
         attach(ffn, name, ab["a"], ab["b"], scale)
     if "u" in params:
-        ffn.u = nnx.Param(params["u"])
+        ffn.u = like(ffn.u, params["u"])
     return ffn
 
 
@@ -101,7 +102,7 @@ def layerwise_recover(student, teacher, windows: np.ndarray, lora: LoRAConfig,
     `{"layer", "before", "after"}`) fitted layer by layer on `windows [N, T]`; `teacher` is
     the dense model whose FFN outputs are the targets. Non-MoE layers are left as they are."""
     fresh = init_adapters(student, lora, key).get("layers", {})
-    moe = [i for i, (layer, _) in enumerate(each_layer(student)) if isinstance(layer.mlp, MoEFFN)]
+    moe = [i for i, (layer, _) in enumerate(each_layer(student)) if isinstance(layer.mlp, MoELayer)]
     if not moe:
         raise TrainError("--recover layerwise: the model has no converted (MoE) FFN to recover")
     if not any((fresh.get(str(i), {}).get("mlp")) for i in moe) and not any(

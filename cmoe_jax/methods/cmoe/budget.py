@@ -23,8 +23,8 @@ import numpy as np
 from cmoe_jax.carving.allocation import BudgetError, allocate
 from cmoe_jax.methods.cmoe.config import ConversionError, ConvertConfig
 from cmoe_jax.methods.cmoe.plan import MoEPlan
-from cmoe_jax.methods.cmoe.sensitivity import MEASURES, Measured, Sensitivity, measure
 
+MEASURES = ("marginal", "loss", "stream")  # the damages a budget's allocation can minimise
 TOLERANCE = 0.01  # the mean active share met to within 1% of the budget
 MARGINAL_BELOW = 0.5  # budgets below it take the marginal damage, the others the dense-stream one
 
@@ -183,19 +183,9 @@ def reaches(budget: Budget, num_layers: int, target: int) -> bool:
     return bool(reach.size and reach.min() * num_layers <= target <= reach.max() * num_layers)
 
 
-def measure_damage(model, calib: np.ndarray, cc: ConvertConfig, budget: Budget, *,
-                   measured: Measured | None = None) -> Sensitivity:
-    """Each layer's sensitivity to each of `budget`'s candidate shapes on the calibration
-    windows `calib` [N, T] (`Sensitivity.damage()` is what the allocation minimises); the
-    streamed job's twin is `cmoe_jax.methods.cmoe.streamed.measure_streamed`."""
-    return measure(model, model.layers, calib, cc, budget.candidates(), measure_by=budget.measure_by,
-                   uniform=budget.nearest_uniform(), measured=measured)
-
-
 def adaptive_config(cc: ConvertConfig, budget: Budget, damage: np.ndarray) -> ConvertConfig:
     """`cc` with the per-layer shapes `budget` allocates on the measured `damage`."""
     return dataclasses.replace(cc, plan=None, layer_plans=tuple(budget.allocate(damage)))
 
 
-__all__ = ["AUTO", "DEFAULTS_TEXT", "MEASURES", "Budget", "BudgetError", "Measured", "Sensitivity",
-           "adaptive_config", "check_budget", "measure_damage"]
+__all__ = ["AUTO", "DEFAULTS_TEXT", "MEASURES", "Budget", "BudgetError", "adaptive_config", "check_budget"]

@@ -21,9 +21,8 @@ import numpy as np
 
 from cmoe_jax.errors import InputError
 from cmoe_jax.methods.cmoe.carve import LayerCarving, slice_ffn
-from cmoe_jax.methods.cmoe.convert import (ConversionError, ConvertConfig, carve_profiled,
-                                           check_router, conversion_mesh,
-                                           moe_spec)
+from cmoe_jax.methods.cmoe.config import ConversionError, ConvertConfig
+from cmoe_jax.methods.cmoe.convert import carve_profiled, check_router, conversion_mesh, moe_spec
 from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.methods.cmoe.router_fit import fit_router
 from cmoe_jax.models import ModelConfig

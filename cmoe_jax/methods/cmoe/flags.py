@@ -6,8 +6,8 @@ from cmoe_jax.cli_args import nonneg_int, positive_int
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.methods.cmoe.budget import AUTO, DEFAULTS_TEXT, MEASURES, Budget
-from cmoe_jax.methods.cmoe.convert import ConvertConfig
-from cmoe_jax.methods.cmoe.job import ConvertSettings
+from cmoe_jax.methods.cmoe.config import ConvertConfig
+from cmoe_jax.methods.cmoe.settings import ConvertSettings
 from cmoe_jax.methods.cmoe.plan import MoEPlan
 
 
@@ -66,9 +66,15 @@ def check_args(args, error) -> None:
               "paper's rule, the default) or energy")
 
 
+def budget_share(args) -> float | None:
+    """F of `--active F` (a budget), None for a shape."""
+    return None if args.active is None else args.active.share
+
+
 def budget_from_args(args) -> Budget | None:
     """The budget of `--active F` (a decimal share), None for a shape."""
-    if not isinstance(args.active, float):
+    share = budget_share(args)
+    if share is None:
         for flag, value in (("--sensitivity", args.sensitivity), ("--spread", args.spread)):
             if value is not None:
                 raise CmoeError(f"{flag} shapes layers for a budget: give --active F (e.g. 0.25)")
@@ -78,23 +84,24 @@ def budget_from_args(args) -> Budget | None:
                         "(--stream) cannot hold: give --spread N")
     if args.config or args.shared is not None:
         given = "--config" if args.config else "--shared"
-        raise CmoeError(f"--active {args.active:g} is a budget (each layer's shape chosen for it) and "
+        raise CmoeError(f"--active {share:g} is a budget (each layer's shape chosen for it) and "
                         f"{given} a shape: give one of them")
-    return Budget(args.active, args.experts,
+    return Budget(share, args.experts,
                   measure_by=args.sensitivity,
                   spread={None: "default", "any": None}.get(args.spread, args.spread))
 
 
 def plan_from_args(args) -> MoEPlan | None:
     """The uniform shape (None with a budget, `budget_from_args`)."""
-    if isinstance(args.active, float):
+    if budget_share(args) is not None:
         return None
     if args.config:
         return MoEPlan.parse(args.config, flag="--config")
-    if None in (args.shared, args.active, args.experts):
+    active = None if args.active is None else args.active.experts
+    if None in (args.shared, active, args.experts):
         raise CmoeError("give --config SxAyEz, or all three of --shared, --active, --experts, or a "
                         "budget --active F (e.g. 0.25)")
-    return MoEPlan(args.shared, args.active, args.experts)
+    return MoEPlan(args.shared, active, args.experts)
 
 
 def router_options(args) -> dict:

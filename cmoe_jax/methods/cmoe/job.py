@@ -14,28 +14,17 @@ from cmoe_jax.checkpoint import PER_LAYER, save_converted, write_manifest
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.loading import open_source
-from cmoe_jax.methods.cmoe.budget import (AUTO, Budget, Measured, adaptive_config, check_budget,
-                                          measure_damage)
-from cmoe_jax.methods.cmoe.convert import (ConvertConfig, LayerRecord, check_plans,
-                                           check_router, conversion_mesh, convert_model)
+from cmoe_jax.methods.cmoe import flags
+from cmoe_jax.methods.cmoe.budget import AUTO, Budget, adaptive_config, check_budget
+from cmoe_jax.methods.cmoe.config import ConvertConfig
+from cmoe_jax.methods.cmoe.convert import LayerRecord, check_plans, check_router, conversion_mesh, convert_model
 from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.methods.cmoe.report import write_report
+from cmoe_jax.methods.cmoe.sensitivity import Measured, Sensitivity, measure_damage
+from cmoe_jax.methods.cmoe.settings import ConvertSettings
 from cmoe_jax.methods.cmoe.spread_choice import HELD_OUT_WINDOWS, BandRun, choose_band
+from cmoe_jax.methods.method import Method
 from cmoe_jax.methods.cmoe.streamed import Streamed, convert_streamed, measure_streamed
-
-
-@dataclasses.dataclass(frozen=True)
-class ConvertSettings:
-    """Everything a CMoE conversion needs besides its model and output: the method's
-    settings, the calibration text, and how to run (the CLI builds it from its flags)."""
-
-    method: ConvertConfig
-    calibration: Calibration = Calibration()
-    stream: bool = False  # read, convert and write one layer at a time (dense sources)
-    expert_parallel: int = 1  # devices the routed experts are split over in the forward
-    min_expert_tokens: int = 32  # hierarchical: fewer routed tokens -> profile on all tokens
-    report: bool = False  # PNG plots and a JSON summary beside the model
-    budget: Budget | None = None  # `--active F`: each layer's shape chosen for the budget
 
 
 def is_dense(cfg) -> bool:
@@ -274,3 +263,15 @@ class CmoeSteps:
     def write_report(self, records, manifest, seconds, directory) -> None:
         shapes = layer_shapes(self.settings.method.layer_shapes(len(records)))
         write_report(records, self.settings.method.label, seconds, directory, shapes)
+
+
+# CMoE as the convert command registers it (`cmoe_jax.methods.registry`)
+METHOD = Method(name="cmoe", command="convert", choices=("cmoe",), title="CMoE",
+                summary="cmoe (CMoE; hierarchical when --model is an MoE)",
+                settings=ConvertSettings, steps=CmoeSteps, add_flags=flags.add_flags,
+                from_args=flags.settings_from_args, check_args=flags.check_args, takes_source=is_dense)
+
+# the names of the conversion job other packages use (the package itself stays light)
+__all__ = ["METHOD", "CmoeSteps", "ConvertSettings", "base_manifest", "check_context", "is_dense", "stage_seconds",
+           "active_share", "plan_entry", "AUTO", "Budget", "adaptive_config", "Measured", "Sensitivity",
+           "measure_damage", "HELD_OUT_WINDOWS", "BandRun", "choose_band", "Streamed", "convert_streamed"]

@@ -43,7 +43,6 @@ from cmoe_jax.methods.cmoe.router_fit import fit_router
 from cmoe_jax.models.ffn import filled_ffn
 from cmoe_jax.calibration_pass.layer_pass import LayerInput, layer_pass, start_pass, stream_nll
 
-MEASURES = ("marginal", "loss", "stream")
 REFERENCE = 1  # the candidate whose loss rise calibrates a layer's errors: S1A1E8 with 8 experts
 LOSS_WINDOWS = 2  # calibration windows the loss is measured on
 FLOOR = 1e-9  # least loss rise counted: no layer is free to carve
@@ -238,3 +237,14 @@ def loss_gains(outer, layers, tokens, cc, plan, num_layers: int, measured: Measu
         if measured.on_gain is not None:
             measured.on_gain(index, gains[-1])
     return np.asarray(gains, np.float64)
+
+
+def measure_damage(model, calib: np.ndarray, cc: ConvertConfig, budget, *,
+                   measured: Measured | None = None) -> Sensitivity:
+    """Each layer's sensitivity to each of `budget`'s candidate shapes on the calibration
+    windows `calib` [N, T] (`Sensitivity.damage()` is what the allocation minimises); the
+    streamed job's twin is `cmoe_jax.methods.cmoe.streamed.measure_streamed`."""
+    return measure(model, model.layers, calib, cc, budget.candidates(), measure_by=budget.measure_by,
+                   uniform=budget.nearest_uniform(), measured=measured)
+
+

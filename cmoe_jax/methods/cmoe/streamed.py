@@ -20,10 +20,11 @@ import numpy as np
 from flax import nnx
 
 from cmoe_jax.checkpoint import PER_LAYER, layer_part, save_state_part, without_layers
-from cmoe_jax.methods.cmoe.budget import Budget, Measured, Sensitivity
-from cmoe_jax.methods.cmoe.sensitivity import measure
-from cmoe_jax.methods.cmoe.convert import (ConvertConfig, LayerConverter, LayerRecord,
-                                           carved_plans, conversion_mesh, moe_spec, validate)
+from cmoe_jax.methods.cmoe.budget import Budget
+from cmoe_jax.methods.cmoe.sensitivity import Measured, Sensitivity, measure
+from cmoe_jax.methods.cmoe.config import ConvertConfig
+from cmoe_jax.methods.cmoe.convert import (LayerConverter, LayerRecord, carved_plans, conversion_mesh, moe_spec,
+                                           validate)
 from cmoe_jax.loading.load import load_layer, load_outer
 from cmoe_jax.loading.sources import TensorSource
 from cmoe_jax.models import DecoderLayer, ModelConfig

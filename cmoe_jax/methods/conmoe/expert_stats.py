@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cmoe_jax.moe import MoEFFN
+from cmoe_jax.moe import MoELayer
 from cmoe_jax.moe.hierarchical import sub_route
 from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.calibration_pass.layer_pass import (
@@ -117,7 +117,7 @@ def collect_stats(model, windows: np.ndarray, *, done=None, on_layer=None, progr
 
     def measure(inputs: LayerInput):
         i, mlp = inputs.index, inputs.layer.mlp
-        if isinstance(mlp, MoEFFN):
+        if isinstance(mlp, MoELayer):
             if i in done:
                 stats[i] = done[i]
             else:

@@ -35,7 +35,8 @@ def downcycle_loss(model, tokens, aux_coef: float, remat: bool = False):
     aux = jnp.zeros((), jnp.float32)
     for layer, x in zip(model.layers, inputs):
         mlp = layer.mlp
-        if getattr(mlp, "router", None) == "linear":
+        unit = getattr(mlp, "router_unit", None)
+        if unit is not None and unit.checkpoint_router:
             aux = aux + load_balance_loss(x.reshape(-1, x.shape[-1]), mlp.router_kernel[...], mlp.top_k)
     return nll + aux_coef * aux, (nll, aux)
 

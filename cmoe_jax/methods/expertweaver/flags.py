@@ -31,8 +31,8 @@ def add_flags(g) -> None:
 
 def check_args(args, error) -> None:
     if args.active is not None:
-        if not isinstance(args.active, float) or args.active >= 1:
-            error(f"--active {args.active} with --method expertweaver: give a budget F in (0, 1), the "
+        if args.active.share is None or args.active.share >= 1:
+            error(f"--active {args.active.experts} with --method expertweaver: give a budget F in (0, 1), the "
                   "share of each token's FFN neurons (--sparsity 1 - F), e.g. --active 0.75")
         if "sparsity" in args.given:
             error("--active F and --sparsity both set the share of experts a token runs: give one")
@@ -45,7 +45,7 @@ def check_args(args, error) -> None:
 
 def settings_from_args(args) -> WeaverSettings:
     # the budget F as --sparsity 1 - F, rounded so that 0.7 records 0.3
-    sparsity = args.sparsity if args.active is None else round(1.0 - args.active, 12)
+    sparsity = args.sparsity if args.active is None else round(1.0 - args.active.share, 12)
     cc = WeaveConfig(experts=64 if args.experts is None else args.experts, sparsity=sparsity,
                      alpha_min=args.alpha_min, alpha_max=args.alpha_max, tau=args.tau,
                      assignment=args.assignment, seed=args.seed,

@@ -2,11 +2,12 @@
 behind a sub-router per expert), and the random-split baseline at the same active width."""
 from cmoe_jax.methods.hierarchical.carve import ExpertCarving, carve_moe_layer, random_moe_layer
 from cmoe_jax.methods.hierarchical.convert import (HierLayerRecord, convert_moe_model, hier_spec, is_moe,
-                                                   manifest_fields, random_hierarchical, validate_moe)
+                                                   manifest_fields, random_hierarchical, validate_moe,
+                                                   build_hier_ffn)
 from cmoe_jax.methods.hierarchical.report import write_hier_report
 from cmoe_jax.methods.hierarchical.job import HierarchicalSteps
 from cmoe_jax.methods.hierarchical import flags
-from cmoe_jax.methods.cmoe import ConvertSettings
+from cmoe_jax.methods.cmoe.job import ConvertSettings
 from cmoe_jax.methods.method import Method
 
 # chosen by --method cmoe when the source is an MoE; the CMoE flags describe its settings
@@ -16,4 +17,4 @@ METHOD = Method(name="hierarchical", command="convert", choices=("cmoe",), title
 
 __all__ = ["ExpertCarving", "carve_moe_layer", "random_moe_layer", "HierLayerRecord",
            "convert_moe_model", "hier_spec", "is_moe", "manifest_fields", "random_hierarchical",
-           "validate_moe", "write_hier_report", "HierarchicalSteps", "flags", "METHOD"]
+           "validate_moe", "build_hier_ffn", "write_hier_report", "HierarchicalSteps", "flags", "METHOD"]

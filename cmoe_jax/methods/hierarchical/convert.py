@@ -19,6 +19,7 @@ from cmoe_jax.methods.hierarchical.carve import (HOST_NAMES, TOP_ROUTER_NAMES, E
 from cmoe_jax.methods.cmoe import ConversionError, ConvertConfig
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
+from cmoe_jax.moe.routers import get_router
 from cmoe_jax.calibration_pass.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
                                                   start_pass)
 
@@ -49,8 +50,9 @@ def validate_moe(cfg: ModelConfig, cc: ConvertConfig, min_tokens: int = 32) -> N
     for spec in specs:
         if spec.sub_experts:
             raise ConversionError("the model is already hierarchical: carve its source MoE instead")
-        if spec.router not in ("linear", "cmoe"):
-            raise ConversionError(f"top-level router {spec.router!r} is not supported (linear, cmoe)")
+        if not get_router(spec.router).learned_gates:
+            raise ConversionError(f"top-level router {spec.router!r} has constant gates: hierarchical "
+                                  f"CMoE keeps a top level that weighs its experts (linear, cmoe)")
         try:
             cc.plan.validate(spec.expert_width, cc.k_act)
         except ValueError as e:

@@ -8,7 +8,8 @@ import time
 import jax.numpy as jnp
 
 from cmoe_jax import distributed
-from cmoe_jax.methods.cmoe import CmoeSteps, ConversionError, check_context, stage_seconds
+from cmoe_jax.methods.cmoe import ConversionError
+from cmoe_jax.methods.cmoe.job import CmoeSteps, check_context, stage_seconds
 from cmoe_jax.methods.hierarchical.convert import (HierLayerRecord, convert_moe_model, manifest_fields,
                                                    validate_moe, with_sub_router)
 from cmoe_jax.methods.hierarchical.report import write_hier_report

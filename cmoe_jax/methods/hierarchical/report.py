@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from cmoe_jax.atomic_files import write_json_atomic
-from cmoe_jax.methods.cmoe import plot_expert_load
+from cmoe_jax.methods.cmoe.report import plot_expert_load
 
 
 def summary(records, plan_name: str, stage_seconds: dict) -> dict:

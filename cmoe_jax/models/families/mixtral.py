@@ -4,6 +4,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from cmoe_jax.models.families.base import GGUF_EXPERTS, Family, gguf_experts
+from cmoe_jax.moe.routers import get_router
 from cmoe_jax.moe.spec import FFNSpec
 
 
@@ -15,7 +16,7 @@ def _parse(get) -> dict:
 
 
 def _own(cfg, specs) -> bool:
-    return all(s.router == "linear" and s.shared_width == 0 and s.norm_topk_prob
+    return all(get_router(s.router).checkpoint_router and s.shared_width == 0 and s.norm_topk_prob
                and s.expert_width == cfg.intermediate_size for s in specs)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cmoe_jax.errors import UnsupportedModelError
 from cmoe_jax.models.families.base import GGUF_EXPERTS, Family, gguf_experts
+from cmoe_jax.moe.routers import get_router
 from cmoe_jax.moe.spec import FFNSpec
 
 
@@ -21,7 +22,7 @@ def _parse(get) -> dict:
 
 def _own(cfg, specs) -> bool:
     return len(specs) == cfg.num_layers and len(set(specs)) == 1 and all(
-        s.router == "linear" and s.shared_width == 0 and s.expert_width == cfg.intermediate_size
+        get_router(s.router).checkpoint_router and s.shared_width == 0 and s.expert_width == cfg.intermediate_size
         for s in specs)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from cmoe_jax.models.families.base import GGUF_EXPERTS, Family, gguf_experts
+from cmoe_jax.moe.routers import get_router
 from cmoe_jax.moe.spec import FFNSpec
 
 
@@ -27,7 +28,7 @@ def _qwen3_moe(get) -> dict:
 
 def _qwen3_moe_own(cfg, specs) -> bool:
     return len({(s.num_experts, s.top_k, s.expert_width, s.norm_topk_prob) for s in specs}) == 1 \
-        and all(s.router == "linear" and s.shared_width == 0 for s in specs)
+        and all(get_router(s.router).checkpoint_router and s.shared_width == 0 for s in specs)
 
 
 def _export_qwen3_moe(cfg) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from cmoe_jax.errors import UnsupportedModelError
 from cmoe_jax.models.families.base import GGUF_SHARED_EXPERT, Family, gguf_experts
+from cmoe_jax.moe.routers import get_router
 from cmoe_jax.moe.spec import FFNSpec
 
 
@@ -23,7 +24,7 @@ def _parse(get) -> dict:
 
 
 def _own(cfg, specs) -> bool:
-    return len(set(specs)) == 1 and all(s.router == "linear" and s.shared_gated for s in specs)
+    return len(set(specs)) == 1 and all(get_router(s.router).checkpoint_router and s.shared_gated for s in specs)
 
 
 def _export(cfg) -> dict:

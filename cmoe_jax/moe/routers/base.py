@@ -96,8 +96,12 @@ class Router(abc.ABC):
     name: ClassVar[str]
     # trained beside LoRA adapters: the roles of gate scales `u` and selection bias
     trained: ClassVar[tuple[str, ...]] = ()
-    # the gates depend on the router's parameters (a fresh layer learns its routing)
+    # the gates depend on the router's parameters (a fresh layer learns its routing; a
+    # hierarchical layer's top level weighs its experts with them)
     learned_gates: ClassVar[bool] = True
+    # the router of transformers' sparse checkpoints (softmax over `x @ kernel`): the only kind
+    # the families' own MoE blocks hold, and whose `kernel` a load-balancing loss reads
+    checkpoint_router: ClassVar[bool] = False
     torch_route: ClassVar[Callable | None] = None
 
     # the optional routing settings (`Routing` fields) this kind implements

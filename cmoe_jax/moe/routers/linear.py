@@ -63,6 +63,7 @@ def torch_linear_route(torch, act, x, p, r, keep):
 
 class LinearRouter(Router):
     name = "linear"
+    checkpoint_router = True
     options = ("balance", "scoring", "scaling", "jitter")
     torch_route = torch_linear_route
 
