@@ -63,6 +63,9 @@ def _hf_config(path: Path) -> ModelConfig:
     if not cfg_file.exists():
         raise CheckpointError(f"{cfg_file} is missing: a Hugging Face checkpoint directory needs "
                               "config.json next to its weights")
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file} is not a file: a Hugging Face checkpoint directory needs "
+                              "its config.json file next to its weights")
     try:
         raw = json.loads(cfg_file.read_text())
     except ValueError as e:  # not JSON, or not UTF-8 text
@@ -77,21 +80,25 @@ def _to_dtype(a: np.ndarray, dtype) -> np.ndarray:
 def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected: tuple,
                    dtype) -> np.ndarray:
     """One Decoder parameter (state `path`) from the source, shape-checked and cast."""
-    carved = _carved_name(cfg, path)
+    carved, index_table = _carved_name(cfg, path), path[-1] == INDEX_TABLE
     if carved in source:  # a carved export's MoE layer: cmoe_jax's own name and layout
         name, arr = carved, source.get(carved)
-        if not np.issubdtype(arr.dtype, np.floating):  # an index table (ConMoE's slot map) stays whole numbers
-            dtype = arr.dtype
     elif path[-1] in hf_names.EXPERT_LEAVES and path[2] == "mlp":
         name = f"model.layers.{path[1]}.mlp.experts.*.{path[3]}"
         arr = hf_names.fetch_experts(source, cfg, path[1], path[3], expected[0])
     else:
         name, arr = hf_names.fetch(source, path, cfg)
+    if arr.dtype.kind in "biu" and not index_table:
+        raise CheckpointError(f"tensor {name!r} holds {arr.dtype} values where the model has weights: "
+                              "the file is damaged or not this model's; re-download the model")
     if tuple(arr.shape) != tuple(expected):
         held, implied = _as_in_file(source, name, arr.shape, expected)
         raise CheckpointError(f"tensor {name!r} has shape {held} in the file but the config "
                               f"implies {implied}: config.json does not match the weights")
-    return _to_dtype(arr, dtype)
+    return arr if index_table else _to_dtype(arr, dtype)
+
+
+INDEX_TABLE = "slot_map"  # ConMoE's slot -> prototype map: whole numbers, read as they are
 
 
 def _carved_name(cfg: ModelConfig, path: tuple) -> str | None:
