@@ -37,7 +37,8 @@ def _flags(flags: list[str]) -> str:
             shown.append("--out (the source's directory)" if value == "SOURCE_PARENT" else f"--out {value!r}")
         else:
             shown.append(PLACEHOLDERS.get(f, f))
-    return " ".join(shown).replace("|", "\\|") or "(the case's model)"
+    shown = " ".join(shown).encode("utf-8", "backslashreplace").decode()  # a name that is not UTF-8
+    return shown.replace("|", "\\|") or "(the case's model)"
 
 
 TESTS = ["tests/test_bad_input.py::test_bad_input_is_one_line_exit_2_nothing_written",
