@@ -71,7 +71,8 @@ def main() -> int:
             if records_file.exists() else []
     text = GUIDE.read_text()
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    GUIDE.write_text(text[:start] + "\n" + table(records) + "\n" + text[end:])
+    # encoded before the file is opened: a failure leaves the guide as it was, not emptied
+    GUIDE.write_bytes((text[:start] + "\n" + table(records) + "\n" + text[end:]).encode())
     print(table(records).splitlines()[-1], f"({GUIDE.relative_to(ROOT)} rewritten)")
     return proc.returncode
 
