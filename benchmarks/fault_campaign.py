@@ -44,6 +44,22 @@ for m in MODULES:
 import transformers, orbax.checkpoint, safetensors.numpy
 transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast  # resolve the lazy imports
 print("ready", flush=True)
+
+
+def wait(pid, limit):
+    # the child's exit code, or "hang" after killing it when it outlives `limit` seconds
+    end = None if limit is None else time.monotonic() + limit
+    while True:
+        done, status = os.waitpid(pid, 0 if end is None else os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > end:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            return "hang"
+        time.sleep(0.02)
+
+
 for line in sys.stdin:
     runs, pids, t0 = json.loads(line), [], time.monotonic()
     for run in runs:
@@ -67,7 +83,7 @@ for line in sys.stdin:
             sys.stderr.flush()
             os._exit(code or 0)
         pids.append(pid)
-    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    codes = [wait(pid, run.get("limit")) for pid, run in zip(pids, runs)]
     print(json.dumps(codes), flush=True)
 """
 
@@ -88,7 +104,8 @@ class ForkServer:
         assert self.proc.stdout.readline().strip() == "ready", "fork server did not start"
 
     def run(self, runs: list[dict]) -> list[int]:
-        """Exit codes of the runs (started `delay` seconds apart, run together; -9: killed)."""
+        """Exit codes of the runs (started `delay` seconds apart, run together; -9: killed;
+        "hang": killed by the server after the run's `limit` seconds)."""
         self.proc.stdin.write(json.dumps(runs) + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())

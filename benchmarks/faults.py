@@ -16,7 +16,10 @@ reference tensor by tensor ("resumes identical"). `--race K` adds K runs of two 
 started together on one `--out` at seeded offsets. `--adversarial` adds, for every job, the
 adversarial round of `fault_campaign.adversarial` (foreign things at OUT.lock, --out inside
 the inputs, the source replaced mid-job, continuation with changed text, flipped bytes, a full
-tmpfs) and prints its tallies as JSON lines ("wrong_data_exits" and "damaged_foreign" must be 0).
+tmpfs) and prints its tallies as JSON lines ("wrong_data_exits" and "damaged_foreign" must be 0),
+then the bad-input round of `bad_inputs` (--out spelled as an input three ways, every single
+edit of a manifest, config values of the wrong type, model directories and GGUF files of every
+defect, non-UTF-8 --out, texts that are no text), each case within 3x its job's normal time.
 Prints, last:
 
     kills N, broken outputs B, resumes identical R
@@ -40,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.fault_campaign import (SWAP, ForkServer, Tally, _clean, adversarial,  # noqa: E402
                                        differences, jobs, make_inputs, race, reference)
+from benchmarks.bad_inputs import BadInputs  # noqa: E402
 from benchmarks.harness import cpu_model, load_average  # noqa: E402
 
 
@@ -91,6 +95,17 @@ def adversarial_round(server, specs, refs, names, work) -> list[str]:
     return [f"adversarial: {n}" for n in total.notes]
 
 
+def bad_input_round(server, specs, converted, inputs, work) -> list[str]:
+    """`bad_inputs.BadInputs` for the jobs and eval: its counts as one JSON line; returns the
+    problems (hangs, tracebacks, wrong-data exits, other failures)."""
+    t0 = time.perf_counter()
+    counts = BadInputs(server, specs, converted, inputs["dense"], inputs["text"], work).run_all()
+    summary = {k: v for k, v in dataclasses.asdict(counts).items() if k not in ("notes", "accepted_cases")}
+    print(json.dumps({"bad_inputs": summary, "seconds": round(time.perf_counter() - t0)}), flush=True)
+    print(json.dumps({"accepted": counts.accepted_cases}), flush=True)
+    return [f"bad input: {n}" for n in counts.notes]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kills", type=int, default=100)
@@ -139,6 +154,7 @@ def main(argv=None) -> int:
                 print(f"races {args.race}, problems {len(race_problems)}", flush=True)
             if args.adversarial:
                 problems += adversarial_round(server, specs, refs, names, work)
+                problems += bad_input_round(server, {n: specs[n] for n in names}, refs["convert"], inputs, work)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)

@@ -37,7 +37,8 @@ def _flags(flags: list[str]) -> str:
             shown.append("--out (the source's directory)" if value == "SOURCE_PARENT" else f"--out {value!r}")
         else:
             shown.append(PLACEHOLDERS.get(f, f))
-    return " ".join(shown).replace("|", "\\|") or "(the case's model)"
+    shown = " ".join(shown).encode("utf-8", "backslashreplace").decode()  # a name that is not UTF-8
+    return shown.replace("|", "\\|") or "(the case's model)"
 
 
 TESTS = ["tests/test_bad_input.py::test_bad_input_is_one_line_exit_2_nothing_written",
@@ -70,7 +71,8 @@ def main() -> int:
             if records_file.exists() else []
     text = GUIDE.read_text()
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    GUIDE.write_text(text[:start] + "\n" + table(records) + "\n" + text[end:])
+    # encoded before the file is opened: a failure leaves the guide as it was, not emptied
+    GUIDE.write_bytes((text[:start] + "\n" + table(records) + "\n" + text[end:]).encode())
     print(table(records).splitlines()[-1], f"({GUIDE.relative_to(ROOT)} rewritten)")
     return proc.returncode
 

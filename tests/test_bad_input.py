@@ -122,6 +122,23 @@ def _sharded_with_outside_path(i, tmp):
     return d
 
 
+def _config_a_directory(i, tmp):
+    d = _copy_dense(i, tmp)
+    (d / "config.json").unlink()
+    (d / "config.json").mkdir()
+    return d
+
+
+def _integer_weights(i, tmp):
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy_dense(i, tmp)
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].astype(np.int32)
+    save_file(tensors, str(d / "model.safetensors"))
+    return d
+
+
 def _broken_manifest(i, tmp):
     d = tmp / "conv"
     shutil.copytree(i["converted"], d)
@@ -152,6 +169,9 @@ CASES = [
     ("convert-wrong-shape-as-stored", _convert, [], lambda i, t: _copy_dense(i, t, {"intermediate_size": 128}),
      "down_proj.weight' has shape (32, 64) in the file but the config implies (32, 128)"),
     ("convert-index-outside-dir", _convert, [], _sharded_with_outside_path, "outside the model directory"),
+    ("convert-config-json-a-directory", _convert, [], _config_a_directory, "config.json is not a file"),
+    ("convert-weights-of-integers", _convert, [], _integer_weights,
+     "tensor 'lm_head.weight' holds int32 values where the model has weights"),
     ("convert-out-under-a-file", _convert, ["UNDER_FILE"], None, "is not a directory"),
     ("convert-typo-local-path", _convert, [], lambda i, t: "runs/typo", "it names a local path"),
     ("compress-bad-manifest", _compress, [], _broken_manifest, "cmoe_manifest.json is not valid JSON"),

@@ -38,7 +38,19 @@ HF_CASES = [
                       "original_max_position_embeddings": 64}, "rope_scaling.high_freq_factor"),
     ("tie_word_embeddings", "yes", "tie_word_embeddings is 'yes'"),
     ("layer_types", ["full_attention"], "layer_types"),
+    ("bos_token_id", "big", "bos_token_id is 'big'"), ("use_cache", 0, "use_cache is 0"),
 ]
+
+
+def test_a_config_json_value_only_transformers_checks_is_one_line_too(inputs, tmp_path):  # noqa: F811
+    """A field no family reads, which transformers' own config checks when the tokenizer is
+    read beside it: one line naming the tokenizer's directory, never its traceback."""
+    from cmoe_jax.loading.tokenizer import load_tokenizer
+
+    d = _copy_with(inputs, tmp_path, "initializer_range", None)
+    with pytest.raises(CmoeError) as e:
+        load_tokenizer(d)
+    assert str(e.value).startswith(f"cannot read the tokenizer in {d} (") and "\n" not in str(e.value)
 
 
 def _copy_with(inputs, tmp_path, field, value):

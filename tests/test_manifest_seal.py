@@ -11,43 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.bad_inputs import changed_value, json_leaves, set_at
 from cmoe_jax.checkpoint import MANIFEST
 from cmoe_jax.checkpoint.seal import SEAL
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.eval.cli import main as eval_main
 from cmoe_jax.loading import load_model
 from tests.test_bad_input import inputs  # noqa: F401 (fixture)
-
-
-def _leaves(obj, path=()):
-    """(path, value) of every value in a JSON tree (a list or dict, empty, counts as a value)."""
-    if isinstance(obj, dict) and obj:
-        for k, v in obj.items():
-            yield from _leaves(v, (*path, k))
-    elif isinstance(obj, list) and obj:
-        for i, v in enumerate(obj):
-            yield from _leaves(v, (*path, i))
-    else:
-        yield path, obj
-
-
-def _edited(value):
-    """Another value of the same kind (a number moved by one, a string changed, a flag flipped)."""
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, (int, float)):
-        return value + 1
-    if isinstance(value, str):
-        return value + "x"
-    if value is None:
-        return 1
-    return [*value, 0] if isinstance(value, list) else {**value, "x": 0}
-
-
-def _set(tree, path, value):
-    for k in path[:-1]:
-        tree = tree[k]
-    tree[path[-1]] = value
 
 
 def _logits(directory):
@@ -59,12 +29,12 @@ def test_every_single_edit_of_the_manifest_is_refused_naming_it(inputs, tmp_path
     d = tmp_path / "conv"
     shutil.copytree(inputs["converted"], d)
     original = json.loads((d / MANIFEST).read_text())
-    leaves = list(_leaves(original))
+    leaves = list(json_leaves(original))
     assert len(leaves) > 50 and (SEAL,) in [p for p, _ in leaves]
     assert ("model_config", "activation") in [p for p, _ in leaves]
     for path, value in leaves:
         manifest = json.loads(json.dumps(original))
-        _set(manifest, path, _edited(value))
+        set_at(manifest, path, changed_value(value))
         (d / MANIFEST).write_text(json.dumps(manifest, indent=1))
         with pytest.raises(CheckpointError) as e:
             load_model(str(d), progress=False)

@@ -68,6 +68,9 @@ def _hf_config(path: Path) -> ModelConfig:
     if not cfg_file.exists():
         raise CheckpointError(f"{cfg_file} is missing: a Hugging Face checkpoint directory needs "
                               "config.json next to its weights")
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file} is not a file: a Hugging Face checkpoint directory needs "
+                              "its config.json file next to its weights")
     try:
         raw = json.loads(cfg_file.read_text())
     except ValueError as e:  # not JSON, or not UTF-8 text
@@ -86,6 +89,9 @@ def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected
         arr = hf_names.fetch_experts(source, cfg, path[1], path[3], expected[0])
     else:
         name, arr = hf_names.fetch(source, path, cfg)
+    if arr.dtype.kind in "biu" and not index_table:
+        raise CheckpointError(f"tensor {name!r} holds {arr.dtype} values where the model has weights: "
+                              "the file is damaged or not this model's; re-download the model")
     if tuple(arr.shape) != tuple(expected):
         held, implied = _as_in_file(source, name, arr.shape, expected)
         raise CheckpointError(f"tensor {name!r} has shape {held} in the file but the config "
@@ -93,9 +99,12 @@ def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected
     return np.asarray(arr)
 
 
-def _held_dtype(arr: np.ndarray, dtype):
-    """The model's dtype for weights; an index table (ConMoE's slot map) stays whole numbers."""
-    return jnp.dtype(dtype) if np.issubdtype(arr.dtype, np.floating) else arr.dtype
+INDEX_TABLE = "slot_map"  # ConMoE's slot -> prototype map: whole numbers, read as they are
+
+
+def _held_dtype(path: tuple, arr: np.ndarray, dtype):
+    """The model's dtype for weights; an index table keeps its own."""
+    return arr.dtype if path[-1] == INDEX_TABLE else jnp.dtype(dtype)
 
 
 def _carved_name(cfg: ModelConfig, path: tuple) -> str | None:
@@ -134,12 +143,12 @@ def _fill(source: TensorSource, cfg: ModelConfig, abstract: nnx.Module, prefix: 
             for i, p in enumerate(layers):
                 arr = read_parameter(source, cfg, p, shape[1:])
                 if out is None:
-                    out = aligned_empty(shape, _held_dtype(arr, dtype))
+                    out = aligned_empty(shape, _held_dtype(p, arr, dtype))
                 copy_into(out[i], arr)
             source.release()
             return out
         arr = read_parameter(source, cfg, layers[0], shape)
-        return aligned_copy(arr, _held_dtype(arr, dtype))
+        return aligned_copy(arr, _held_dtype(layers[0], arr, dtype))
 
     try:
         state = place_state(state, shardings, read, largest_first=True)

@@ -99,6 +99,10 @@ def load_tokenizer(path: Path, gguf_reader=None) -> Tokenizer | None:
         import transformers
 
         transformers.logging.set_verbosity_error()
-        # never the remote code an exported carved model ships for its layers: a tokenizer needs none
-        return Tokenizer(transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=False))
+        try:  # never the remote code an exported carved model ships for its layers: a tokenizer needs none
+            return Tokenizer(transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=False))
+        except Exception as e:  # transformers' own checks of the files, of its own error types
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise CheckpointError(f"cannot read the tokenizer in {path} ({type(e).__name__}: {first}): its "
+                                  "files or config.json are damaged; re-download the model") from None
     return None

@@ -112,7 +112,10 @@ class ModelConfig:
         if exported:
             get = carved_export.base_getter(get)
             model_type = get("model_type")
-        unit = family_of(model_type)
+        try:
+            unit = family_of(model_type)
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(f"{where}: {e}") from None
         config_fields.check_hf(get, where)
         moe_layers = carved_export.exported_moe_layers(get, where) if exported else None
         try:

@@ -38,10 +38,12 @@ OWNER: Kind = ("a whole number of at least -1", lambda v: _whole(v) and v >= -1)
 POSITIVE_REAL: Kind = ("a finite number above 0", lambda v: _real(v) and v > 0)
 REAL_AT_LEAST_0: Kind = ("a finite number of at least 0", lambda v: _real(v) and v >= 0)
 REAL: Kind = ("a finite number", _real)
-FLAG: Kind = ("true or false", lambda v: isinstance(v, bool) or (_whole(v) and v in (0, 1)))
+FLAG: Kind = ("true or false", lambda v: isinstance(v, bool))
 TEXT: Kind = ("a string", lambda v: isinstance(v, str))
 OBJECT: Kind = ("an object", lambda v: isinstance(v, Mapping))
 INDICES: Kind = ("a list of layer numbers", lambda v: isinstance(v, list) and all(COUNT[1](x) for x in v))
+TOKEN_IDS: Kind = ("a token id or a list of them", lambda v: COUNT[1](v) or (
+    isinstance(v, list) and all(COUNT[1](x) for x in v)))
 NAMES: Kind = ("a list of strings", lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v))
 
 
@@ -66,7 +68,7 @@ HF_FIELDS: dict[str, Kind] = {
     "num_key_value_heads": optional(POSITIVE), "head_dim": optional(POSITIVE),
     "hidden_act": optional(HF_ACTIVATION), "hidden_activation": optional(HF_ACTIVATION),
     "rms_norm_eps": POSITIVE_REAL, "rope_theta": POSITIVE_REAL, "max_position_embeddings": POSITIVE,
-    "tie_word_embeddings": optional(FLAG), "attention_bias": optional(FLAG), "qkv_bias": optional(FLAG),
+    "tie_word_embeddings": FLAG, "attention_bias": optional(FLAG), "qkv_bias": optional(FLAG),
     "rope_scaling": optional(OBJECT), "rope_parameters": optional(OBJECT),
     "partial_rotary_factor": optional(POSITIVE_REAL),
     "sliding_window": optional(COUNT), "use_sliding_window": optional(FLAG), "layer_types": optional(NAMES),
@@ -76,6 +78,12 @@ HF_FIELDS: dict[str, Kind] = {
     "num_experts_per_tok": optional(POSITIVE), "moe_intermediate_size": optional(POSITIVE),
     "shared_expert_intermediate_size": optional(COUNT), "decoder_sparse_step": optional(POSITIVE),
     "mlp_only_layers": optional(INDICES), "norm_topk_prob": optional(FLAG),
+    # what transformers itself checks when the tokenizer is loaded beside the config
+    "bos_token_id": optional(TOKEN_IDS), "eos_token_id": optional(TOKEN_IDS), "pad_token_id": optional(COUNT),
+    "architectures": optional(NAMES), "dtype": optional(TEXT), "torch_dtype": optional(TEXT),
+    "attention_dropout": optional(REAL_AT_LEAST_0), "initializer_range": optional(REAL_AT_LEAST_0),
+    "use_cache": FLAG, "mlp_bias": optional(FLAG), "pretraining_tp": optional(POSITIVE),
+    "transformers_version": optional(TEXT),
 }
 HF_REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads")
