@@ -193,7 +193,7 @@ def test_scanned_layers_gather_whole_slices_and_layers_of_their_own_in_slabs(mon
     """A layer in the scan takes its weights as slices of the stack's, which a loop over slabs
     would copy whole: it gathers whole expert slices (`sliced_weights`); the same layers held
     apart gather in the platform's slabs. Both give the same forward."""
-    import cmoe_jax.moe.layer as moe_layer
+    import cmoe_jax.moe.modes as modes
     from cmoe_jax.moe.modes import DENSE_WHEN, Slabs
 
     backend = jax.default_backend()
@@ -202,8 +202,8 @@ def test_scanned_layers_gather_whole_slices_and_layers_of_their_own_in_slabs(mon
     stacked = Decoder(ModelConfig.from_hf(QWEN_MOE), rngs=nnx.Rngs(0))
     apart = stacked.unstacked()
     assert isinstance(stacked.layers, LayerStack) and apart is not stacked
-    seen, real = [], moe_layer.gathered_experts
-    monkeypatch.setattr(moe_layer, "gathered_experts",
+    seen, real = [], modes.gathered_experts
+    monkeypatch.setattr(modes, "gathered_experts",
                         lambda *a, slabs=None, **kw: seen.append(slabs) or real(*a, slabs=slabs, **kw))
     tokens = _tokens(b=1, t=1)
     h_stacked = stacked.run_layers(tokens)[0]

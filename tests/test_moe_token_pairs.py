@@ -1,6 +1,8 @@
 """The token mask and the capacity factor of `MoEFFN`, against a float64 per-token loop that
 applies them by their definition (GShard's slot-then-token order), and against the layer run
 on the real tokens alone."""
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,9 +138,31 @@ def test_prototype_and_hierarchical_layers_take_the_mask():
     alone, alone_load = hier(jnp.asarray(x[mask]), return_load=True)
     np.testing.assert_allclose(np.asarray(y)[mask], np.asarray(alone), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(load), np.asarray(alone_load))
-    with pytest.raises(ValueError, match="capacity_factor is an option of MoEFFN"):
-        HierMoEFFN(d_model=D, expert_width=4, num_experts=4, top_k=2, router="cmoe", sub_experts=4,
-                   sub_shared=1, sub_top_k=1, capacity_factor=1.0, activation="silu", rngs=nnx.Rngs(0))
+
+
+def test_a_hierarchical_layer_caps_each_sub_expert():
+    """The capacity factor of a hierarchical layer caps each stored sub-expert's rows as a
+    plain layer's experts: ceil(c * T * k' / E') pairs, slot by slot, then token by token."""
+    hier = HierMoEFFN(d_model=D, expert_width=4, num_experts=4, top_k=2, router="cmoe", sub_experts=4,
+                      sub_shared=1, sub_top_k=1, capacity_factor=0.5, activation="silu", rngs=nnx.Rngs(0))
+    x, _ = inputs()
+    ids, w = (np.asarray(a) for a in hier.route(jnp.asarray(x)))  # [T, k'] rows and weights
+    (t_count, k), rows = ids.shape, hier.num_experts
+    limit, used, keep = math.ceil(0.5 * t_count * k / rows), np.zeros(rows, int), np.zeros(ids.shape, bool)
+    for j in range(k):
+        for t in range(t_count):
+            if used[ids[t, j]] < limit:
+                keep[t, j], used[ids[t, j]] = True, used[ids[t, j]] + 1
+    assert not keep.all()  # the case that drops
+    p = {n: np.asarray(getattr(hier, n)[...], np.float64) for n in ("expert_gate", "expert_up", "expert_down")}
+    silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
+    want = np.zeros(x.shape)
+    for t, j in zip(*np.nonzero(keep)):
+        e = ids[t, j]
+        want[t] += w[t, j] * (silu(x[t] @ p["expert_gate"][e]) * (x[t] @ p["expert_up"][e])) @ p["expert_down"][e]
+    y, load = hier(jnp.asarray(x), return_load=True)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(np.asarray(load), used.reshape(-1, 4)[:, 1:])
 
 
 def test_a_negative_capacity_factor_is_refused():

@@ -14,10 +14,10 @@ from cmoe_jax.models.config import ModelConfig
 from cmoe_jax.models.kv_cache import KVCache
 from cmoe_jax.models.nll import chunked_nll
 from cmoe_jax.models.layers import RMSNorm, _param, rope_tables
-from cmoe_jax.models.stack import STACKED, LayerRuns, LayerStack, layered_state, runs_of, stackable
+from cmoe_jax.models import decoder_layout, decoder_runs
+from cmoe_jax.models.stack import LayerRuns, LayerStack, layered_state
 from cmoe_jax.moe.prototypes import tie_prototype_tables
 from cmoe_jax.models.decoder_layer import DecoderLayer, LayerOutput  # noqa: F401  (their home before)
-from cmoe_jax.models.layer_parts import _layout, _parts, _stack_consuming, _stack_pure
 
 
 class Decoder(nnx.Module):
@@ -43,16 +43,7 @@ class Decoder(nnx.Module):
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
     def _store(self, layers):
-        """A LayerStack of `layers` when they can be stacked; else LayerRuns when some
-        consecutive ones can (`runs_of`); else an nnx.List."""
-        h = jax.ShapeDtypeStruct((1, 2, self.config.hidden_size), self.dtype)
-        if stackable(layers, h, self.rope(2)):
-            return LayerStack.from_layers(layers)
-        runs = runs_of(layers, h, self.rope(2))
-        if all(len(run) == 1 for run in runs):
-            return nnx.List(layers)
-        return LayerRuns([LayerStack.from_layers([layers[i] for i in run]) if len(run) > 1
-                          else layers[run[0]] for run in runs])
+        return decoder_layout.store_layers(self, layers)
 
     @classmethod
     def from_pure(cls, cfg: ModelConfig, pure: dict, dtype) -> "Decoder":
@@ -85,40 +76,10 @@ class Decoder(nnx.Module):
         return model
 
     def with_ffns(self, cfg: ModelConfig, ffns: list) -> "Decoder":
-        """A new model of config `cfg` (a conversion's): this model's embeddings, attention
-        and norms with `ffns[i]` as layer i's FFN. Consumes `ffns` (the list is emptied):
-        each FFN tensor of a stacked part is stacked and its per-layer pieces are dropped one
-        tensor at a time; when the new layers are held as this model's are (one stack, or
-        runs of the same sizes) this model's arrays are shared, not copied; a stacked model
-        whose conversion differs per layer gives runs, stacked run by run; a model with
-        listed layers gives one with listed layers (nothing copied)."""
-        abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=self.dtype, rngs=nnx.Rngs(0)))
-        if _layout(self.layers) is not None and _layout(self.layers) == _layout(abstract.layers):
-            pure = nnx.to_pure_dict(nnx.state(self))  # the source's arrays, shared
-            for idx, part in _parts(pure["layers"], self.layers):
-                mine = [ffns[i] for i in idx]
-                for i in idx:
-                    ffns[i] = None
-                part["mlp"] = _stack_consuming(mine) if len(idx) > 1 else nnx.to_pure_dict(nnx.state(mine[0]))
-            ffns.clear()
-        else:
-            listed = nnx.eval_shape(lambda: Decoder(cfg, dtype=self.dtype, rngs=nnx.Rngs(0),
-                                                    stack=False))
-            pure = nnx.to_pure_dict(layered_state(self, skip="mlp"))
-            for i, ffn in enumerate(ffns):
-                pure["layers"][i]["mlp"] = nnx.to_pure_dict(nnx.state(ffn))
-            ffns.clear()
-            if _layout(self.layers) is not None and isinstance(abstract.layers, LayerRuns):
-                per_layer, runs = pure["layers"], {}  # stacked run by run, each slice dropped
-                for r, (first, size) in enumerate(zip(abstract.layers.starts(), abstract.layers.sizes())):
-                    taken = [per_layer.pop(first + j) for j in range(size)]
-                    runs[r] = taken[0] if size == 1 else {STACKED: _stack_pure(taken)}
-                pure["layers"] = {"runs": runs}
-            else:  # stacking listed layers would copy every one of them: they stay listed
-                abstract = listed
-        graphdef, target = nnx.split(abstract)
-        nnx.replace_by_pure_dict(target, pure)
-        return nnx.merge(graphdef, target)
+        """A new model of config `cfg`: this model's embeddings, attention and norms with
+        `ffns[i]` as layer i's FFN, sharing this model's arrays where the layouts allow
+        (`decoder_layout.with_ffns`; consumes `ffns`)."""
+        return decoder_layout.with_ffns(self, cfg, ffns)
 
     def set_layer(self, i: int, layer: nnx.Module) -> None:
         """Replace decoder layer `i`, whether the layers are stacked or listed. A layer of the
@@ -161,87 +122,18 @@ class Decoder(nnx.Module):
                    positions: jax.Array | None = None, segments: jax.Array | None = None):
         """(residual stream after the last layer, every layer's FFN input when `capture`
         else [], expert loads `{layer: int32 [E]}` of the MoE layers): the one forward
-        behind evaluation, conversion and training. Stacked layers run as one `lax.scan`
-        (`LayerStack.scan`: the whole stack, or each of `LayerRuns`' runs), layers of their own
-        one after another; the results are the same.
-
-        `key`: dropout key of the LoRA adapters (layer i uses `fold_in(key, i)`; None: no
-        dropout). `remat`: recompute each layer in the backward pass instead of storing its
-        activations (training memory). `positions`/`segments` [B, T]: explicit RoPE positions
-        and prefix-shared packing (`causal_attention`); None: 0..T-1, one sequence a row.
-        """
-        rope = self.rope(tokens.shape[-1], positions)
-        h = self.embed_tokens(tokens)
-        inputs, loads = [], {}
-        for first, run in self._runs():
-            if isinstance(run, LayerStack):
-                keys = None if key is None else jax.vmap(lambda i: jax.random.fold_in(key, i))(
-                    first + jnp.arange(len(run)))
-                h, captured, run_loads = run.scan(h, rope, keys=keys, segments=segments, remat=remat,
-                                                  capture=capture)
-                inputs += [captured[j] for j in range(len(run))] if capture else []
-                if run_loads is not None:
-                    loads.update({str(first + j): run_loads[j] for j in range(len(run))})
-                continue
-            k = None if key is None else jax.random.fold_in(key, first)
-            if remat:
-                graphdef, state = nnx.split(run)
-                out = jax.checkpoint(
-                    lambda st, h, k, g=graphdef: nnx.merge(g, st)(h, rope, k, segments))(state, h, k)
-            else:
-                out = run(h, rope, k, segments)
-            h = out.h
-            if capture:
-                inputs.append(out.ffn_input)
-            if out.load is not None:
-                loads[str(first)] = out.load
-        return h, inputs, loads
-
-    def _runs(self) -> list[tuple[int, nnx.Module]]:
-        """(index of its first layer, a LayerStack or one layer) for each part of the layers
-        that runs as one: the whole stack, each of LayerRuns' runs, or each listed layer."""
-        layers = self.layers
-        if isinstance(layers, LayerStack):
-            return [(0, layers)]
-        if isinstance(layers, LayerRuns):
-            return list(zip(layers.starts(), layers.runs))
-        return list(enumerate(layers))
+        behind evaluation, conversion and training (`decoder_runs.run_layers`)."""
+        return decoder_runs.run_layers(self, tokens, key=key, remat=remat, capture=capture,
+                                       positions=positions, segments=segments)
 
     def run_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, slot):
-        """(residual stream [B, T, d], the cache with the step written): the forward of
-        `run_layers` for T new tokens at cache slots `slot...` and RoPE `positions [B, T]`,
-        attending over the cache (`cache.valid` must already mark the new slots). The cache is
-        this model's layout (`empty_cache`, the one its layers run fastest with) or one
-        `[L, ...]` array."""
-        rope = self.rope(tokens.shape[-1], positions)
-        h = self.embed_tokens(tokens)
-        slot = jnp.asarray(slot, jnp.int32)
-        runs = self._runs()
-        if cache.per_layer and len(cache.k) != len(runs):
-            raise ValueError(f"a cache of {len(cache.k)} arrays for layers that run in {len(runs)} "
-                             "parts: make it with this model's empty_cache")
-        news = []  # per run: its step's keys and values, or its arrays with them written in
-        for r, (first, run) in enumerate(runs):
-            if isinstance(run, LayerStack):
-                h, kv, _ = run.scan(h, rope, cache=cache.run(r, first, len(run)), slot=slot)
-            else:
-                out = run(h, rope, cache=cache.layer(r if cache.per_layer else first, slot))
-                h, kv = out.h, out.kv if cache.per_layer else tuple(x[None] for x in out.kv)
-            news.append(kv)
-        k_new, v_new = ([kv[j] for kv in news] for j in (0, 1))
-        if not cache.per_layer:  # one [L, ...] array: the runs' [n, ...] parts in order
-            k_new, v_new = (x[0] if len(x) == 1 else jnp.concatenate(x) for x in (k_new, v_new))
-        return h, cache.write(k_new, v_new, slot)
+        """(residual stream [B, T, d], the cache with the step written): T new tokens at cache
+        slots `slot...` and RoPE `positions [B, T]` (`decoder_runs.run_cached`)."""
+        return decoder_runs.run_cached(self, tokens, positions, cache, slot)
 
     def empty_cache(self, batch: int, length: int, dtype=None) -> KVCache:
-        """An empty KV cache of `length` slots for `batch` rows: one `[L, ...]` array a
-        scanned stack slices; with LayerRuns one `[n, ...]` array a run and one array a
-        layer of its own; one array a layer for listed layers (`KVCache`)."""
-        dtype = getattr(self, "dtype", jnp.float32) if dtype is None else dtype
-        layers = self.layers
-        runs = (None if isinstance(layers, LayerStack) else
-                layers.sizes() if isinstance(layers, LayerRuns) else (1,) * len(layers))
-        return KVCache.empty(self.config, batch, length, dtype, runs=runs)
+        """An empty KV cache of `length` slots for `batch` rows, in this model's layout."""
+        return decoder_runs.empty_cache(self, batch, length, dtype)
 
     def hidden_states(self, tokens: jax.Array, positions=None, segments=None) -> jax.Array:
         """Residual stream after the last layer (before the final norm)."""

@@ -42,7 +42,7 @@ from cmoe_jax.moe.modes import PairCall, dispatch_mode
 from cmoe_jax.moe.moe_layer import MoELayer, RoutedPairs
 from cmoe_jax.moe.params import make_router_params, with_axes
 from cmoe_jax.moe.prototypes import SlotMap, to_prototypes
-from cmoe_jax.moe.routers import Router, Routing, get_router, router_logits
+from cmoe_jax.moe.routers import Routing, get_router, router_logits
 from cmoe_jax.moe.routers.base import jittered
 
 
@@ -128,7 +128,7 @@ class HierMoEFFN(MoELayer):
         n_routed = spec.sub_experts - spec.sub_shared
         if not (spec.sub_experts > 0 and 0 <= spec.sub_shared < spec.sub_experts and 1 <= spec.sub_top_k <= n_routed):
             raise ValueError(f"sub-plan S{spec.sub_shared}A{spec.sub_top_k}E{spec.sub_experts} is invalid")
-        self.router_unit.validate(self.top_routing)
+        self.router_unit.validate(self.router_settings)
         d, m, n = self.d_model, spec.expert_width, spec.num_experts
         if spec.num_prototypes > 0:  # K stored families behind the N top-level slots
             self.slot_map = SlotMap(jnp.arange(n, dtype=jnp.int32) % spec.num_prototypes, **with_axes(("router",)))
@@ -137,7 +137,7 @@ class HierMoEFFN(MoELayer):
         self.expert_gate = param(rows, d, m, axes=("expert", "embed", "mlp"))
         self.expert_up = param(rows, d, m, axes=("expert", "embed", "mlp"))
         self.expert_down = param(rows, m, d, axes=("expert", "mlp", "embed"))
-        make_router_params(self, self.router_unit.params(d, self.top_routing), param, self.param_dtype, top_level=True)
+        make_router_params(self, self.router_unit.params(d, self.router_settings), param, self.param_dtype, top_level=True)
         cols = n_routed * spec.sub_router_neurons
         self.sub_gate = param(families, d, cols, axes=("expert", "embed", "router"))
         self.sub_up = param(families, d, cols, axes=("expert", "embed", "router"))
@@ -154,26 +154,16 @@ class HierMoEFFN(MoELayer):
     top_k = property(lambda self: self.spec.top_k * (self.spec.sub_shared + self.spec.sub_top_k),
                      doc="the sub-experts a token runs")
 
-    @property
-    def router_unit(self) -> Router:
-        """The top-level router kind's unit (`cmoe_jax.moe.routers`)."""
-        return get_router(self.spec.router)
-
-    @property
-    def top_routing(self) -> Routing:
-        """What the top-level router needs besides its arrays."""
-        return Routing.of(self.spec, self.activation)
-
     def top_arrays(self) -> dict:
         """role -> the top-level router's arrays (its unit's `top_name`s)."""
         return {role: getattr(self, p.attr(top_level=True))[...]
-                for role, p in self.router_unit.params(self.d_model, self.top_routing).items()}
+                for role, p in self.router_unit.params(self.d_model, self.router_settings).items()}
 
     def route(self, x: Float[Array, "T d"], key=None) -> tuple[Int[Array, "T r"], Float[Array, "T r"]]:
         """Flattened sub-expert ids and combine weights `[T, k*(N'_s+N'_k)]` (`key`: training,
         the top-level router's jitter if it has one, on the input of both levels)."""
         check_input(x, self.d_model, type(self).__name__)
-        x, top = jittered(x, self.top_routing, key), self.top_arrays()
+        x, top = jittered(x, self.router_settings, key), self.top_arrays()
         slots = (self.slot_map[...],) if self.num_prototypes > 0 else ()
         arrays = (top, self.sub_gate[...], self.sub_up[...], self.u[...], self.router_bias[...]) + slots
         return tokens_sharded(self.two_level_route, x, arrays) if self.expert_parallel() else \
@@ -202,7 +192,7 @@ class HierMoEFFN(MoELayer):
         """The unchanged top-level choice: expert ids int32 `[T, k]` and weights w `[T, k]`
         (`keep`, bool `[N]`: slots not kept are never chosen)."""
         top = self.top_arrays() if top is None else top
-        return self.router_unit.route(x, top, self.top_routing, keep=keep)
+        return self.router_unit.route(x, top, self.router_settings, keep=keep)
 
     def route_pairs(self, x, key=None) -> RoutedPairs:
         ids, weights = self.route(x, key)
@@ -218,7 +208,7 @@ class HierMoEFFN(MoELayer):
     def router_scores(self, x: Float[Array, "T d"]) -> Float[Array, "T N"]:
         """The top-level router's float32 logits `[T, N]` (pruned slots -inf)."""
         keep = self.slot_map[...] >= 0 if self.num_prototypes > 0 else None
-        return router_logits(self.router_unit, x, self.top_arrays(), self.top_routing, keep)
+        return router_logits(self.router_unit, x, self.top_arrays(), self.router_settings, keep)
 
     def reported_pairs(self, x, pairs):
         """The top-level choice `[T, k]` (the flattened sub-expert pairs are not what the

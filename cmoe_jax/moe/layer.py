@@ -35,7 +35,7 @@ from cmoe_jax.moe.mesh_axes import tokens_sharded
 from cmoe_jax.moe.moe_layer import MoELayer, RoutedPairs
 from cmoe_jax.moe.params import make_router_params, with_axes
 from cmoe_jax.moe.prototypes import TABLE_NAMES, SlotMap, to_prototypes
-from cmoe_jax.moe.routers import Router, Routing, get_router, router_logits
+from cmoe_jax.moe.routers import router_logits
 from cmoe_jax.moe.routers.base import jittered
 from cmoe_jax.moe.token_pairs import load_of
 
@@ -80,16 +80,6 @@ class MoEFFN(MoELayer):
     @top_k.setter
     def top_k(self, value: int) -> None:
         self.spec = dataclasses.replace(self.spec, top_k=value)
-
-    @property
-    def router_unit(self) -> Router:
-        """The router kind's unit (`cmoe_jax.moe.routers`)."""
-        return get_router(self.spec.router)
-
-    @property
-    def router_settings(self) -> Routing:
-        """What the router needs besides its arrays (`Routing`), from the spec."""
-        return Routing.of(self.spec, self.activation)
 
     def router_arrays(self) -> dict:
         """role -> the router's arrays (`Router.params`)."""

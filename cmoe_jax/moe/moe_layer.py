@@ -27,6 +27,7 @@ from cmoe_jax.moe.mesh_axes import DEFAULT_EXPERT_AXIS, expert_parallel_active, 
 from cmoe_jax.moe.modes import ExpertRun, run_experts
 from cmoe_jax.moe.params import make_param
 from cmoe_jax.moe.router_outputs import router_output
+from cmoe_jax.moe.routers import Router, Routing, get_router
 from cmoe_jax.moe.shared_mlp import make_shared_mlp, shared_mlp
 from cmoe_jax.moe.spec import FFNSpec, spec_with
 from cmoe_jax.moe.token_pairs import capacity, drop_pairs, kept_pairs, pad_tokens
@@ -46,25 +47,15 @@ class MoELayer(nnx.Module):
     """An MoE FFN layer `shared(x) + sum of the gated routed experts`; a subclass defines
     `build` (its routed experts and router arrays), `route_pairs`, `loads` and `router_scores`.
 
-    Args:
-      spec: the layer's shape and routing (`cmoe_jax.moe.spec.FFNSpec`, each field documented
-        there); keywords that are spec fields replace its fields (or make the spec).
-      d_model: model width d.
-      activation: the GLU activation of every expert and router neuron ("silu", or the
-        source model's, e.g. Gemma's "gelu_tanh"); required, so that a layer never silently
-        gets another model's activation.
-      dtype: compute dtype of the FFN (routing always runs in float32).
-      param_dtype: storage dtype of the parameters.
-      backend: grouped-matmul backend, "auto" picks per platform (`cmoe_jax.moe.gmm`), or a
-        gmm callable.
-      expert_axis: mesh axis the routed experts are split over. When the mesh set with
-        `jax.set_mesh` has this axis (size > 1) the layer runs expert-parallel
-        (`cmoe_jax.moe.expert_parallel`); otherwise, or with None, every device runs the
-        single-device dispatch (`cmoe_jax.moe.modes`; a mesh entered with `with mesh:` warns).
-      kernel_init: initializer `init(key, shape, dtype)` of every weight matrix, called with
-        the 2-D `[in, out]` shape (stacked experts get one call each); default normal(0.02).
-      dispatch: how the routed experts run on one device: "auto" (default) picks at trace time
-        (`cmoe_jax.moe.modes`); "sort", "gather", "dense" or "padded" force one path.
+    Args (each in full in docs/guides/moe-layer.md):
+      spec: the shape and routing (`FFNSpec`); keywords that are its fields replace them.
+      d_model: model width d. activation: the GLU activation of every expert and router
+        neuron (required: a layer never silently gets another model's).
+      dtype / param_dtype: compute and storage dtypes (routing always runs in float32).
+      backend: grouped-matmul backend (`cmoe_jax.moe.gmm`; "auto" per platform) or a callable.
+      expert_axis: mesh axis the experts split over under `jax.set_mesh` (None: never).
+      kernel_init: `init(key, [in, out], dtype)` of every weight matrix (default normal(0.02)).
+      dispatch: "auto" (`cmoe_jax.moe.modes` picks per call) or a forced one-device path.
       sow_router: sow each call's `RouterOutput` as `nnx.Intermediate` "router_outputs".
     """
 
@@ -90,6 +81,16 @@ class MoELayer(nnx.Module):
     shared_width = property(lambda self: self.spec.shared_width, doc="S, the shared MLP's width (0: none)")
     router = property(lambda self: self.spec.router, doc="the (top-level) router kind's name")
     num_prototypes = property(lambda self: self.spec.num_prototypes, doc="K stored prototypes (0: none)")
+
+    @property
+    def router_unit(self) -> Router:
+        """The (top-level) router kind's unit (`cmoe_jax.moe.routers`)."""
+        return get_router(self.spec.router)
+
+    @property
+    def router_settings(self) -> Routing:
+        """What the (top-level) router needs besides its arrays (`Routing`), from the spec."""
+        return Routing.of(self.spec, self.activation)
 
     def route_pairs(self, x: jax.Array, key=None) -> RoutedPairs:
         """The router's choice and the rows the experts run for tokens `x [T, d]`."""

@@ -7,50 +7,16 @@ is a short method; nothing here touches the output directory's lock or staging (
 """
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
-import numpy as np
-
 from cmoe_jax import distributed
-from cmoe_jax.errors import TrainError
 from cmoe_jax.jobs import SourceModel, fault_point
 from cmoe_jax.train.run_checkpoints import RunCheckpoints, lora_saved, lora_state, save_adapters
-from cmoe_jax.train.lora_targets import adapted_weights
 from cmoe_jax.train.recovery import RecoveryModes
+from cmoe_jax.train.run_checks import check_finite, check_model, check_settings, training_mesh
+from cmoe_jax.train.run_record import run_settings, run_summary
 from cmoe_jax.train.settings import TrainSettings
-
-
-def check_settings(s: TrainSettings) -> None:
-    """The settings' own checks (before the model is opened)."""
-    if s.samples < 1:
-        raise TrainError(f"--samples must be at least 1, got {s.samples}")
-    if s.seqlen < 2:
-        raise TrainError(f"--seqlen must be at least 2, got {s.seqlen}")
-    if s.save_every is not None and s.save_every < 1:
-        raise TrainError(f"--save-every must be at least 1, got {s.save_every}")
-    if s.max_steps is not None and s.max_steps < 0:
-        raise TrainError(f"--max-steps must be non-negative, got {s.max_steps}")
-    if s.dtype not in ("float32", "bfloat16"):
-        raise TrainError(f"--dtype must be float32 or bfloat16, got {s.dtype!r}")
-    for name, value in (("--lr", s.lr), ("--router-lr", s.router_lr), ("--bias-speed", s.bias_speed)):
-        if not value >= 0:
-            raise TrainError(f"{name} must be non-negative, got {value}")
-
-
-def check_finite(model) -> None:
-    """One line, before anything is written, when training left a weight NaN or infinite."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from cmoe_jax.state_digests import path_name
-
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model)):
-        if jnp.issubdtype(leaf.dtype, jnp.floating) and not bool(jnp.isfinite(leaf).all()):
-            raise TrainError(f"training made {path_name(path)} of the model NaN or infinite: nothing was "
-                             "written; lower --lr or --lora-alpha")
 
 
 class FineTuning:
@@ -67,30 +33,7 @@ class FineTuning:
     def open(self, source: SourceModel) -> None:
         """The source model, checked before any weight is loaded."""
         self.name, self.source = source.name, source
-        self.adapted = self._check_model()
-
-    def _check_model(self) -> list:
-        """Everything about the model that can be wrong, before any weight is loaded."""
-        from flax import nnx
-
-        from cmoe_jax.models import Decoder
-
-        cfg, s = self.source.config, self.settings
-        if s.seqlen > cfg.max_position_embeddings:
-            raise TrainError(f"--seqlen {s.seqlen} exceeds the model's context "
-                             f"({cfg.max_position_embeddings} positions)")
-        abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-        adapted = adapted_weights(abstract, self.lora.targets)  # targets that match nothing fail here
-        full_rank = max(min(shape[-2:]) for _, shape in adapted)
-        if s.lora_rank > full_rank:
-            raise TrainError(f"--lora-rank {s.lora_rank} exceeds the rank of every adapted weight "
-                             f"(at most {full_rank}): give at most {full_rank}")
-        tied = [i for i, spec in enumerate(cfg.moe_layers) if spec is not None and spec.prototype_owner >= 0]
-        if tied and any(p[1] in tied and p[3].startswith("expert_") for p, _ in adapted):
-            raise TrainError("the model shares prototype tables across layers (compressed with "
-                             "--scope > 1): per-layer adapters cannot be merged into a shared table; "
-                             "compress with --scope 1, or leave the routed experts out of --targets")
-        return adapted
+        self.adapted = check_model(source.config, self.settings, self.lora)
 
     def read_data(self) -> None:
         """Tokenizer, teacher checks, training windows and batch order (output locked)."""
@@ -107,37 +50,11 @@ class FineTuning:
 
     def build_mesh(self, devices) -> None:
         """The mesh over all processes' devices, checked against the batch and the experts."""
-        import jax
-
-        from cmoe_jax.sharding import batch_axes, make_mesh
-
-        s, cfg = self.settings, self.source.config
-        routed = {spec.num_experts for spec in cfg.moe_layers if spec is not None}
-        if s.expert_parallel > 1 and (not routed or any(n % s.expert_parallel for n in routed)):
-            raise TrainError(f"--expert-parallel {s.expert_parallel} must divide the number of routed "
-                             f"experts of every MoE layer ({sorted(routed) or 'the model has none'})")
-        model_par = 1 if s.mesh_shape is None else s.mesh_shape[1]
-        mesh = make_mesh(None if s.mesh_shape is None else s.mesh_shape[0], model_par,
-                         expert=s.expert_parallel,
-                         devices=jax.devices() if devices is None else devices)  # all processes
-        data_par = math.prod(dict(mesh.shape)[a] for a in batch_axes(mesh))
-        if s.batch_size % data_par:
-            raise TrainError(f"--batch-size {s.batch_size} is not a multiple of the {data_par} devices "
-                             "the batch is split over (data x expert axes of the mesh)")
-        if s.expert_parallel > 1 and (s.batch_size * s.seqlen) % mesh.size:
-            raise TrainError(f"--batch-size x --seqlen = {s.batch_size * s.seqlen} tokens must split over "
-                             f"all {mesh.size} devices for the expert all-to-all")
-        self.mesh = mesh
+        self.mesh = training_mesh(self.settings, self.source.config, devices)
 
     def run_settings(self) -> dict:
         """The settings that decide the trajectory (run_config.json, the fingerprint)."""
-        s, lora = self.settings, self.lora
-        return {"model": str(self.name), "dataset": s.dataset, "split": s.split, "data_path": s.data_path,
-                "samples": s.samples, "seqlen": s.seqlen, "batch_size": s.batch_size,
-                "lora_rank": s.lora_rank, "lora_alpha": float(s.lora_alpha), "dropout": float(s.dropout),
-                "targets": list(lora.targets), "lr": s.lr, "router_lr": s.router_lr,
-                "bias_speed": s.bias_speed, "epochs": s.epochs, "seed": s.seed, "dtype": s.dtype,
-                **self.mode_settings}
+        return run_settings(self)
 
     def set_up(self, staging: Path, resume: bool, progress: bool) -> None:
         """Load (and recover) the model, the train state (resumed from the latest checkpoint
@@ -214,27 +131,7 @@ class FineTuning:
 
     def summary(self, how: str, settings: dict) -> dict:
         """The run's record (train_log.json without its steps, the command's JSON)."""
-        import jax
-
-        from cmoe_jax.train.loop import OUT_OF_TIME
-
-        log, start = self.log, self.start
-        tokens_per_step = self.settings.batch_size * self.settings.seqlen
-        measured = log[start:] if len(log) > start else log
-        return {
-            **settings, "steps": len(log), "total_steps": self.order.total_steps, "resumed_from": start or None,
-            "stopped_by_time": how == OUT_OF_TIME, "adapted_weights": len(self.adapted),
-            "trainable_parameters": int(sum(np.size(a) for a in jax.tree.leaves(
-                {"lora": self.adapters[0], "u": self.adapters[1]}))),
-            "final_loss": log[-1]["loss"] if log else None,
-            "first_loss": log[0]["loss"] if log else None,
-            "tokens_per_s": (tokens_per_step * len(measured) / sum(r["seconds"] for r in measured)
-                             if measured else None),
-            "train_seconds": sum(r["seconds"] for r in log), "compile_seconds": self.compile_seconds,
-            "mesh": dict(self.mesh.shape), "platform": jax.devices()[0].platform,
-            "wall_seconds": time.perf_counter() - self.t_start, **self.modes.memory,
-            **({"recover_layers": self.modes.records} if self.modes.records else {}),
-        }
+        return run_summary(self, how, settings)
 
     def write_final(self, staging: Path, how: str, settings: dict, manifest: dict) -> dict:
         """The merged model, adapters, checkpoints, run config, log and plot into
