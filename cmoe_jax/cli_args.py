@@ -13,7 +13,6 @@ import math
 import os
 import re
 import sys
-from typing import NamedTuple
 from pathlib import Path
 
 from cmoe_jax.errors import EXIT_BAD_INPUT, CmoeError, run_job
@@ -128,25 +127,6 @@ positive_int = number_type(int, 1, True, "at least 1", *_COUNT)
 nonneg_int = number_type(int, 0, True, "at least 0", *_COUNT)
 
 
-class Active(NamedTuple):
-    """`--active`, read once: y active routed `experts` of a shape, or a budget `share` F."""
-    experts: int | None = None
-    share: float | None = None
-
-
-def active_amount(text: str) -> Active:
-    """`--active`: a whole number is y, the active routed experts of a shape (with --shared
-    and --experts); a decimal such as 0.25 is a budget, the share of FFN neurons a token runs."""
-    if text.strip().isdigit():
-        return Active(experts=positive_int(text))
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a count of experts (e.g. 3) nor a "
-                                         f"share of FFN neurons (e.g. 0.25)")
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"a budget must be a share in (0, 1], got {text}")
-    return Active(share=value)
 _STEPS = (STEP_MAX, "JAX counts steps in 32-bit integers")
 step_count = number_type(int, 1, True, "at least 1", *_STEPS)
 nonneg_steps = number_type(int, 0, True, "at least 0", *_STEPS)

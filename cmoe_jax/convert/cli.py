@@ -10,9 +10,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from cmoe_jax import distributed
-from cmoe_jax.cli_args import (Parser, active_amount, add_calib_samples, add_data, add_model, add_output_dir,
+from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir,
                                add_progress, add_seed, add_seqlen, check_writable_dir, command_main,
                                nonneg_int, positive_int)
 from cmoe_jax.convert.api import convert
@@ -21,6 +22,27 @@ from cmoe_jax.methods.cmoe.report import band_table, layer_table
 
 EXAMPLE = ("{prog} --model smollm2 --config S3A3E8 --shared-by energy "
            "--data-path wikitext-2/wiki.valid.raw --out out/s3a3e8")
+
+
+class Active(NamedTuple):
+    """`--active`, read once: y active routed `experts` of a shape, or a budget `share` F."""
+    experts: int | None = None
+    share: float | None = None
+
+
+def active_amount(text: str) -> Active:
+    """`--active`: a whole number is y, the active routed experts of a shape (with --shared
+    and --experts); a decimal such as 0.25 is a budget, the share of FFN neurons a token runs."""
+    if text.strip().isdigit():
+        return Active(experts=positive_int(text))
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count of experts (e.g. 3) nor a "
+                                         f"share of FFN neurons (e.g. 0.25)")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"a budget must be a share in (0, 1], got {text}")
+    return Active(share=value)
 
 
 def build_parser(prog: str = "python -m cmoe_jax.convert") -> Parser:

@@ -111,6 +111,12 @@ def band_windows(cal: Calibration, tokens, seed: int):
     return distributed.split_for_process(held_out)
 
 
+def every_layer_dense(settings, num_layers: int):
+    """The settings with no layer carved: what a budget of every neuron allocates."""
+    method = dataclasses.replace(settings.method, plan=None, layer_plans=(None,) * num_layers)
+    return dataclasses.replace(settings, method=method)
+
+
 class CmoeSteps:
     """The job's steps of a CMoE conversion of a dense source (with a budget: first each
     layer's damage at every candidate shape, saved per layer for a resume, then the shapes)."""
@@ -202,9 +208,7 @@ class CmoeSteps:
         if budget is None:
             return
         if budget.active >= 1:  # every neuron active: the one allocation is every layer dense
-            layers = (None,) * run.source.config.num_layers
-            method = dataclasses.replace(self.settings.method, plan=None, layer_plans=layers)
-            self.settings = dataclasses.replace(self.settings, method=method)
+            self.settings = every_layer_dense(self.settings, run.source.config.num_layers)
             return
         errors, save_error = run.json_rows("damage")
         gains, save_gain = run.json_rows("gains")
