@@ -89,7 +89,7 @@ def read_parameter(source: TensorSource, cfg: ModelConfig, path: tuple, expected
         arr = hf_names.fetch_experts(source, cfg, path[1], path[3], expected[0])
     else:
         name, arr = hf_names.fetch(source, path, cfg)
-    if arr.dtype.kind in "biu" and not index_table:
+    if arr.dtype.kind in "biu" and path[-1] != INDEX_TABLE:
         raise CheckpointError(f"tensor {name!r} holds {arr.dtype} values where the model has weights: "
                               "the file is damaged or not this model's; re-download the model")
     if tuple(arr.shape) != tuple(expected):
