@@ -54,6 +54,8 @@ def _variants(module, method_flag):
 
 def _fits_its_sink(action, value) -> bool:
     """A value the parser let through converts, without overflow, to what the flag feeds."""
+    if isinstance(value, tuple):  # a flag read into several fields (`--active`): each field fits
+        return all(_fits_its_sink(action, v) for v in value if v is not None)
     if isinstance(value, float):
         big = value * 2**20 if action.type is cli_args.mib_size else value
         return math.isfinite(big) and (action.type is not cli_args.mib_size or big <= np.iinfo(np.int64).max)
