@@ -46,6 +46,11 @@ VARIANTS = {
     "24-router-neurons": {"router_neurons": 24},
     "32-router-neurons": {"router_neurons": 32},
     "fit-8192-tokens": {"router_fit_tokens": 8192},
+    "down-fit": {"down_fit": 0.01},
+    "down-fit-0.1": {"down_fit": 0.1},
+    "down-fit-0.001": {"down_fit": 0.001},
+    "down-fit-0.3": {"down_fit": 0.3},
+    "down-fit-1": {"down_fit": 1.0},
     "calib-bos": {},
     "authors-sampler": {},
 }
@@ -62,7 +67,7 @@ def windows(lm, args):
     return valid, bos, text_windows(test, 2048, args.max_windows, bos=bos)
 
 
-def run(lm, valid, bos, test, config: str, variant: str) -> dict:
+def run(lm, valid, bos, test, config: str, variant: str, samples: int = 8) -> dict:
     import copy
 
     from benchmarks.cmoe_authors_reference import calibration
@@ -77,13 +82,13 @@ def run(lm, valid, bos, test, config: str, variant: str) -> dict:
         cmoe_convert.carve_profiled = _authors_carve
     try:
         t0 = time.perf_counter()
-        moe, _ = convert_model(copy.deepcopy(lm.model), calibration(valid, bos, variant), cc,
+        moe, _ = convert_model(copy.deepcopy(lm.model), calibration(valid, bos, variant, n=samples), cc,
                                progress=False)
         seconds = time.perf_counter() - t0
     finally:
         cmoe_convert.carve_profiled = carve
-    return {"config": config, "variant": variant, "ppl": perplexity(moe, test, progress=False)["ppl"],
-            "convert_s": round(seconds, 1)}
+    return {"config": config, "variant": variant, "calib_samples": samples,
+            "ppl": perplexity(moe, test, progress=False)["ppl"], "convert_s": round(seconds, 1)}
 
 
 def _authors_carve(markers, mu, energy, cc, plan):
@@ -104,6 +109,7 @@ def main(argv=None) -> None:
     p.add_argument("--variants", nargs="+", default=["defaults", "paper", "authors"],
                    choices=sorted(VARIANTS))
     p.add_argument("--max-windows", type=int, default=10)
+    p.add_argument("--calib-samples", type=int, default=8, help="calibration windows of 2048 tokens")
     p.add_argument("--data-dir", type=Path, default=WIKITEXT,
                    help="folder with WikiText-2's valid.txt and test.txt")
     p.add_argument("--json", type=Path, help="append each result as one JSON line")
@@ -119,7 +125,7 @@ def main(argv=None) -> None:
     print("| config | variant | ppl | x dense | conversion (s) |\n| --- | --- | --- | --- | --- |", flush=True)
     for config in args.configs:
         for variant in args.variants:
-            r = run(lm, valid, bos, test, config, variant)
+            r = run(lm, valid, bos, test, config, variant, args.calib_samples)
             r.update(model=args.model, dense_ppl=dense, windows=len(test), x_dense=r["ppl"] / dense)
             print(f"| {config} | {variant} | {r['ppl']:.3f} | {r['x_dense']:.3f}x | {r['convert_s']} |",
                   flush=True)

@@ -115,3 +115,52 @@ def test_gate_fit_is_the_least_squares_gate_scaling(plan):
     moe.u[...] = jnp.zeros_like(moe.u[...])
     plain = np.square(np.asarray(moe(jnp.asarray(x)), np.float64) - dense).sum()
     assert fitted < plain
+
+
+def _neuron_features(moe, t):
+    """P [T, H] of a carved layer, token by token in float64: the shared neurons' h, then each
+    expert's neurons' h times the token's gate on it (0 for an expert the token skips)."""
+    p = moe_numpy.params(moe)
+    act, e = moe_numpy.silu, moe.num_experts
+    rows = []
+    for xt in t:
+        probs = moe_numpy.softmax(moe_numpy.logits(p, xt, "cmoe", e))
+        sel = np.argsort(-(probs + p["router_bias"]), kind="stable")[:moe.top_k]
+        gate = np.zeros(e)
+        gate[sel] = 1.0 + probs[sel] * p["u"][sel]
+        shared = act(xt @ p["shared_gate"]) * (xt @ p["shared_up"]) if "shared_gate" in p else np.zeros(0)
+        routed = [gate[j] * act(xt @ p["expert_gate"][j]) * (xt @ p["expert_up"][j]) for j in range(e)]
+        rows.append(np.concatenate([shared, *routed]))
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("plan, ridge", [("S1A2E8", 0.01), ("S0A1E4", 0.1), ("S2A3E6", 1e-3)])
+def test_down_fit_is_the_ridge_least_squares_reconstruction(plan, ridge):
+    """The refitted down projections equal numpy's ridge solution (pulled towards the
+    carved rows) built token by token from the layer's own routing, and make the layer's
+    output on the calibration tokens closer to the dense FFN's."""
+    w, x = dense_ffn(4)
+    carved = carve_ffn(*w, x, plan, activation="silu")
+    moe = carve_ffn(*w, x, plan, activation="silu", down_fit=ridge, down_fit_tokens=10_000)
+    for name in ("router_gate", "router_up", "u", "expert_gate", "expert_up"):
+        np.testing.assert_array_equal(np.asarray(getattr(moe, name)[...]), np.asarray(getattr(carved, name)[...]))
+    t = x.reshape(-1, D).astype(np.float64)
+    feats = _neuron_features(carved, t)
+    shared = [np.asarray(carved.shared_down[...], np.float64)] if carved.shared_width else []
+    w0 = np.concatenate(shared + [np.asarray(carved.expert_down[...], np.float64).reshape(-1, D)])
+    gram = feats.T @ feats
+    lam = ridge * np.mean(np.diag(gram))
+    want = np.linalg.solve(gram + lam * np.eye(len(gram)), feats.T @ numpy_dense(w, x).reshape(-1, D) + lam * w0)
+    shared = [np.asarray(moe.shared_down[...], np.float64)] if moe.shared_width else []
+    got = np.concatenate(shared + [np.asarray(moe.expert_down[...], np.float64).reshape(-1, D)])
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+    dense = numpy_dense(w, x)
+    error = lambda layer: np.square(np.asarray(layer(jnp.asarray(x)), np.float64) - dense).sum()  # noqa: E731
+    assert error(moe) < error(carved)
+
+
+def test_down_fit_zero_keeps_the_dense_rows():
+    w, x = dense_ffn(5)
+    moe, carving = carve_ffn(*w, x, "S1A2E8", activation="silu", down_fit=0.0, return_carving=True)
+    np.testing.assert_array_equal(np.asarray(moe.shared_down[...]), w[2][carving.shared_idx])
+    np.testing.assert_array_equal(np.asarray(moe.expert_down[...]), w[2][carving.expert_idx])

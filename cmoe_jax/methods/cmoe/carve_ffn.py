@@ -4,7 +4,7 @@ The same steps as the model conversion (`convert_model`), on one FFN and one pro
 profile the FFN on calibration inputs (`profile_layer`), carve its neurons
 (`carve_profiled`: shared neurons, balanced K-means, router neurons), slice the weights
 (`slice_ffn`) into the conversion's MoE layer (`moe_spec`, `filled_ffn`) and fit the
-router's per-expert score scales and gate scales (`fit_router`).
+router's per-expert score scales, the gate scales and the down projections (`fit_layer`).
 
 Example::
 
@@ -24,7 +24,7 @@ from cmoe_jax.methods.cmoe.carve import LayerCarving, slice_ffn
 from cmoe_jax.methods.cmoe.config import ConversionError, ConvertConfig
 from cmoe_jax.methods.cmoe.convert import carve_profiled, check_router, conversion_mesh, moe_spec
 from cmoe_jax.methods.cmoe.plan import MoEPlan
-from cmoe_jax.methods.cmoe.router_fit import fit_router
+from cmoe_jax.methods.cmoe.layer_fit import fit_layer
 from cmoe_jax.models import ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
 from cmoe_jax.moe import MoEFFN, resolve_backend
@@ -84,10 +84,11 @@ def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
       backend: grouped-matmul backend of the layer (`cmoe_jax.moe.gmm`).
       return_carving: also return the `LayerCarving` (which neurons went where).
       **options: the conversion's `ConvertConfig` fields: k_act, normalize, kmeans_iters,
-        router_neurons, router_scale, router_fit_tokens, shared_by, router_reps, gate_fit.
+        router_neurons, router_scale, router_fit_tokens, shared_by, router_reps, gate_fit,
+        down_fit, down_fit_tokens.
 
-    With every routed expert active (`layer.top_k = layer.num_experts`) and `gate_fit=False`
-    the layer equals the dense FFN: the carving is a permutation of its neurons and the gates
+    With every routed expert active (`layer.top_k = layer.num_experts`), `gate_fit=False` and
+    `down_fit=0` the layer equals the dense FFN: the carving is a permutation of its neurons and the gates
     are 1 (fitted gate scales are fitted for the plan's top-k, not for every expert active).
     """
     d, d_h = _check(w_gate, w_up, w_down, calibration_inputs)
@@ -117,5 +118,5 @@ def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
     weights = [np.asarray(w, np.float32) for w in (w_gate, w_up, w_down)]
     layer = filled_ffn(cfg, moe_spec(cfg, cc, cc.plan), slice_ffn(*weights, carving), dtype)
     layer.backend = backend
-    fit_router(layer, x[None], cc, conversion_mesh(cc, 1))
+    fit_layer(layer, x[None], cc, conversion_mesh(cc, 1))
     return (layer, carving) if return_carving else layer

@@ -41,6 +41,12 @@ class ConvertConfig:
     # Gate scales u of the gates 1 + s'u: fitted by least squares to make up for the
     # unselected experts on the calibration tokens, or 0 (False: the paper's unweighted sum).
     gate_fit: bool = True
+    # Down projections refitted by least squares so the layer's output, with the tokens'
+    # experts as routed, best matches the dense FFN's on `down_fit_tokens` calibration tokens
+    # (None: all): the ridge (a share of the mean diagonal, pulling towards the dense rows);
+    # 0: the dense FFN's rows as carved (the paper).
+    down_fit: float = 0.0
+    down_fit_tokens: int | None = None
     # One shape per layer (a budget's allocation, `cmoe_jax.methods.cmoe.budget`); None in
     # it keeps that layer's dense FFN. None: every layer gets `plan`.
     layer_plans: tuple[MoEPlan | None, ...] | None = None
@@ -82,4 +88,5 @@ class ConvertConfig:
                 "kmeans_iters": self.kmeans_iters, "seed": self.seed,
                 "router_neurons": self.router_neurons, "router_scale": self.router_scale,
                 "router_fit_tokens": self.router_fit_tokens, "shared_by": self.shared_by,
-                "router_reps": self.router_reps, "gate_fit": self.gate_fit}
+                "router_reps": self.router_reps, "gate_fit": self.gate_fit,
+                "down_fit": self.down_fit, "down_fit_tokens": self.down_fit_tokens}

@@ -16,7 +16,7 @@ from cmoe_jax.methods.cmoe.config import ROUTER_REPS, SHARED_BY, ConversionError
 from cmoe_jax.methods.cmoe.carve import LayerCarving, NeuronScores, carve_layer, slice_ffn
 from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.calibration_pass.markers import profile_layer
-from cmoe_jax.methods.cmoe.router_fit import fit_router
+from cmoe_jax.methods.cmoe.layer_fit import fit_layer
 from cmoe_jax import distributed
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
@@ -101,6 +101,10 @@ def check_router(cfg: ModelConfig, cc: ConvertConfig) -> None:
         raise ConversionError(f"--router-reps {cc.router_reps!r} must be one of {', '.join(ROUTER_REPS)}")
     if cc.router_fit_tokens < 1:
         raise ConversionError(f"--router-fit-tokens {cc.router_fit_tokens} must be at least 1")
+    if not 0 <= cc.down_fit < float("inf"):
+        raise ConversionError(f"--down-fit {cc.down_fit} must be a finite ridge of at least 0")
+    if cc.down_fit_tokens is not None and cc.down_fit_tokens < 1:
+        raise ConversionError(f"--down-fit-tokens {cc.down_fit_tokens} must be at least 1")
 
 
 def conversion_mesh(cc: ConvertConfig, num_windows: int, devices=None, expert_parallel: int = 1,
@@ -228,7 +232,7 @@ class LayerConverter(LayerStep):
             return layer.mlp
         ffn = filled_ffn(self.cfg, moe_spec(self.cfg, self.cc, plan), slices_for(layer, record.carving),
                          layer.mlp.gate[...].dtype)
-        record.router_scales, record.gate_scales = fit_router(ffn, x, self.cc, self.mesh)
+        record.router_scales, record.gate_scales = fit_layer(ffn, x, self.cc, self.mesh)
         record.error = stream_error(inputs, ffn, inputs.stream_after(layer.mlp, self.mesh), self.mesh)
         self.records.append(record)
         return ffn

@@ -2,7 +2,7 @@
 (the shared plan, data and output flags are the convert command's)."""
 from __future__ import annotations
 
-from cmoe_jax.cli_args import nonneg_int, positive_int
+from cmoe_jax.cli_args import nonneg_float, nonneg_int, positive_int
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.methods.cmoe.budget import AUTO, DEFAULTS_TEXT, MEASURES, Budget
@@ -32,6 +32,16 @@ def add_flags(g) -> None:
                         "centroid --no-router-scale --no-gate-fit)")
     g.add_argument("--router-fit-tokens", type=positive_int, default=2048,
                    help="calibration tokens used to fit the router score scales")
+    g.add_argument("--down-fit", type=nonneg_float, default=ConvertConfig.down_fit, metavar="RIDGE",
+                   help="refit each layer's down projections by least squares so that, with the "
+                        "tokens routed as the converted layer routes them, its output best matches "
+                        "the dense FFN's on the calibration tokens; RIDGE (a share of the mean "
+                        "diagonal) pulls towards the dense rows; 0: keep the dense rows (the paper) "
+                        f"(default {ConvertConfig.down_fit:g}; an MoE source's sub-experts keep "
+                        "their rows)")
+    g.add_argument("--down-fit-tokens", type=positive_int, default=ConvertConfig.down_fit_tokens,
+                   help="calibration tokens the down projections are refitted on (an even stride "
+                        "over the windows; default: all)")
     g.add_argument("--router-reps", choices=["centroid", "energy"], default=None,
                    help="router neurons of each expert: the members of highest output energy "
                         "(default) or closest to the cluster centroid (the paper's rule)")
@@ -123,7 +133,8 @@ def settings_from_args(args) -> ConvertSettings:
     """The CMoE conversion the flags describe (hierarchical when the source is an MoE)."""
     method = ConvertConfig(plan=plan_from_args(args), k_act=args.k_act, normalize=not args.no_normalize,
                            kmeans_iters=args.kmeans_iters, seed=args.seed,
-                           router_fit_tokens=args.router_fit_tokens,
+                           router_fit_tokens=args.router_fit_tokens, down_fit=args.down_fit,
+                           down_fit_tokens=args.down_fit_tokens,
                            shared_by=args.shared_by or ConvertConfig.shared_by,
                            **router_options(args))
     calibration = Calibration(dataset=args.dataset, split=args.split, data_path=args.data_path,

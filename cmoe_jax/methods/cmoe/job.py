@@ -93,6 +93,7 @@ def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> 
         "router": {"neurons_per_expert": router_neurons(cfg, cc, plans), "fitted_scales": cc.router_scale,
                    "fit_tokens": cc.router_fit_tokens, "representatives_by": cc.router_reps,
                    "fitted_gates": cc.gate_fit},
+        "down_fit": {"ridge": cc.down_fit, "tokens": cc.down_fit_tokens},
         "layers": [dict(layer=i, shape=name, active_share=share,
                         **{k: v for k, v in r.to_json().items() if k not in ("mu", "seconds")})
                    for i, (r, (name, share)) in enumerate(zip(records, layer_shapes(plans)))],

@@ -9,11 +9,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.linalg
 import scipy.sparse as sp
 
 from cmoe_jax.carving.kmeans import cooccurrence
 from cmoe_jax.moe.activations import glu_activation
-from cmoe_jax.moe.routers import cmoe_scores
+from cmoe_jax.moe.routers import cmoe_route, cmoe_scores
 
 
 def representative_neurons(points: sp.csr_matrix, labels, centroid_counts, cluster_size: int,
@@ -129,3 +130,44 @@ def solve_gate_scales(ata, atr, ridge: float = 1e-6) -> np.ndarray:
         lam = ridge * float(np.mean(np.diag(sub)))
         u[used] = np.linalg.solve(sub + lam * np.eye(int(used.sum())), atr[used])
     return u
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "activation"))
+def down_fit_sums(x, router_gate, router_up, u, shared_gate, shared_up, shared_down, expert_gate,
+                  expert_up, expert_down, *, top_k: int, activation: str):
+    """(P^T P [H, H], P^T y [H, d]) of the least-squares down projections over tokens x [..., d],
+    H = S + E m the layer's neurons (shared first, then the experts' in order).
+
+    Row t of P holds what each neuron feeds the down projections in the converted layer: the
+    shared neurons' h, and for a selected expert j its neurons' h times its gate g_j
+    (`cmoe_route`, with the fitted u), 0 for the experts the token skips; y_t is the dense
+    FFN's output (the shared expert's plus every routed expert's, the carving being a split
+    of the dense neurons). W = argmin ||y - P W||^2 is the set of down projections with which
+    the neurons a token runs best make up, on the calibration tokens, for the ones it skips:
+    a closed-form layer-wise reconstruction (`solve_down`). Selection with balancing bias 0.
+    """
+    x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    act = glu_activation(activation)
+    f32 = lambda w: w.astype(jnp.float32)  # noqa: E731
+    n, num_experts = x.shape[0], expert_gate.shape[0]
+    ids, gates = cmoe_route(x, router_gate, router_up, u, jnp.zeros((num_experts,), jnp.float32),
+                            top_k, activation=activation)
+    weight = jnp.zeros((n, num_experts), jnp.float32).at[jnp.arange(n)[:, None], ids].set(gates)
+    h = act(jnp.einsum("td,edm->tem", x, f32(expert_gate))) * jnp.einsum("td,edm->tem", x, f32(expert_up))
+    hs = act(x @ f32(shared_gate)) * (x @ f32(shared_up))                     # [T, S]
+    dense = hs @ f32(shared_down) + jnp.einsum("tem,emd->td", h, f32(expert_down))
+    p = jnp.concatenate([hs, (weight[..., None] * h).reshape(n, -1)], axis=1)  # [T, H]
+    return p.T @ p, p.T @ dense
+
+
+def solve_down(ptp, pty, w0, ridge: float) -> np.ndarray:
+    """W [H, d] float64 = argmin ||y - P W||^2 + lam ||W - W0||^2 from the summed normal
+    equations, lam = `ridge` times the mean diagonal of P^T P: pulled towards the carved
+    down projections W0 (the dense FFN's rows), so a neuron never run on the calibration
+    tokens keeps its dense row and few tokens cannot overfit."""
+    ptp, pty = np.asarray(ptp, np.float64), np.asarray(pty, np.float64)
+    w0 = np.asarray(w0, np.float64)
+    lam = ridge * float(np.mean(np.diag(ptp)))
+    if lam <= 0:
+        return w0
+    return scipy.linalg.solve(ptp + lam * np.eye(len(ptp)), pty + lam * w0, assume_a="pos")

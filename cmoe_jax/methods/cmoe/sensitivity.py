@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from cmoe_jax.methods.cmoe.config import ConvertConfig
 from cmoe_jax.methods.cmoe.convert import (carve_on_main, conversion_mesh, layer_profile, moe_spec,
                                            slices_for, stream_error)
-from cmoe_jax.methods.cmoe.router_fit import fit_router
+from cmoe_jax.methods.cmoe.layer_fit import fit_layer
 from cmoe_jax.models.ffn import filled_ffn
 from cmoe_jax.calibration_pass.layer_pass import LayerInput, layer_pass, start_pass, stream_nll
 
@@ -89,7 +89,7 @@ def carved_candidate(cfg, layer, x, cc: ConvertConfig, plan, mesh, profile=None)
     markers, mu, energy = profile or layer_profile(layer, x, cc)
     carving = carve_on_main(markers, mu, energy, cc, plan)
     ffn = filled_ffn(cfg, moe_spec(cfg, cc, plan), slices_for(layer, carving), layer.mlp.gate[...].dtype)
-    fit_router(ffn, x, cc, mesh)
+    fit_layer(ffn, x, cc, mesh)
     return ffn
 
 

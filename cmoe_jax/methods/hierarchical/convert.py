@@ -201,5 +201,6 @@ def manifest_fields(cfg: ModelConfig, cc: ConvertConfig, records: list, min_toke
                  "sub_level": {"shared": plan.shared, "active": plan.active, "experts": plan.total,
                                "expert_width": plan.expert_width(spec.expert_width)}},
         "min_expert_tokens": min_tokens,
+        "down_fit": {"ridge": 0.0, "tokens": 0},  # the sub-experts keep their source rows
         "layers": [r.to_json() for r in records],
     }

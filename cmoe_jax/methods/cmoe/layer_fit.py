@@ -1,0 +1,95 @@
+"""The fits on a converted layer's calibration inputs: the analytical router's per-expert
+score scales and gate scales, then the down projections, each a least-squares solve from
+sums taken per window."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cmoe_jax import distributed
+from cmoe_jax.methods.cmoe.router import (down_fit_sums, gate_fit_sums, router_fit_sums, scale_router_up,
+                                          solve_down, solve_gate_scales)
+from cmoe_jax.calibration_pass.layer_pass import replicate
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("top_k", "activation"))
+def _per_window(sums, x, *weights, **static):
+    """`sums(tokens, *weights)` of each window of x [N, T', d] -> its outputs, each [N, ...]."""
+    fit = functools.partial(sums, **static)
+    return jax.vmap(fit, in_axes=(0,) + (None,) * len(weights))(x, *weights)
+
+
+def fit_sums(sums, ffn, x, tokens: int | None, mesh, names: tuple, **static) -> tuple:
+    """The float64 totals of `sums` (`router_fit_sums`, `gate_fit_sums`, `down_fit_sums`) over
+    an evenly strided subset of about `tokens` (None: all) of the layer's calibration inputs x [N, T, d]
+    (kept sharded over the batch), so every device and process count sees the same tokens:
+    taken per window, added in window order. `names`: the FFN's arrays `sums` takes after x."""
+    n, t = x.shape[:2]
+    n_all = int(distributed.sum_across_processes(np.int64(n)))
+    stride = 1 if tokens is None else max(1, -(-n_all * t // tokens))
+    weights = [replicate(_array(ffn, name), mesh) for name in names]
+    return tuple(distributed.gather_rows(np.asarray(s)).astype(np.float64).sum(0)
+                 for s in _per_window(sums, x[:, ::stride], *weights, activation=ffn.activation,
+                                      **static))
+
+
+def _array(ffn, name: str):
+    """`ffn`'s array `name`; a shared MLP of width 0 has none: an empty one of its shape."""
+    if name.startswith("shared_") and ffn.spec.shared_width == 0:
+        d = ffn.expert_gate.shape[1]
+        return jnp.zeros((0, d) if name == "shared_down" else (d, 0), jnp.float32)
+    return getattr(ffn, name)[...]
+
+
+_EXPERTS = ("expert_gate", "expert_up", "expert_down")
+
+
+def fit_router_scales(ffn, x, cc, mesh) -> np.ndarray:
+    """Fold least-squares per-expert score scales into `ffn.router_up` (in place); returns them."""
+    num, den = fit_sums(router_fit_sums, ffn, x, cc.router_fit_tokens, mesh, ("router_gate", "router_up") + _EXPERTS)
+    up, scales = scale_router_up(np.asarray(ffn.router_up[...]), num, den, ffn.num_experts)
+    ffn.router_up[...] = jnp.asarray(up)
+    return scales
+
+
+def fit_gate_scales(ffn, x, cc, mesh) -> np.ndarray:
+    """Set `ffn.u` to the least-squares gate scales (`gate_fit_sums`) on the same tokens as
+    the router scales; returns them."""
+    ata, atr = fit_sums(gate_fit_sums, ffn, x, cc.router_fit_tokens, mesh,
+                        ("router_gate", "router_up") + _EXPERTS, top_k=ffn.top_k)
+    u = solve_gate_scales(ata, atr)
+    ffn.u[...] = jnp.asarray(u, ffn.u[...].dtype)
+    return u
+
+
+_SHARED = ("shared_gate", "shared_up", "shared_down")
+
+
+def fit_down(ffn, x, cc, mesh) -> None:
+    """Replace the shared and routed down projections of `ffn` (in place) by the
+    least-squares ones (`down_fit_sums`, `solve_down` with `cc.down_fit` as the ridge) on
+    `cc.down_fit_tokens` of the layer's calibration inputs, with its router as fitted."""
+    ptp, pty = fit_sums(down_fit_sums, ffn, x, cc.down_fit_tokens, mesh,
+                        ("router_gate", "router_up", "u") + _SHARED + _EXPERTS, top_k=ffn.top_k)
+    shared, (e, m, d) = np.asarray(_array(ffn, "shared_down"), np.float32), ffn.expert_down.shape
+    s = shared.shape[0]
+    w0 = np.concatenate([shared, np.asarray(ffn.expert_down[...], np.float32).reshape(e * m, d)])
+    w = solve_down(ptp, pty, w0, cc.down_fit)
+    if s:
+        ffn.shared_down[...] = jnp.asarray(w[:s], ffn.shared_down[...].dtype)
+    ffn.expert_down[...] = jnp.asarray(w[s:].reshape(e, m, d), ffn.expert_down[...].dtype)
+
+
+def fit_layer(ffn, x, cc, mesh) -> tuple:
+    """The layer's fits on its calibration inputs x [N, T, d], as `cc` asks: the score scales
+    (`fit_router_scales`), then on the router so scaled the gate scales (`fit_gate_scales`),
+    then with the router as fitted the down projections (`fit_down`). Returns (score scales,
+    gate scales), None for a fit not made."""
+    scales = fit_router_scales(ffn, x, cc, mesh) if cc.router_scale else None
+    gates = fit_gate_scales(ffn, x, cc, mesh) if cc.gate_fit else None
+    if cc.down_fit:
+        fit_down(ffn, x, cc, mesh)
+    return scales, gates
