@@ -263,14 +263,14 @@ assert jax.device_count() == 8
 root, out = sys.argv[1], sys.argv[2]
 kw = dict(data_path=root + "/text.txt", samples=8, seqlen=32, batch_size=4, lora_rank=4,
           lr=1e-2, router_lr=1e-2, bias_speed=1e-2, epochs=3, save_every=100)
-one = finetune(root + "/moe", TrainSettings(mesh_shape=(1, 1), **kw), out=out + "/one",
+one = finetune(root + "/moe", TrainSettings.from_flags(mesh_shape=(1, 1), **kw), out=out + "/one",
                devices=jax.devices()[:1], progress=False)
-many = finetune(root + "/moe", TrainSettings(mesh_shape=(4, 2), **kw), out=out + "/many", progress=False)
+many = finetune(root + "/moe", TrainSettings.from_flags(mesh_shape=(4, 2), **kw), out=out + "/many", progress=False)
 import cmoe_jax.moe.expert_parallel as ep
 exchanges = []
 _exchange = ep._exchange
 ep._exchange = lambda *a, **k: exchanges.append(a[5]) or _exchange(*a, **k)  # traced all-to-all
-expert = finetune(root + "/moe", TrainSettings(mesh_shape=(2, 2), expert_parallel=2, **kw),
+expert = finetune(root + "/moe", TrainSettings.from_flags(mesh_shape=(2, 2), expert_parallel=2, **kw),
                   out=out + "/expert", progress=False)
 assert one["mesh"] == {"data": 1, "model": 1} and many["mesh"] == {"data": 4, "model": 2}
 assert expert["mesh"] == {"data": 2, "expert": 2, "model": 2}, expert["mesh"]
