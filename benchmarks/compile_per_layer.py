@@ -61,7 +61,7 @@ def build(kind: str, args):
     import jax.numpy as jnp
     from flax import nnx
 
-    from cmoe_jax.methods.cmoe.convert import ConvertConfig, moe_spec
+    from cmoe_jax.methods.cmoe import ConvertConfig, moe_spec
     from cmoe_jax.models import Decoder, ModelConfig
 
     cfg = ModelConfig(model_type="llama", vocab_size=args.vocab, hidden_size=576, intermediate_size=1536,

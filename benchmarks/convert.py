@@ -45,9 +45,8 @@ def layer_floor(model: str, plan, samples: int, seqlen: int, repeats: int) -> No
     import numpy as np
     from flax import nnx
 
-    from cmoe_jax.methods.cmoe import carve_layer
+    from cmoe_jax.methods.cmoe import ConvertConfig, carve_layer, moe_spec, slices_for
     from cmoe_jax.calibration_pass.markers import profile_layer
-    from cmoe_jax.methods.cmoe.convert import ConvertConfig, moe_spec, slices_for
     from cmoe_jax.models.ffn import filled_ffn
     from cmoe_jax.loading import load_model
     from cmoe_jax.calibration_pass.layer_pass import (attention_step, calibration_mesh, embed_step,
@@ -108,9 +107,8 @@ def random_layers(args, load_start: float) -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from cmoe_jax.methods.cmoe import MoEPlan
-    from cmoe_jax.methods.cmoe.convert import (ConvertConfig, carve_one_layer, fit_router_scales,
-                                               moe_spec, slices_for)
+    from cmoe_jax.methods.cmoe import (ConvertConfig, MoEPlan, carve_one_layer, fit_router_scales, moe_spec,
+                                       slices_for)
     from cmoe_jax.models.ffn import filled_ffn
     from cmoe_jax.models.config import ModelConfig
     from cmoe_jax.models.decoder import DecoderLayer

@@ -151,14 +151,14 @@ def test_lora_trains_on_the_prototype_runtime(mixtral, tmp_path):
 def test_train_job_runs_on_a_compressed_model(mixtral, tmp_path):
     """`python -m cmoe_jax.train`'s job on a layer-local ConMoE model: the adapters merge into
     the prototype table, and the result loads with its slot maps."""
-    from cmoe_jax.train import TrainSettings, finetune
+    from cmoe_jax.train import LoRAConfig, OptimConfig, TrainSettings, finetune
 
     path, text = mixtral
     compress(str(path), CompressSettings(CompressConfig(method="conmoe", ratio=0.5), _calibration(text)),
              out=tmp_path / "c", progress=False)
     before = load_model(str(tmp_path / "c")).model
     finetune(str(tmp_path / "c"), TrainSettings(data_path=str(text), samples=8, seqlen=32, batch_size=2,
-                                           lora_rank=4, lr=1e-2, epochs=1),
+                                           lora=LoRAConfig(rank=4), optim=OptimConfig(lr=1e-2), epochs=1),
              out=tmp_path / "ft", progress=False)
     after = load_model(str(tmp_path / "ft")).model
     assert after.config.moe_layers[0].num_prototypes == before.config.moe_layers[0].num_prototypes == 2

@@ -177,14 +177,15 @@ def test_cli_compresses_a_hierarchical_model_and_lora_trains_it(tmp_path):
     assert np.isfinite(float(loss))
     assert float(jnp.abs(grads["layers"]["1"]["mlp"]["expert_gate"]["b"]).sum()) > 0
     # the training job itself on a compressed model (layer-local: adapters merge into the table)
-    from cmoe_jax.train import TrainSettings, finetune
+    from cmoe_jax.train import LoRAConfig, OptimConfig, TrainSettings, finetune
 
     assert compress_main(["--model", str(tmp_path / "hier"), "--method", "reap", "--ratio", "0.5",
                           "--out", str(tmp_path / "r"), *data]) == 0
     # 3 steps: the balancing bias moves by +-bias_speed a step, so an even number of steps can
     # bring an oscillating sub-router back to exactly 0
     finetune(str(tmp_path / "r"), TrainSettings(data_path=str(text), samples=6, seqlen=32, batch_size=2,
-                                           lora_rank=4, lr=1e-2, router_lr=1e-1, bias_speed=1e-2,
+                                           lora=LoRAConfig(rank=4),
+                                           optim=OptimConfig(lr=1e-2, router_lr=1e-1, bias_speed=1e-2),
                                            epochs=1),
              out=tmp_path / "ft", progress=False)
     ft = load_model(str(tmp_path / "ft"), progress=False).model

@@ -278,9 +278,9 @@ root, out = sys.argv[1], sys.argv[2]
 kw = dict(data_path=root + "/text.txt", samples=8, seqlen=32, batch_size=4, lora_rank=4, lr=1e-2,
           router_lr=1e-2, bias_speed=1e-2, epochs=2, distill=True, kd_temperature=2.0,
           kd_weight=0.7, kd_top_k=20, hidden_weight=0.5)
-one = finetune(root + "/moe", TrainSettings(mesh_shape=(1, 1), **kw), out=out + "/one",
+one = finetune(root + "/moe", TrainSettings.from_flags(mesh_shape=(1, 1), **kw), out=out + "/one",
                devices=jax.devices()[:1], progress=False)
-many = finetune(root + "/moe", TrainSettings(mesh_shape=(4, 2), **kw), out=out + "/many", progress=False)
+many = finetune(root + "/moe", TrainSettings.from_flags(mesh_shape=(4, 2), **kw), out=out + "/many", progress=False)
 logs = {k: [s["loss"] for s in json.load(open(f"{out}/{k}/train_log.json"))["steps"]] for k in ("one", "many")}
 a, _ = load_adapters(out + "/one/adapters")
 b, _ = load_adapters(out + "/many/adapters")

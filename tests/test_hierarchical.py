@@ -135,7 +135,7 @@ def _cli(root, out, *extra):
 
 
 def test_cli_carves_an_moe_source_and_eval_and_train_load_it(moe_dir, tmp_path):
-    from cmoe_jax.train import TrainSettings, finetune
+    from cmoe_jax.train import LoRAConfig, OptimConfig, TrainSettings, finetune
 
     out = tmp_path / "hier"
     assert convert_main(_cli(moe_dir, out, "--config", "S1A1E4", "--report")) == 0
@@ -156,7 +156,8 @@ def test_cli_carves_an_moe_source_and_eval_and_train_load_it(moe_dir, tmp_path):
                       "--json", str(tmp_path / "ppl.json")]) == 0
     assert np.isfinite(json.loads((tmp_path / "ppl.json").read_text())["ppl"])
     job = TrainSettings(data_path=str(moe_dir / "calib.txt"), samples=8, seqlen=32, batch_size=2,
-                   lora_rank=4, lr=1e-2, router_lr=1e-1, bias_speed=1e-2, epochs=2)
+                        lora=LoRAConfig(rank=4), optim=OptimConfig(lr=1e-2, router_lr=1e-1, bias_speed=1e-2),
+                        epochs=2)
     summary = finetune(str(out), job, out=tmp_path / "ft", progress=False)
     ft = load_model(str(tmp_path / "ft"), progress=False).model
     mlp = ft.layers[0].mlp

@@ -193,6 +193,32 @@ def test_merged_and_unmerged_give_the_same_logits(models):
     assert np.max(np.abs(want - before)) > 1e-2  # the adapters do change the model
 
 
+def test_the_flags_fill_the_sub_configs_and_their_defaults_are_the_clis():
+    """`TrainSettings` holds its sub-configs whole; `from_flags` (the CLI, `split_options`)
+    reads the flat flag names into them, and the CLI's defaults are the sub-configs' own."""
+    from cmoe_jax.train import DistillConfig, OptimConfig, RecoverConfig, TrainError
+    from cmoe_jax.train.cli import build_parser
+    from cmoe_jax.train.settings import FLAGS
+
+    s = TrainSettings.from_flags(samples=8, lora_rank=4, lora_alpha=16.0, dropout=0.1, targets="q_proj, up_proj",
+                                 lr=1e-2, router_lr=0.0, bias_speed=0.5, distill=True, kd_temperature=2.0,
+                                 kd_weight=0.5, kd_top_k=3, hidden_weight=0.1, recover="layerwise",
+                                 recover_samples=4, recover_steps=5, recover_lr=0.1)
+    assert s.samples == 8 and s.lora.parsed() == LoRAConfig(4, 16.0, 0.1, ("q_proj", "up_proj"))
+    assert s.optim == OptimConfig(lr=1e-2, router_lr=0.0, bias_speed=0.5)
+    assert s.distill == DistillConfig(2.0, 0.5, 3, 0.1) and s.recover == RecoverConfig(4, 5, 0.1)
+    plain = TrainSettings.from_flags(distill=False, recover=None)
+    assert plain == TrainSettings() and plain.distill is None and plain.recover is None
+    args = build_parser().parse_args(["--model", "m", "--out", "o"])
+    cli = TrainSettings.from_flags(**{flag: getattr(args, flag) for flag in FLAGS}, distill=True, recover="layerwise")
+    assert cli.lora.parsed() == LoRAConfig() and cli.optim == OptimConfig()
+    assert cli.distill == DistillConfig() and cli.recover == RecoverConfig()
+    with pytest.raises(TrainError, match="from_flags"):
+        TrainSettings(recover="layerwise")  # the flag's value, not a RecoverConfig
+    with pytest.raises(TrainError, match="--recover must be"):
+        TrainSettings.from_flags(recover="global")
+
+
 def _run(model_dirs, out, **kw):
     args = dict(data_path=str(model_dirs / "text.txt"), samples=8, seqlen=32, batch_size=2,
                 lora_rank=4, lr=1e-2, router_lr=1e-2, bias_speed=1e-2, epochs=2,
@@ -263,14 +289,14 @@ assert jax.device_count() == 8
 root, out = sys.argv[1], sys.argv[2]
 kw = dict(data_path=root + "/text.txt", samples=8, seqlen=32, batch_size=4, lora_rank=4,
           lr=1e-2, router_lr=1e-2, bias_speed=1e-2, epochs=3, save_every=100)
-one = finetune(root + "/moe", TrainSettings(mesh_shape=(1, 1), **kw), out=out + "/one",
+one = finetune(root + "/moe", TrainSettings.from_flags(mesh_shape=(1, 1), **kw), out=out + "/one",
                devices=jax.devices()[:1], progress=False)
-many = finetune(root + "/moe", TrainSettings(mesh_shape=(4, 2), **kw), out=out + "/many", progress=False)
+many = finetune(root + "/moe", TrainSettings.from_flags(mesh_shape=(4, 2), **kw), out=out + "/many", progress=False)
 import cmoe_jax.moe.expert_parallel as ep
 exchanges = []
 _exchange = ep._exchange
 ep._exchange = lambda *a, **k: exchanges.append(a[5]) or _exchange(*a, **k)  # traced all-to-all
-expert = finetune(root + "/moe", TrainSettings(mesh_shape=(2, 2), expert_parallel=2, **kw),
+expert = finetune(root + "/moe", TrainSettings.from_flags(mesh_shape=(2, 2), expert_parallel=2, **kw),
                   out=out + "/expert", progress=False)
 assert one["mesh"] == {"data": 1, "model": 1} and many["mesh"] == {"data": 4, "model": 2}
 assert expert["mesh"] == {"data": 2, "expert": 2, "model": 2}, expert["mesh"]

@@ -18,71 +18,30 @@ The record also lists every path the holder is about to create beside the output
 name unique to its run: pid plus a random suffix), written before the path exists, so the
 next job on the output cleans up exactly what a killed holder left, and never a sibling
 that merely looks like one.
+
+The lock file's own handling (opening it safely, reading its record, naming its holder,
+the parent directories made for it) is `cmoe_jax.jobs.lock_file`.
 """
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
 import secrets
-import stat
 import socket
 import sys
-import time
 from pathlib import Path
 
 from cmoe_jax.errors import CmoeError
+from cmoe_jax.jobs.lock_file import (MARKER, MadeParents, OutputPlaceError, at_path, holder, lock_path,
+                                     open_lock_file, read_record, recorded_paths, taken_over)
+
+__all__ = ["MARKER", "OutputBusyError", "OutputLock", "OutputPlaceError", "lock_path"]
 
 
 class OutputBusyError(CmoeError):
     """Another job holds the lock of the same output directory."""
-
-
-class OutputPlaceError(CmoeError):
-    """The output's directory cannot be created or written."""
-
-
-def lock_path(out: Path) -> Path:
-    out = Path(out)
-    return out.with_name(out.name + ".lock")
-
-
-MARKER = "cmoe_jax.output_lock"
-
-
-def _read_record(fd: int) -> dict | None:
-    """The lock record in the file open at `fd`: {} when empty, None when not a record of ours."""
-    data = os.pread(fd, 1 << 20, 0)
-    if not data:
-        return {}
-    try:
-        record = json.loads(data)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) and record.get("marker") == MARKER else None
-
-
-def _recorded_paths(record: dict) -> list[str]:
-    """The names a previous holder recorded (plain names beside the output only)."""
-    paths = record.get("paths", [])
-    return [p for p in paths if isinstance(p, str) and p and "/" not in p and p not in (".", "..")] \
-        if isinstance(paths, list) else []
-
-
-def _holder(path: Path) -> str:
-    for _ in range(20):  # the holder writes its record right after locking
-        try:
-            info = json.loads(path.read_text() or "null")
-        except (OSError, ValueError):
-            info = None
-        if isinstance(info, dict) and info.get("marker") == MARKER:
-            command = info.get("command", "?")
-            command = command if len(command) <= 120 else command[:117] + "..."
-            return f"pid {info.get('pid')} on {info.get('host')}: {command}"
-        time.sleep(0.01)
-    return "holder not recorded"
 
 
 class OutputLock:
@@ -94,107 +53,37 @@ class OutputLock:
         self._fd = None
         self.left: list[str] = []  # paths a killed previous holder recorded (see `record`)
         self._paths: list[str] = []
-        self._made: list[Path] = []  # parent directories made here (removed again if left empty)
+        self._parents = MadeParents(self.out)  # removed again if left empty
         self.run_id = secrets.token_hex(8)
         self._created = False
 
-    def _make_parents(self) -> None:
-        missing = [p for p in [self.out.parent, *self.out.parent.parents] if not p.exists()]
-        try:
-            for p in reversed(missing):
-                p.mkdir()
-                self._made.append(p)
-        except OSError as e:
-            self._remove_made()
-            raise OutputPlaceError(f"cannot create the directory of {self.out} ({e.strerror}): "
-                                   "choose a writable --out") from None
-
-    def _remove_made(self) -> None:
-        for p in reversed(self._made):
-            try:
-                p.rmdir()  # only while empty: a published output keeps its parents
-            except OSError:
-                break
-        self._made = []
-
     def acquire(self) -> "OutputLock":
-        self._make_parents()
-        while True:
-            fd, created = self._open()
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                self._remove_made()
-                raise OutputBusyError(
-                    f"{self.out} is being written by another job ({_holder(self.path)}): wait for it "
-                    "to finish or choose another --out") from None
-            if self._at_path(fd):
-                break
-            os.close(fd)  # the previous holder removed the file after we opened it: retry
-        previous = {} if created else self._taken_over(fd)
-        self.left = _recorded_paths(previous)  # a released lock's file is gone: a dead job's paths
+        self._parents.make()
+        try:
+            fd, created = self._lock()
+            previous = {} if created else taken_over(fd, self.path)
+        except Exception:
+            self._parents.remove()
+            raise
+        self.left = recorded_paths(previous)  # a released lock's file is gone: a dead job's paths
         self._fd, self._created = fd, created
         self._write_first(previous)
         return self
 
-    def _at_path(self, fd: int) -> bool:
-        """Whether the file open at `fd` is still the one at the lock's path."""
-        try:
-            return os.fstat(fd).st_ino == os.lstat(self.path).st_ino
-        except FileNotFoundError:
-            return False
-
-    def _refuse(self, fd: int | None, what: str):
-        if fd is not None:
-            os.close(fd)
-        self._remove_made()
-        raise OutputPlaceError(f"{self.path} {what}: a job writes only a lock file a job made, and "
-                               "leaves this one as it is; remove it or choose another --out")
-
-    def _open(self) -> tuple[int, bool]:
-        """(fd, created): `OUT.lock` created exclusively, else the existing one opened as it is
-        (never through a symbolic link, never blocking on a FIFO) and checked to be a plain
-        file with no other name."""
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    def _lock(self) -> tuple[int, bool]:
+        """(fd, created) of the lock file, locked here; `OutputBusyError` when another job holds it."""
         while True:
+            fd, created = open_lock_file(self.path, self.out)
             try:
-                return os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
-            except FileExistsError:
-                pass
-            except OSError as e:
-                self._place_error(e)
-            try:
-                fd = os.open(self.path, flags)
-                break
-            except FileNotFoundError:
-                continue  # removed between the two opens: create it
-            except OSError as e:
-                self._place_error(e)
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            self._refuse(fd, "is not a regular file")
-        if info.st_nlink != 1:
-            self._refuse(fd, f"is a hard link ({info.st_nlink} names for one file)")
-        return fd, False
-
-    def _place_error(self, e: OSError):
-        self._remove_made()
-        if e.errno == errno.ELOOP:
-            raise OutputPlaceError(f"{self.path} is a symbolic link: a job never writes through "
-                                   "one; remove it (it is not ours) or choose another --out") from None
-        if e.errno == errno.EISDIR:
-            self._refuse(None, "is a directory")
-        raise OutputPlaceError(f"cannot write beside {self.out} ({e.strerror}): choose a "
-                               "writable --out") from None
-
-    def _taken_over(self, fd: int) -> dict:
-        """The record of a dead job's lock file (now locked here), or a refusal when the file
-        holds anything else."""
-        previous = _read_record(fd)
-        if previous is None:
-            self._refuse(fd, "holds a file that no cmoe_jax job wrote")
-        return previous
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise OutputBusyError(
+                    f"{self.out} is being written by another job ({holder(self.path)}): wait for it "
+                    "to finish or choose another --out") from None
+            if at_path(fd, self.path):
+                return fd, created
+            os.close(fd)  # the previous holder removed the file after we opened it: retry
 
     def _write_first(self, previous: dict) -> None:
         """The first record; on failure (a full disk) a file made here is removed, a dead job's
@@ -211,7 +100,7 @@ class OutputLock:
                     os.ftruncate(self._fd, len(data))
             os.close(self._fd)
             self._fd = None
-            self._remove_made()
+            self._parents.remove()
             raise
 
     def _write(self) -> None:
@@ -240,14 +129,14 @@ class OutputLock:
         if self._fd is None:
             return
         try:
-            if not self._paths and self._at_path(self._fd) and \
-                    (_read_record(self._fd) or {}).get("run") == self.run_id:
+            if not self._paths and at_path(self._fd, self.path) and \
+                    (read_record(self._fd) or {}).get("run") == self.run_id:
                 with contextlib.suppress(OSError):  # a refusal here must not hide the job's own error:
                     self.path.unlink()  # the record stays, and the next job takes it over
         finally:
             os.close(self._fd)
             self._fd = None
-            self._remove_made()
+            self._parents.remove()
 
     def __enter__(self):
         return self.acquire()

@@ -143,7 +143,7 @@ class MoELayer(nnx.Module):
             slots, y, counts, keep = self.forward(xp, key, mp)
             slots, y = slots[:tokens], y[:tokens].reshape(shape)
             keep = None if keep is None else keep[:tokens]
-        return self.outputs(x, shape, y, counts, (slots, mask, keep), return_load, return_router)
+        return layer_outputs(self, x, shape, y, counts, (slots, mask, keep), return_load, return_router)
 
     def forward(self, x: Float[Array, "T d"], key=None, mask: Bool[Array, "T"] | None = None):
         """Tokens `x [T, d]` (T > 0) and their `mask` -> (router slots `[T, k]`, y `[T, d]`,
@@ -181,15 +181,16 @@ class MoELayer(nnx.Module):
         run = ExpertRun(self.dtype, self.expert_axis, self.dispatch, self.expert_gate.get_value())
         return run_experts(x, ids, gates, experts, run, adapters, make_lora)
 
-    def outputs(self, x, shape, y, counts, pairs: tuple, return_load: bool, return_router: bool):
-        """`y`, plus the loads and the router outputs asked for (computed only then)."""
-        router = None
-        if return_router or self.sow_router:
-            slots, mask, keep = pairs
-            scores = self.router_scores(x)
-            slots, keep = self.reported_pairs(x, (slots, keep))
-            router = router_output(scores, slots, shape[:-1], mask=mask, keep=keep)
-            if self.sow_router:
-                self.sow(nnx.Intermediate, "router_outputs", router)
-        out = (y,) + ((counts,) if return_load else ()) + ((router,) if return_router else ())
-        return out[0] if len(out) == 1 else out
+
+def layer_outputs(layer: MoELayer, x, shape, y, counts, pairs: tuple, return_load: bool, return_router: bool):
+    """`y`, plus the loads and the router outputs asked for (computed only then)."""
+    router = None
+    if return_router or layer.sow_router:
+        slots, mask, keep = pairs
+        scores = layer.router_scores(x)
+        slots, keep = layer.reported_pairs(x, (slots, keep))
+        router = router_output(scores, slots, shape[:-1], mask=mask, keep=keep)
+        if layer.sow_router:
+            layer.sow(nnx.Intermediate, "router_outputs", router)
+    out = (y,) + ((counts,) if return_load else ()) + ((router,) if return_router else ())
+    return out[0] if len(out) == 1 else out

@@ -132,19 +132,17 @@ def run(args) -> dict:
     check_writable_dir(args.out)
     distributed.initialize()  # a multi-process job trains data-parallel over all processes
 
-    settings = TrainSettings(dataset=args.dataset, data_path=args.data_path, split=args.split,
-                   samples=args.samples, seqlen=args.seqlen, batch_size=args.batch_size,
-                   lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, dropout=args.dropout,
-                   targets=args.targets, lr=args.lr, router_lr=args.router_lr,
-                   bias_speed=args.bias_speed, epochs=args.epochs, seed=args.seed,
-                   save_every=args.save_every, max_steps=args.max_steps, max_minutes=args.max_minutes,
-                   new_data=args.new_data,
-                   mesh_shape=_mesh(args.mesh), expert_parallel=args.expert_parallel,
-                   remat=args.remat, dtype=args.dtype, distill=args.distill, teacher=args.teacher,
-                   kd_temperature=args.kd_temperature, kd_weight=args.kd_weight,
-                   kd_top_k=args.kd_top_k, hidden_weight=args.hidden_weight, recover=args.recover,
-                   recover_samples=args.recover_samples, recover_steps=args.recover_steps,
-                   recover_lr=args.recover_lr)
+    settings = TrainSettings.from_flags(
+        dataset=args.dataset, data_path=args.data_path, split=args.split, samples=args.samples,
+        seqlen=args.seqlen, batch_size=args.batch_size, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        dropout=args.dropout, targets=args.targets, lr=args.lr, router_lr=args.router_lr,
+        bias_speed=args.bias_speed, epochs=args.epochs, seed=args.seed, save_every=args.save_every,
+        max_steps=args.max_steps, max_minutes=args.max_minutes, new_data=args.new_data,
+        mesh_shape=_mesh(args.mesh), expert_parallel=args.expert_parallel, remat=args.remat, dtype=args.dtype,
+        distill=args.distill, teacher=args.teacher, kd_temperature=args.kd_temperature,
+        kd_weight=args.kd_weight, kd_top_k=args.kd_top_k, hidden_weight=args.hidden_weight,
+        recover=args.recover, recover_samples=args.recover_samples, recover_steps=args.recover_steps,
+        recover_lr=args.recover_lr)
     return finetune(args.model, settings, out=args.out, resume=args.resume, overwrite=args.overwrite,
                     progress=not args.no_progress)
 

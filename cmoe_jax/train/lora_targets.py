@@ -48,6 +48,12 @@ class LoRAConfig:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    def parsed(self) -> "LoRAConfig":
+        """These settings with the targets parsed (a comma-separated string accepted; unknown
+        names fail here) and alpha and dropout as floats."""
+        return dataclasses.replace(self, alpha=float(self.alpha), dropout=float(self.dropout),
+                                   targets=parse_targets(self.targets))
+
     def validate(self) -> None:
         if self.rank < 1:
             raise TrainError(f"--lora-rank must be at least 1, got {self.rank}")

@@ -35,19 +35,13 @@ class RecoveryModes:
 
     @classmethod
     def of(cls, job: TrainSettings) -> "RecoveryModes":
-        distill = recover = None
-        if job.distill:
-            distill = DistillConfig(temperature=job.kd_temperature, kd_weight=job.kd_weight,
-                                    top_k=job.kd_top_k, hidden_weight=job.hidden_weight)
+        distill, recover = job.distill, job.recover
+        if distill:
             distill.validate()
         elif job.teacher:
             raise TrainError("--teacher names the model to distil from: add --distill or "
                              "--recover layerwise")
-        if job.recover not in (None, "layerwise"):
-            raise TrainError(f"--recover must be 'layerwise', got {job.recover!r}")
-        if job.recover:
-            recover = RecoverConfig(samples=job.recover_samples, steps=job.recover_steps,
-                                    lr=job.recover_lr)
+        if recover:
             recover.validate(job.samples)
         if job.max_steps == 0 and not recover:
             raise TrainError("--max-steps 0 (no global training) needs --recover layerwise")

@@ -26,7 +26,7 @@ class FineTuning:
         self.t_start = time.perf_counter()
         self.settings = settings
         self.modes = RecoveryModes.of(settings)  # --distill / --recover checked before anything is read
-        self.lora = settings.lora()
+        self.lora = settings.lora.parsed()
         self.lora.validate()
         check_settings(settings)
 
@@ -68,11 +68,11 @@ class FineTuning:
         self.lm = self.source.load(dtype=getattr(jnp, s.dtype), mesh=mesh, progress=progress)
         modes.load_teacher(getattr(jnp, s.dtype), mesh, progress)
         self.lm.model = modes.recover_model(self.lm.model, self.windows, lora, s.seed, staging, progress)
-        state, shardings, tx = init_state(self.lm.model, lora, self.settings.optim(), jax.random.key(s.seed), mesh)
+        state, shardings, tx = init_state(self.lm.model, lora, s.optim, jax.random.key(s.seed), mesh)
         graphdef, frozen, frozen_sh = split_frozen(self.lm.model, mesh)
         self.frozen, frozen_sh, objective = modes.objective(graphdef, frozen, frozen_sh, lora, s.remat, mesh)
         step_fn = make_train_step(objective or lm_loss(graphdef, lora, s.remat), tx, shardings, frozen_sh,
-                                  mesh, seed=s.seed, bias_speed=s.bias_speed)
+                                  mesh, seed=s.seed, bias_speed=s.optim.bias_speed)
         self.checkpoints = RunCheckpoints(staging / "checkpoints")
         self.log, self.start = [], 0
         latest = self.checkpoints.latest_step() if resume else None
@@ -156,8 +156,8 @@ class FineTuning:
         distributed.barrier("train:final")
         save_converted(merged, manifest, final, tokenizer=self.lm.tokenizer)  # Orbax from all processes
         save_adapters(final / "adapters", adapters, us, bs,
-                      {"source_model": str(self.name), "rank": s.lora_rank, "alpha": float(s.lora_alpha),
-                       "scale": lora.scale, "dropout": float(s.dropout), "targets": list(lora.targets),
+                      {"source_model": str(self.name), "rank": lora.rank, "alpha": lora.alpha,
+                       "scale": lora.scale, "dropout": lora.dropout, "targets": list(lora.targets),
                        "steps": len(self.log)})
         if main:
             shutil.move(str(staging / "checkpoints"), str(final / "checkpoints"))
@@ -165,5 +165,5 @@ class FineTuning:
                 shutil.move(str(staging / RECOVER_DIR), str(final / RECOVER_DIR))
             shutil.copy(staging / "run_config.json", final / "run_config.json")
             write_log(final / "train_log.json", summary, self.log)
-            plot_loss(final / "loss.png", self.log, title=f"LoRA r={s.lora_rank} on {Path(str(self.name)).name}")
+            plot_loss(final / "loss.png", self.log, title=f"LoRA r={lora.rank} on {Path(str(self.name)).name}")
         return summary

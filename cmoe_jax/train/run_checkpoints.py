@@ -107,10 +107,6 @@ def check_run_config(directory: Path, settings: dict, may_differ: tuple[str, ...
     return saved
 
 
-def write_run_config(directory: Path, settings: dict) -> None:
-    write_json_atomic(Path(directory) / RUN_CONFIG, settings)
-
-
 def save_adapters(directory: Path, adapters: dict, u: dict, bias: dict, config: dict) -> None:
     """The adapters alone: `directory/state` (Orbax) and `directory/adapter_config.json`."""
     directory = Path(directory)

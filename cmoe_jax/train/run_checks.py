@@ -22,7 +22,8 @@ def check_settings(s: TrainSettings) -> None:
         raise TrainError(f"--max-steps must be non-negative, got {s.max_steps}")
     if s.dtype not in ("float32", "bfloat16"):
         raise TrainError(f"--dtype must be float32 or bfloat16, got {s.dtype!r}")
-    for name, value in (("--lr", s.lr), ("--router-lr", s.router_lr), ("--bias-speed", s.bias_speed)):
+    for name, value in (("--lr", s.optim.lr), ("--router-lr", s.optim.router_lr),
+                        ("--bias-speed", s.optim.bias_speed)):
         if not value >= 0:
             raise TrainError(f"{name} must be non-negative, got {value}")
 
@@ -53,8 +54,8 @@ def check_model(cfg, s: TrainSettings, lora) -> list:
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     adapted = adapted_weights(abstract, lora.targets)  # targets that match nothing fail here
     full_rank = max(min(shape[-2:]) for _, shape in adapted)
-    if s.lora_rank > full_rank:
-        raise TrainError(f"--lora-rank {s.lora_rank} exceeds the rank of every adapted weight "
+    if lora.rank > full_rank:
+        raise TrainError(f"--lora-rank {lora.rank} exceeds the rank of every adapted weight "
                          f"(at most {full_rank}): give at most {full_rank}")
     tied = [i for i, spec in enumerate(cfg.moe_layers) if spec is not None and spec.prototype_owner >= 0]
     if tied and any(p[1] in tied and p[3].startswith("expert_") for p, _ in adapted):

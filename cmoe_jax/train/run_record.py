@@ -13,9 +13,9 @@ def run_settings(run) -> dict:
     s, lora = run.settings, run.lora
     return {"model": str(run.name), "dataset": s.dataset, "split": s.split, "data_path": s.data_path,
             "samples": s.samples, "seqlen": s.seqlen, "batch_size": s.batch_size,
-            "lora_rank": s.lora_rank, "lora_alpha": float(s.lora_alpha), "dropout": float(s.dropout),
-            "targets": list(lora.targets), "lr": s.lr, "router_lr": s.router_lr,
-            "bias_speed": s.bias_speed, "epochs": s.epochs, "seed": s.seed, "dtype": s.dtype,
+            "lora_rank": lora.rank, "lora_alpha": lora.alpha, "dropout": lora.dropout,
+            "targets": list(lora.targets), "lr": s.optim.lr, "router_lr": s.optim.router_lr,
+            "bias_speed": s.optim.bias_speed, "epochs": s.epochs, "seed": s.seed, "dtype": s.dtype,
             **run.mode_settings}
 
 
