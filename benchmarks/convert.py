@@ -107,7 +107,7 @@ def random_layers(args, load_start: float) -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from cmoe_jax.methods.cmoe import (ConvertConfig, MoEPlan, carve_one_layer, fit_router_scales, moe_spec,
+    from cmoe_jax.methods.cmoe import (ConvertConfig, MoEPlan, carve_one_layer, fit_layer, moe_spec,
                                        slices_for)
     from cmoe_jax.models.ffn import filled_ffn
     from cmoe_jax.models.config import ModelConfig
@@ -139,14 +139,14 @@ def random_layers(args, load_start: float) -> None:
         carving, _, secs = carve_one_layer(layer, x, cc, cc.plan)
         ffn = filled_ffn(cfg, moe_spec(cfg, cc, cc.plan), slices_for(layer, carving), dtype)
         ffn.backend = args.backend
-        fit_router_scales(ffn, x, cc, mesh)
+        fit_layer(ffn, x, cc, mesh)
         fg, fs = nnx.split(ffn)
         h, _ = jax.block_until_ready(ffn_residual_step(fg, replicate(fs, mesh), h_mid, x))
         t3 = time.perf_counter()
         del layer, ls, h_mid, x, ffn, fs
         times.append(t3 - t1)
         print(f"layer {i}: {t3 - t1:7.2f} s (attention {t2 - t1:.2f}, profile {secs['profile']:.2f}, "
-              f"cluster {secs['cluster']:.2f}, router fit + forward "
+              f"cluster {secs['cluster']:.2f}, fits + forward "
               f"{t3 - t2 - secs['profile'] - secs['cluster']:.2f}; random init {t1 - t0:.2f} "
               f"excluded), {peak_memory()}", flush=True)
     steady = times[1:] or times  # layer 0 also compiles every step

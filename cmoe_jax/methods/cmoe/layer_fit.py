@@ -26,18 +26,22 @@ def fit_sums(sums, ffn, x, tokens: int | None, mesh, names: tuple, **static) -> 
     """The float64 totals of `sums` (`router_fit_sums`, `gate_fit_sums`, `down_fit_sums`) over
     an evenly strided subset of about `tokens` (None: all) of the layer's calibration inputs x [N, T, d]
     (kept sharded over the batch), so every device and process count sees the same tokens:
-    taken per window, added in window order. `names`: the FFN's arrays `sums` takes after x."""
+    taken per window, added in window order. `names`: the FFN's arrays `sums` takes after x
+    (a tuple of names: one argument, a tuple of arrays)."""
     n, t = x.shape[:2]
     n_all = int(distributed.sum_across_processes(np.int64(n)))
     stride = 1 if tokens is None else max(1, -(-n_all * t // tokens))
-    weights = [replicate(_array(ffn, name), mesh) for name in names]
+    weights = [replicate(_arrays(ffn, name), mesh) for name in names]
     return tuple(distributed.gather_rows(np.asarray(s)).astype(np.float64).sum(0)
                  for s in _per_window(sums, x[:, ::stride], *weights, activation=ffn.activation,
                                       **static))
 
 
-def _array(ffn, name: str):
-    """`ffn`'s array `name`; a shared MLP of width 0 has none: an empty one of its shape."""
+def _arrays(ffn, name: str | tuple):
+    """`ffn`'s array `name` (a tuple of names: a tuple of arrays); a shared MLP of width 0
+    has none: an empty one of its shape."""
+    if isinstance(name, tuple):
+        return tuple(_arrays(ffn, n) for n in name)
     if name.startswith("shared_") and ffn.spec.shared_width == 0:
         d = ffn.expert_gate.shape[1]
         return jnp.zeros((0, d) if name == "shared_down" else (d, 0), jnp.float32)
@@ -73,8 +77,8 @@ def fit_down(ffn, x, cc, mesh) -> None:
     least-squares ones (`down_fit_sums`, `solve_down` with `cc.down_fit` as the ridge) on
     `cc.down_fit_tokens` of the layer's calibration inputs, with its router as fitted."""
     ptp, pty = fit_sums(down_fit_sums, ffn, x, cc.down_fit_tokens, mesh,
-                        ("router_gate", "router_up", "u") + _SHARED + _EXPERTS, top_k=ffn.top_k)
-    shared, (e, m, d) = np.asarray(_array(ffn, "shared_down"), np.float32), ffn.expert_down.shape
+                        (("router_gate", "router_up", "u"), _SHARED, _EXPERTS), top_k=ffn.top_k)
+    shared, (e, m, d) = np.asarray(_arrays(ffn, "shared_down"), np.float32), ffn.expert_down.shape
     s = shared.shape[0]
     w0 = np.concatenate([shared, np.asarray(ffn.expert_down[...], np.float32).reshape(e * m, d)])
     w = solve_down(ptp, pty, w0, cc.down_fit)

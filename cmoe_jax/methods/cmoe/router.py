@@ -133,10 +133,11 @@ def solve_gate_scales(ata, atr, ridge: float = 1e-6) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "activation"))
-def down_fit_sums(x, router_gate, router_up, u, shared_gate, shared_up, shared_down, expert_gate,
-                  expert_up, expert_down, *, top_k: int, activation: str):
+def down_fit_sums(x, router, shared, experts, *, top_k: int, activation: str):
     """(P^T P [H, H], P^T y [H, d]) of the least-squares down projections over tokens x [..., d],
-    H = S + E m the layer's neurons (shared first, then the experts' in order).
+    H = S + E m the layer's neurons (shared first, then the experts' in order). `router`:
+    (router_gate, router_up, u); `shared`: the shared MLP's (gate, up, down), S = 0 allowed;
+    `experts`: the routed experts' (gate, up, down).
 
     Row t of P holds what each neuron feeds the down projections in the converted layer: the
     shared neurons' h, and for a selected expert j its neurons' h times its gate g_j
@@ -149,6 +150,8 @@ def down_fit_sums(x, router_gate, router_up, u, shared_gate, shared_up, shared_d
     x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     act = glu_activation(activation)
     f32 = lambda w: w.astype(jnp.float32)  # noqa: E731
+    (router_gate, router_up, u), (shared_gate, shared_up, shared_down) = router, shared
+    expert_gate, expert_up, expert_down = experts
     n, num_experts = x.shape[0], expert_gate.shape[0]
     ids, gates = cmoe_route(x, router_gate, router_up, u, jnp.zeros((num_experts,), jnp.float32),
                             top_k, activation=activation)
