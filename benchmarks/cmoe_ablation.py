@@ -29,7 +29,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import WIKITEXT  # noqa: E402
 
-PAPER = {"router_neurons": 1, "router_reps": "centroid", "router_scale": False, "kmeans_iters": 1}
+PAPER = {"router_neurons": 1, "router_reps": "centroid", "router_scale": False, "gate_fit": False,
+         "down_fit": 0.0, "kmeans_iters": 1}
 VARIANTS = {
     "defaults": {},
     "paper": PAPER,
@@ -46,7 +47,8 @@ VARIANTS = {
     "24-router-neurons": {"router_neurons": 24},
     "32-router-neurons": {"router_neurons": 32},
     "fit-8192-tokens": {"router_fit_tokens": 8192},
-    "down-fit": {"down_fit": 0.01},
+    "no-down-fit": {"down_fit": 0.0},
+    "down-fit-0.01": {"down_fit": 0.01},
     "down-fit-0.1": {"down_fit": 0.1},
     "down-fit-0.001": {"down_fit": 0.001},
     "down-fit-0.3": {"down_fit": 0.3},

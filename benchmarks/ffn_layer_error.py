@@ -104,7 +104,8 @@ def main() -> None:
             exact = max(rel(everything, y0) for (_, everything, _), y0 in zip(parts, ys))
             if exact > 1e-3:
                 sys.exit(f"error: {d}: its experts do not sum to the dense FFN (relative error "
-                         f"{exact:.2e}); --oracle needs a conversion that splits the FFN's neurons")
+                         f"{exact:.2e}); --oracle needs a conversion that splits the FFN's neurons "
+                         "(convert with --down-fit 0)")
             table[name + ":oracle"] = [rel(o, y0) for (o, _, _), y0 in zip(parts, ys)]
             table[name + ":hit"] = [float(hit) for (_, _, hit) in parts]
     names = list(table)

@@ -93,7 +93,8 @@ def test_shared_experts_and_router_neurons_by_output_energy(dense):
 def test_router_picks_experts_with_largest_representative_activation(dense):
     """The paper's router: one representative per expert, raw |h| scores."""
     plan = MoEPlan.parse("S1A2E8")
-    cc = ConvertConfig(plan=plan, k_act=4, router_neurons=1, router_scale=False, gate_fit=False)
+    cc = ConvertConfig(plan=plan, k_act=4, router_neurons=1, router_scale=False, gate_fit=False,
+                       down_fit=0.0)
     moe, records = convert_model(dense, _calib(), cc, progress=False)
     layer, dense_mlp, carving = moe.layers[0].mlp, dense.layers[0].mlp, records[0].carving
     x = jax.random.normal(jax.random.key(0), (64, 32))
@@ -126,7 +127,8 @@ def test_router_sums_several_neurons_with_least_squares_scales(dense):
     """r = 4 closest neurons per expert, |h| summed, times c_j fitted by least squares of the
     scores against the experts' output norms on the calibration inputs."""
     plan, calib = MoEPlan.parse("S1A2E8"), _calib()
-    cc = ConvertConfig(plan=plan, k_act=4, router_neurons=4, router_reps="centroid", gate_fit=False)
+    cc = ConvertConfig(plan=plan, k_act=4, router_neurons=4, router_reps="centroid", gate_fit=False,
+                       down_fit=0.0)
     moe, records = convert_model(dense, calib, cc, progress=False)
     layer, dmlp, carving = moe.layers[0].mlp, dense.layers[0].mlp, records[0].carving
     wg, wu, wd = (np.asarray(w[...], np.float64) for w in (dmlp.gate, dmlp.up, dmlp.down))
@@ -160,8 +162,8 @@ def test_router_sums_several_neurons_with_least_squares_scales(dense):
 def test_defaults_are_sixteen_energy_router_neurons_and_paper_router_one_flag_away(
         tiny_checkpoint, tmp_path):
     cc = ConvertConfig(plan=MoEPlan.parse("S1A1E8"))
-    assert (cc.neurons_for(192), cc.router_reps, cc.router_scale, cc.shared_by, cc.gate_fit) == (
-        16, "energy", True, "rate-energy", True)
+    assert (cc.neurons_for(192), cc.router_reps, cc.router_scale, cc.shared_by, cc.gate_fit, cc.down_fit) == (
+        16, "energy", True, "rate-energy", True, 0.1)
     assert cc.neurons_for(8) == 8  # capped at a narrower expert
     _, path, text = tiny_checkpoint
     assert convert_main(_cli(path, text, tmp_path / "default", "--config", "S1A1E4")) == 0
@@ -171,6 +173,7 @@ def test_defaults_are_sixteen_energy_router_neurons_and_paper_router_one_flag_aw
     router = json.loads((tmp_path / "paper" / "cmoe_manifest.json").read_text())["router"]
     assert (router["neurons_per_expert"], router["representatives_by"], router["fitted_scales"],
             router["fitted_gates"]) == (1, "centroid", False, False)
+    assert json.loads((tmp_path / "paper" / "cmoe_manifest.json").read_text())["down_fit"]["ridge"] == 0.0
 
 
 def test_paper_router_flag_refuses_other_router_flags(tiny_checkpoint, tmp_path, capsys):
@@ -356,7 +359,7 @@ def test_oracle_router_of_the_layer_error_benchmark_matches_brute_force(dense):
     are the dense FFN; the hit rate counts the router's picks among the oracle's."""
     from benchmarks.ffn_layer_error import oracle_outputs
 
-    moe, _ = convert_model(dense, _calib(), ConvertConfig(plan=MoEPlan.parse("S1A2E8"), k_act=4),
+    moe, _ = convert_model(dense, _calib(), ConvertConfig(plan=MoEPlan.parse("S1A2E8"), k_act=4, down_fit=0.0),
                            progress=False)
     mlp, x = moe.layers[0].mlp, np.random.default_rng(3).normal(size=(12, 32)).astype(np.float32)
     oracle, everything, hit = jax.jit(oracle_outputs)(mlp, jnp.asarray(x))

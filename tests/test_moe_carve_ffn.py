@@ -28,7 +28,8 @@ def numpy_dense(w, x):
 @pytest.mark.parametrize("plan", ["S1A2E8", "S0A1E4", "S2A3E6"])
 def test_every_expert_active_is_the_dense_ffn(plan):
     w, x = dense_ffn()
-    moe, carving = carve_ffn(*w, x, plan, activation="silu", return_carving=True, router_neurons=2, gate_fit=False)
+    moe, carving = carve_ffn(*w, x, plan, activation="silu", return_carving=True, router_neurons=2, gate_fit=False,
+                             down_fit=0.0)
     p = MoEPlan.parse(plan)
     assert (moe.num_experts, moe.top_k, moe.router) == (p.routed, p.active, "cmoe")
     assert moe.shared_width == p.shared_width(DH) and moe.expert_width == DH // p.total
@@ -93,7 +94,7 @@ def test_gate_fit_is_the_least_squares_gate_scaling(plan):
     built from the carved experts run one by one, and lowers the layer's squared error on the
     calibration tokens against the dense FFN."""
     w, x = dense_ffn(3)
-    moe = carve_ffn(*w, x, plan, activation="silu", gate_fit=True, router_fit_tokens=10_000)
+    moe = carve_ffn(*w, x, plan, activation="silu", gate_fit=True, router_fit_tokens=10_000, down_fit=0.0)
     u = np.asarray(moe.u[...], np.float64)
     t = x.reshape(-1, D).astype(np.float64)
     act = moe_numpy.silu
@@ -140,7 +141,7 @@ def test_down_fit_is_the_ridge_least_squares_reconstruction(plan, ridge):
     carved rows) built token by token from the layer's own routing, and make the layer's
     output on the calibration tokens closer to the dense FFN's."""
     w, x = dense_ffn(4)
-    carved = carve_ffn(*w, x, plan, activation="silu")
+    carved = carve_ffn(*w, x, plan, activation="silu", down_fit=0.0)
     moe = carve_ffn(*w, x, plan, activation="silu", down_fit=ridge, down_fit_tokens=10_000)
     for name in ("router_gate", "router_up", "u", "expert_gate", "expert_up"):
         np.testing.assert_array_equal(np.asarray(getattr(moe, name)[...]), np.asarray(getattr(carved, name)[...]))

@@ -44,17 +44,19 @@ class ConvertConfig:
     # Down projections refitted by least squares so the layer's output, with the tokens'
     # experts as routed, best matches the dense FFN's on `down_fit_tokens` calibration tokens
     # (None: all): the ridge (a share of the mean diagonal, pulling towards the dense rows);
-    # 0: the dense FFN's rows as carved (the paper).
-    down_fit: float = 0.0
+    # 0: the dense FFN's rows as carved (the paper). 0.1: best of 0.01-1 on SmolLM2 S3A3E8
+    # (docs/results/cmoe.md, ablation).
+    down_fit: float = 0.1
     down_fit_tokens: int | None = None
     # One shape per layer (a budget's allocation, `cmoe_jax.methods.cmoe.budget`); None in
     # it keeps that layer's dense FFN. None: every layer gets `plan`.
     layer_plans: tuple[MoEPlan | None, ...] | None = None
 
     # The CMoE paper's analytical router: one representative neuron per expert, the member
-    # closest to the centroid, raw |h| scores, gates 1 (`--paper-router`).
+    # closest to the centroid, raw |h| scores, gates 1, the experts' dense down rows
+    # (`--paper-router`).
     PAPER_ROUTER = {"router_neurons": 1, "router_reps": "centroid", "router_scale": False,
-                    "gate_fit": False}
+                    "gate_fit": False, "down_fit": 0.0}
 
     # 16 router neurons: better than 8 on SmolLM2 and Gemma 3 at 25% and 75% active and about
     # as good as 32 at half the router's cost (docs/results/cmoe.md, ablation)

@@ -32,7 +32,7 @@ def add_flags(g) -> None:
                         "centroid --no-router-scale --no-gate-fit)")
     g.add_argument("--router-fit-tokens", type=positive_int, default=2048,
                    help="calibration tokens used to fit the router score scales")
-    g.add_argument("--down-fit", type=nonneg_float, default=ConvertConfig.down_fit, metavar="RIDGE",
+    g.add_argument("--down-fit", type=nonneg_float, default=None, metavar="RIDGE",
                    help="refit each layer's down projections by least squares so that, with the "
                         "tokens routed as the converted layer routes them, its output best matches "
                         "the dense FFN's on the calibration tokens; RIDGE (a share of the mean "
@@ -115,26 +115,28 @@ def plan_from_args(args) -> MoEPlan | None:
 
 
 def router_options(args) -> dict:
-    """Router settings from the flags; `--paper-router` fixes all four and excludes the others."""
+    """Router and fit settings from the flags; `--paper-router` fixes all five and excludes
+    the others."""
     if args.paper_router:
         given = [f for f, v in (("--router-neurons", args.router_neurons), ("--router-reps", args.router_reps),
                                 ("--no-router-scale", args.no_router_scale or None),
-                                ("--no-gate-fit", args.no_gate_fit or None)) if v is not None]
+                                ("--no-gate-fit", args.no_gate_fit or None),
+                                ("--down-fit", args.down_fit)) if v is not None]
         if given:
             raise CmoeError(f"--paper-router sets the router itself: drop {', '.join(given)}")
         return dict(ConvertConfig.PAPER_ROUTER)
     neurons, reps = args.router_neurons, args.router_reps
     return {"router_neurons": neurons,
             "router_reps": ConvertConfig.router_reps if reps is None else reps,
-            "router_scale": not args.no_router_scale, "gate_fit": not args.no_gate_fit}
+            "router_scale": not args.no_router_scale, "gate_fit": not args.no_gate_fit,
+            "down_fit": ConvertConfig.down_fit if args.down_fit is None else args.down_fit}
 
 
 def settings_from_args(args) -> ConvertSettings:
     """The CMoE conversion the flags describe (hierarchical when the source is an MoE)."""
     method = ConvertConfig(plan=plan_from_args(args), k_act=args.k_act, normalize=not args.no_normalize,
                            kmeans_iters=args.kmeans_iters, seed=args.seed,
-                           router_fit_tokens=args.router_fit_tokens, down_fit=args.down_fit,
-                           down_fit_tokens=args.down_fit_tokens,
+                           router_fit_tokens=args.router_fit_tokens, down_fit_tokens=args.down_fit_tokens,
                            shared_by=args.shared_by or ConvertConfig.shared_by,
                            **router_options(args))
     calibration = Calibration(dataset=args.dataset, split=args.split, data_path=args.data_path,
