@@ -1,9 +1,10 @@
 """Device meshes and parameter shardings, with the sharding rules kept as data.
 
-Every variable carries the logical axes of its dimensions: as Flax partitioning metadata
+Every variable carries the logical axes of its dimensions as Flax partitioning metadata
 given when it is created (`nnx.Param(value, out_sharding=("expert", "embed", "mlp"),
-eager_sharding=False)`, the MoE layers' variables: `cmoe_jax.moe.params`), or declared next
-to its module's code in a class attribute `LOGICAL_AXES = {"q_proj": ("embed", "heads"), ...}`. One rules table, `RULES`,
+eager_sharding=False)`: `cmoe_jax.moe.params.with_axes`, used by the decoder's and the MoE
+layers' modules alike); a module of one's own may instead declare them in a class attribute
+`LOGICAL_AXES = {"w": ("embed", "mlp"), ...}`. One rules table, `RULES`,
 maps each logical axis to the mesh axes it may be split over, in order of preference:
 projections are split Megatron-style over "model" (columns of q/k/v/gate/up, rows of
 o/down), stacked experts over "expert" when the mesh has that axis and over "model"

@@ -23,9 +23,6 @@ from cmoe_jax.models.decoder_layer import DecoderLayer, LayerOutput  # noqa: F40
 class Decoder(nnx.Module):
     """Causal LM: tokens [B, T] -> logits [B, T, vocab]."""
 
-    # the embedding table stays whole (a gather); the LM head is split over its vocabulary
-    LOGICAL_AXES = {"embed": (None, "embed"), "lm_head": ("embed", "vocab")}
-
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
                  stack: bool = True):
         """`stack=False` keeps one module per layer even where the layers could be stacked
@@ -33,14 +30,15 @@ class Decoder(nnx.Module):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = cfg
         self.dtype = dtype
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        # the embedding table stays whole (a gather); the LM head is split over its vocabulary
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (None, "embed"))
         layers = [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
         if any(s is not None and s.prototype_owner >= 0 for s in cfg.moe_layers):
             tie_prototype_tables(layers, cfg.moe_layers)
         self.layers = self._store(layers) if stack else nnx.List(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, ("embed", "vocab"))
 
     def _store(self, layers):
         return decoder_layout.store_layers(self, layers)

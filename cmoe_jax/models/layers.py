@@ -13,12 +13,14 @@ from cmoe_jax.lora_variables import project
 from cmoe_jax.models.config import ModelConfig, rope_inv_freq
 from cmoe_jax.models.kv_cache import cached_attention
 from cmoe_jax.moe.activations import glu_activation
+from cmoe_jax.moe.params import with_axes
 
 _init = nnx.initializers.normal(0.02)
 
 
-def _param(rngs: nnx.Rngs, shape, dtype) -> nnx.Param:
-    return nnx.Param(_init(rngs.params(), shape, dtype))
+def _param(rngs: nnx.Rngs, shape, dtype, axes: tuple) -> nnx.Param:
+    """A weight drawn like the checkpoints were made, carrying its logical `axes`."""
+    return nnx.Param(_init(rngs.params(), shape, dtype), **with_axes(axes))
 
 
 class RMSNorm(nnx.Module):
@@ -26,10 +28,8 @@ class RMSNorm(nnx.Module):
     (Gemma: 1) the weight is stored as the checkpoint holds it and applied as `offset + w`,
     in float32 before the cast, as Gemma's norm does."""
 
-    LOGICAL_AXES = {"weight": ("norm",)}
-
     def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, offset: float = 0.0):
-        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype), **with_axes(("norm",)))
         self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -62,24 +62,20 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
     """Causal grouped-query attention with optional q/k/v biases (Qwen2) and q/k RMSNorm (Qwen3)."""
 
-    LOGICAL_AXES = {"q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"),
-                    "v_proj": ("embed", "kv_heads"), "o_proj": ("heads", "embed"),
-                    "q_bias": ("heads",), "k_bias": ("kv_heads",), "v_bias": ("kv_heads",)}
-
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, window: int = 0):
         """`window`: tokens a query sees, itself included (0: every earlier one)."""
         d, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = n, kv, h
         self.window, self.scale = window, cfg.query_scale or h ** -0.5
-        self.q_proj = _param(rngs, (d, n * h), dtype)
-        self.k_proj = _param(rngs, (d, kv * h), dtype)
-        self.v_proj = _param(rngs, (d, kv * h), dtype)
-        self.o_proj = _param(rngs, (n * h, d), dtype)
+        self.q_proj = _param(rngs, (d, n * h), dtype, ("embed", "heads"))
+        self.k_proj = _param(rngs, (d, kv * h), dtype, ("embed", "kv_heads"))
+        self.v_proj = _param(rngs, (d, kv * h), dtype, ("embed", "kv_heads"))
+        self.o_proj = _param(rngs, (n * h, d), dtype, ("heads", "embed"))
         self.use_bias = cfg.attention_bias
         if self.use_bias:
-            self.q_bias = nnx.Param(jnp.zeros((n * h,), dtype))
-            self.k_bias = nnx.Param(jnp.zeros((kv * h,), dtype))
-            self.v_bias = nnx.Param(jnp.zeros((kv * h,), dtype))
+            self.q_bias = nnx.Param(jnp.zeros((n * h,), dtype), **with_axes(("heads",)))
+            self.k_bias = nnx.Param(jnp.zeros((kv * h,), dtype), **with_axes(("kv_heads",)))
+            self.v_bias = nnx.Param(jnp.zeros((kv * h,), dtype), **with_axes(("kv_heads",)))
         self.use_qk_norm = cfg.qk_norm
         if self.use_qk_norm:
             self.qk_norm_all = cfg.qk_norm_scope == "all"  # OLMoE: over the whole projection
@@ -169,13 +165,11 @@ class SwiGLU(nnx.Module):
     """Dense GLU FFN: down(act(x @ gate) * (x @ up)); act is SiLU (SwiGLU) unless the
     family says otherwise (`activation`, a `cmoe_jax.moe.activations` name)."""
 
-    LOGICAL_AXES = {"gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
-
     def __init__(self, d_model: int, width: int, *, dtype, rngs: nnx.Rngs,
                  activation: str):
-        self.gate = _param(rngs, (d_model, width), dtype)
-        self.up = _param(rngs, (d_model, width), dtype)
-        self.down = _param(rngs, (width, d_model), dtype)
+        self.gate = _param(rngs, (d_model, width), dtype, ("embed", "mlp"))
+        self.up = _param(rngs, (d_model, width), dtype, ("embed", "mlp"))
+        self.down = _param(rngs, (width, d_model), dtype, ("mlp", "embed"))
         self.activation = activation
 
     def hidden(self, x: jax.Array, key=None) -> jax.Array:
