@@ -39,9 +39,13 @@ def main():
 
     x = jax.random.normal(jax.random.PRNGKey(2), (4, 32, d))
     dense = ffn(x)
-    every = nnx.clone(moe)
-    every.top_k = every.num_experts             # every routed expert active, with gates 1 (the
-    every.u[...] = jnp.zeros_like(every.u[...])  # gate scales u are fitted for top_k = 2)
+    # the carving is a split of the dense neurons: with the dense down rows kept (down_fit=0;
+    # by default they are refitted for top_k = 2), every routed expert active and gates 1
+    # (the gate scales u are fitted for top_k = 2 too), the experts sum to the dense FFN
+    every = carve_ffn(ffn.gate.kernel[...], ffn.up.kernel[...], ffn.down.kernel[...], calib,
+                      "S1A2E8", activation="silu", down_fit=0.0)
+    every.top_k = every.num_experts
+    every.u[...] = jnp.zeros_like(every.u[...])
     err = float(jnp.max(jnp.abs(every(x) - dense)) / jnp.max(jnp.abs(dense)))
     print(f"every expert active: max |MoE - dense| / max |dense| = {err:.2e}")
     assert err < 1e-5, f"the carved experts do not sum to the dense FFN ({err:.2e})"
