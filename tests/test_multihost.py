@@ -112,9 +112,9 @@ def converted(tiny):
 def test_conversion_equals_single_process(tiny, converted, processes, devices):
     """Windows split over the processes, statistics gathered and summed in window order,
     clustering on process 0: the same partitions, activation rates, loads and weights, bit for
-    bit, except the router's two fits (score and gate scales) and the stream error: XLA's
-    batched einsums of their sums round differently with the per-process batch size (also on
-    one process), so they agree to 1e-5 relative."""
+    bit, except the layer's three fits (score and gate scales, down projections) and the
+    stream error: XLA's batched einsums of their sums round differently with the per-process
+    batch size (also on one process), so they agree to 1e-5 relative."""
     out = tiny / f"p{processes}x{devices}"
     outs = launch("cmoe_jax.convert", _convert_args(tiny, out), processes, devices)
     # gloo's own connection lines aside, only process 0 prints
@@ -131,8 +131,8 @@ def test_conversion_equals_single_process(tiny, converted, processes, devices):
     assert many["layers"] == one["layers"]  # shared, experts, representatives, mu, load
     a, b = _state(converted), _state(out)
     assert a.keys() == b.keys()
-    for k in a:  # carved slices bit for bit; router_up and u carry the fitted scales
-        if "router_up" in k or k.endswith("'u')"):
+    for k in a:  # carved slices bit for bit; router_up, u and the down rows carry the fits
+        if "router_up" in k or k.endswith("'u')") or k.endswith("_down')"):
             np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6 * np.abs(a[k]).max(), err_msg=k)
         else:
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
