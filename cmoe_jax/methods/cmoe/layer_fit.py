@@ -57,6 +57,7 @@ def _arrays(ffn, name: str | tuple):
 
 
 _EXPERTS = ("expert_gate", "expert_up", "expert_down")
+_SHARED = ("shared_gate", "shared_up", "shared_down")
 
 
 def fit_router_scales(ffn, x, cc, mesh) -> np.ndarray:
@@ -75,9 +76,6 @@ def fit_gate_scales(ffn, x, cc, mesh) -> np.ndarray:
     u = solve_gate_scales(ata, atr)
     ffn.u[...] = jnp.asarray(u, ffn.u[...].dtype)
     return u
-
-
-_SHARED = ("shared_gate", "shared_up", "shared_down")
 
 
 def fit_down(ffn, x, cc, mesh) -> None:
