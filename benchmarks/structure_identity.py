@@ -17,6 +17,7 @@ a few minutes, under 2 GiB.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -47,6 +48,9 @@ SPARSE = ("qwen3_moe", "qwen3_moe_norm", "mixtral", "olmoe", "qwen2_moe")
 CALIB = np.random.default_rng(0).integers(0, 96, (4, 32)).astype(np.int32)
 TOKENS = np.random.default_rng(5).integers(0, 96, (2, 24)).astype(np.int32)
 DISPATCHES = ("auto", "sort", "gather", "dense", "padded")
+# Settings a later tree added with a new default, pinned to what the earlier tree did, so a
+# base saved before the setting existed checks the same conversions (the down fit: off).
+PINNED = {"down_fit": 0.0} if "down_fit" in {f.name for f in dataclasses.fields(ConvertConfig)} else {}
 
 
 def digest(a) -> str:
@@ -72,12 +76,12 @@ def conversions(tmp: pathlib.Path) -> dict:
     out = {}
     for family in DENSE:
         dense = load_family(family, tmp, intermediate_size=64)
-        moe, _ = convert_model(dense, CALIB, ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4), progress=False)
+        moe, _ = convert_model(dense, CALIB, ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4, **PINNED), progress=False)
         out[f"cmoe/{family}"] = model_digests(moe)
         if family == "llama":
             paper = ConvertConfig(plan=MoEPlan.parse("S1A3E8"), k_act=4, **ConvertConfig.PAPER_ROUTER)
             out["cmoe-paper/llama"] = model_digests(convert_model(dense, CALIB, paper, progress=False)[0])
-            hier, _ = convert_moe_model(moe, CALIB, ConvertConfig(plan=MoEPlan(1, 1, 4), k_act=2, router_neurons=2),
+            hier, _ = convert_moe_model(moe, CALIB, ConvertConfig(plan=MoEPlan(1, 1, 4), k_act=2, router_neurons=2, **PINNED),
                                         progress=False)
             out["hierarchical-of-cmoe/llama"] = model_digests(hier)
         if family in ("llama", "gemma3_text"):
@@ -88,7 +92,7 @@ def conversions(tmp: pathlib.Path) -> dict:
     for family in SPARSE:
         model = load_family(family, tmp)
         out[f"source/{family}"] = model_digests(model)
-        hier, _ = convert_moe_model(model, CALIB, ConvertConfig(plan=MoEPlan(1, 1, 4), k_act=4, router_neurons=2),
+        hier, _ = convert_moe_model(model, CALIB, ConvertConfig(plan=MoEPlan(1, 1, 4), k_act=4, router_neurons=2, **PINNED),
                                     progress=False)
         out[f"hierarchical/{family}"] = model_digests(hier)
         if family in ("olmoe", "qwen2_moe"):
