@@ -11,7 +11,11 @@ error). Error: ||FFN(x) - FFN_dense(x)||^2 / ||FFN_dense(x)||^2 on the test toke
 - `+skip-bias`: the same fit with one more row per expert, a bias [d] added to a token's
   output when it skips that expert (FLAP's compensation, per expert);
 - `+x-map rank k`: after the down fit, the rest regressed on the token itself, a rank-k
-  linear map x A B (reduced-rank least squares): what a low-rank side path could add.
+  linear map x A B (reduced-rank least squares): what a low-rank side path could add;
+- `+router h`: the same fit with one more row per router neuron, its |h| as the router
+  computes it (the representatives' normalised columns, every expert's): the routing's own
+  activations as an always-on expert that costs only its down projection; `+router h
+  skipped`: those rows fed only for the experts the token skips.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ RANKS = (16, 64)
 
 def features(moe, x):
     """(P [T, H]: what the carved layer feeds its down projections, skip [T, E]: 1 where the
-    token skips the expert) on tokens x [T, d], float64."""
+    token skips the expert, router h [T, E r]: the router's neurons' activations) on tokens
+    x [T, d], float64."""
     import jax
     import jax.numpy as jnp
 
@@ -45,7 +50,8 @@ def features(moe, x):
     act = lambda v: np.asarray(jax.nn.silu(v), np.float64)  # noqa: E731
     h = act(np.einsum("td,edm->tem", x, moe.expert_gate[...])) * np.einsum("td,edm->tem", x, moe.expert_up[...])
     hs = act(x @ moe.shared_gate[...]) * (x @ np.asarray(moe.shared_up[...]))
-    return np.concatenate([hs, (weight[..., None] * h).reshape(len(x), -1)], 1), (weight == 0) * 1.0
+    hr = act(x @ np.asarray(moe.router_gate[...])) * (x @ np.asarray(moe.router_up[...]))
+    return np.concatenate([hs, (weight[..., None] * h).reshape(len(x), -1)], 1), (weight == 0) * 1.0, hr
 
 
 def ridge(a, y, w0, r):
@@ -71,7 +77,7 @@ def levers(mlp, x_fit, x_test, config: str) -> dict:
     w = [np.asarray(getattr(mlp, n)[...], np.float32) for n in ("gate", "up", "down")]
     dense = lambda t: np.asarray(mlp(jnp.asarray(t)), np.float64)  # noqa: E731
     moe = carve_ffn(*w, x_fit, config, activation="silu", down_fit=0.0)
-    (p_fit, s_fit), (p_test, s_test) = features(moe, x_fit), features(moe, x_test)
+    (p_fit, s_fit, r_fit), (p_test, s_test, r_test) = features(moe, x_fit), features(moe, x_test)
     y_fit, y_test = dense(x_fit), dense(x_test)
     w0 = np.concatenate([np.asarray(moe.shared_down[...]), np.asarray(moe.expert_down[...]).reshape(-1, w[2].shape[1])])
     err = lambda y: float(np.square(y - y_test).sum() / np.square(y_test).sum())  # noqa: E731
@@ -81,6 +87,11 @@ def levers(mlp, x_fit, x_test, config: str) -> dict:
     best = min(RIDGES, key=lambda r: out[f"down r={r}"])
     both = ridge(np.concatenate([p_fit, s_fit], 1), y_fit, np.concatenate([w0, np.zeros((s_fit.shape[1], w0.shape[1]))]), best)
     out[f"+skip-bias r={best}"] = err(np.concatenate([p_test, s_test], 1) @ both)
+    per_expert = r_fit.shape[1] // s_fit.shape[1]
+    for name, (f_fit, f_test) in {"+router h": (r_fit, r_test), "+router h skipped": (
+            r_fit * np.repeat(s_fit, per_expert, 1), r_test * np.repeat(s_test, per_expert, 1))}.items():
+        wr = ridge(np.concatenate([p_fit, f_fit], 1), y_fit, np.concatenate([w0, np.zeros((f_fit.shape[1], w0.shape[1]))]), best)
+        out[f"{name} r={best}"] = err(np.concatenate([p_test, f_test], 1) @ wr)
     down = ridge(p_fit, y_fit, w0, best)
     xf, xt = np.asarray(x_fit, np.float64), np.asarray(x_test, np.float64)
     for k in RANKS:
