@@ -85,11 +85,11 @@ def levers(mlp, x_fit, x_test, config: str) -> dict:
     for r in RIDGES:
         out[f"down r={r}"] = err(p_test @ ridge(p_fit, y_fit, w0, r))
     best = min(RIDGES, key=lambda r: out[f"down r={r}"])
-    both = ridge(np.concatenate([p_fit, s_fit], 1), y_fit, np.concatenate([w0, np.zeros((s_fit.shape[1], w0.shape[1]))]), best)
-    out[f"+skip-bias r={best}"] = err(np.concatenate([p_test, s_test], 1) @ both)
     per_expert = r_fit.shape[1] // s_fit.shape[1]
-    for name, (f_fit, f_test) in {"+router h": (r_fit, r_test), "+router h skipped": (
-            r_fit * np.repeat(s_fit, per_expert, 1), r_test * np.repeat(s_test, per_expert, 1))}.items():
+    extra_rows = {  # name -> (fit, test) columns given down rows of their own, starting at 0
+        "+skip-bias": (s_fit, s_test), "+router h": (r_fit, r_test),
+        "+router h skipped": (r_fit * np.repeat(s_fit, per_expert, 1), r_test * np.repeat(s_test, per_expert, 1))}
+    for name, (f_fit, f_test) in extra_rows.items():
         wr = ridge(np.concatenate([p_fit, f_fit], 1), y_fit, np.concatenate([w0, np.zeros((f_fit.shape[1], w0.shape[1]))]), best)
         out[f"{name} r={best}"] = err(np.concatenate([p_test, f_test], 1) @ wr)
     down = ridge(p_fit, y_fit, w0, best)
