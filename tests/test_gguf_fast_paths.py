@@ -12,7 +12,7 @@ from gguf.quants import dequantize as reference_dequantize
 from cmoe_jax.loading import smollm2_gguf
 from cmoe_jax.loading.gguf_dequant import _KERNELS, dequantize
 from cmoe_jax.loading.gguf_reader import FastGGUFReader
-from cmoe_jax.loading.host_arrays import aligned_copy, aligned_empty, copy_into, is_aligned
+from cmoe_jax.host_arrays import aligned_copy, aligned_empty, copy_into, is_aligned
 
 # where each format keeps its float16 scales (byte offsets in a block)
 F16_FIELDS = {GGMLQuantizationType.Q8_0: (0,), GGMLQuantizationType.Q4_1: (0, 2),

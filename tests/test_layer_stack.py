@@ -211,3 +211,26 @@ def test_scanned_layers_gather_whole_slices_and_layers_of_their_own_in_slabs(mon
     h_apart = apart.run_layers(tokens)[0]
     assert seen[1:] == [Slabs(64, 4)] * 3                  # each layer of its own
     np.testing.assert_allclose(np.asarray(h_apart), np.asarray(h_stacked), rtol=1e-5, atol=1e-5)
+
+
+def test_a_stacked_restore_holds_no_layer_it_has_read(converted, tmp_path, monkeypatch):
+    """Restoring into stacks copies each layer into its rows as it is read: while layer i is
+    read, no array of layers 0..i-1 is alive (the model is held once, not once per layer
+    and again stacked)."""
+    import cmoe_jax.checkpoint.restore as restore
+
+    _, moe = converted
+    save_converted(moe, {"source_model": "tiny"}, tmp_path / "m")
+    layer_bytes = sum(v.get_value().nbytes for _, v in nnx.to_flat_state(layered_state(moe)["layers"][0]))
+    held = []
+
+    def at_layer(name):
+        if name == "read:layer":
+            held.append(sum(a.nbytes for a in jax.live_arrays()))
+    monkeypatch.setattr(restore, "fault_point", at_layer)
+    back = restore_model(tmp_path / "m")
+    assert len(held) == moe.config.num_layers
+    # what each read finds alive beyond the start: the "rest" part and at most the last layer
+    grown = [h - held[0] for h in held]
+    assert max(grown) <= layer_bytes, (grown, layer_bytes)
+    np.testing.assert_array_equal(np.asarray(back(_tokens())), np.asarray(moe(_tokens())))

@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
-from cmoe_jax.loading.host_arrays import aligned_empty
+from cmoe_jax.host_arrays import aligned_empty
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from cmoe_jax.checkpoint import MANIFEST, is_converted, read_manifest, restore_model
 from cmoe_jax.errors import CheckpointError
 from cmoe_jax.loading import hf_names
-from cmoe_jax.loading.host_arrays import aligned_copy, aligned_empty, copy_into
+from cmoe_jax.host_arrays import aligned_copy, aligned_empty, copy_into
 from cmoe_jax.loading.sources import GGUFSource, TensorSource, open_source
 from cmoe_jax.loading.tokenizer import Tokenizer, load_tokenizer
 from cmoe_jax.loading.zoo import resolve

@@ -1,4 +1,4 @@
-"""Host buffers for loading: 64-byte aligned, filled in cache-sized tiles.
+"""Host buffers for loading and restoring: 64-byte aligned, filled in cache-sized tiles.
 
 On a CPU backend `jax.device_put` adopts a numpy array whose data is 64-byte aligned instead
 of copying it (numpy's own allocations are only 16-byte aligned), so a model loaded into
