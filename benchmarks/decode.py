@@ -1,7 +1,7 @@
 """Decoding tokens/s: dense vs CMoE-converted models (KV cache), and transformers' `generate`.
 
     python benchmarks/decode.py [--model smollm2] [--batches 1 16] [--prompt-len 128]
-        [--new-tokens 128] [--repeats 3] [--s1a1e8 DIR] [--s3a3e8 DIR]
+        [--new-tokens 128] [--repeats 3] [--s1a1e8 DIR] [--s3a3e8 DIR] [--plans [S1A1E8 S3A3E8]]
     python benchmarks/decode.py --shape llama2-7b --layers 4 [--dtype bfloat16]   # accelerator
 
 Each side generates `--new-tokens` greedy tokens after a `--prompt-len`-token prompt (WikiText-2
@@ -17,7 +17,8 @@ and the dense model's ratios at each batch,
     ratio dense/transformers batch=1: N.NNx
 
 (tokens/s over tokens/s), withheld with the harness's warning when the load average at start
-exceeds the core count. `--shape llama2-7b --layers N`: random weights of that shape cut to N
+exceeds the core count. `--plans` names the conversions timed (none: dense against
+`transformers` alone, which holds two copies of a large model instead of four). `--shape llama2-7b --layers N`: random weights of that shape cut to N
 layers, converted from random calibration tokens, no transformers side (an accelerator host).
 """
 from __future__ import annotations
@@ -52,6 +53,8 @@ def smollm2_models(args, lm, tokens_valid):
 
     converted = {}
     for plan, given in zip(PLANS, (args.s1a1e8, args.s3a3e8)):
+        if plan not in args.plans:
+            continue
         if given:
             converted[plan] = load_model(given, progress=False).model
         else:
@@ -76,7 +79,7 @@ def random_models(args):
     dense = Decoder(cfg, dtype=getattr(jnp, args.dtype), rngs=nnx.Rngs(0))
     calib = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.calib_windows, 512)).astype(np.int32)
     converted = {plan: convert_model(dense, calib, ConvertConfig(plan=MoEPlan.parse(plan)), progress=False)[0]
-                 for plan in PLANS}
+                 for plan in args.plans}
     return dense, converted
 
 
@@ -110,6 +113,8 @@ def main(argv=None) -> None:
     p.add_argument("--calib-windows", type=int, default=4, help="calibration windows of 512 tokens")
     p.add_argument("--s1a1e8", help="converted S1A1E8 model directory (default: convert here)")
     p.add_argument("--s3a3e8", help="converted S3A3E8 model directory (default: convert here)")
+    p.add_argument("--plans", nargs="*", choices=PLANS, default=list(PLANS),
+                   help="the conversions timed (none: dense against transformers only)")
     p.add_argument("--shape", choices=sorted(SHAPES), help="random weights of this shape instead")
     p.add_argument("--layers", type=int, help="--shape: keep only this many layers")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="--shape: dtype")
