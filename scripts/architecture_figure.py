@@ -37,7 +37,7 @@ ROLE = {
     "jobs": "lock, staging,\nresume, publish", "convert": "job + CLI", "compress": "job + CLI",
     "train": "job + CLI (LoRA);\ntrain state, step loop", "eval": "job + CLI", "export": "job + CLI", "demo": "README table",
     "__init__": "public API", "downcycle": "job + CLI", "generate": "KV-cache decoding\n+ CLI",
-    "commands": "cmoe-jax", "atomic_files": "whole-file writes", "orbax_io": "Orbax errors\nas one line",
+    "commands": "cmoe-jax", "atomic_files": "whole-file writes", "host_arrays": "aligned host\nbuffers", "orbax_io": "Orbax errors\nas one line",
     "state_digests": "saved arrays'\nchecksums", "moe.gmm": "grouped matmuls: CPU,\nragged_dot, Pallas GPU,\nmegablox TPU, tokamax",
 }
 # what each tier is for (the left column of the picture)

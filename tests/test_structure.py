@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cmoe_jax"
 # sits below both `loading`, which reads it, and `convert` / `train`, which write it.
 LAYERS = [
     {"errors", "lora_variables", "faults"},
-    {"distributed", "sharding", "moe", "cli_args", "atomic_files", "orbax_io"},
+    {"distributed", "sharding", "moe", "cli_args", "atomic_files", "orbax_io", "host_arrays"},
     {"models", "data", "state_digests"},
     {"checkpoint", "calibration_pass", "carving"},
     {"loading"},
@@ -33,7 +33,7 @@ KERNELS = "moe.gmm"
 TIERS = [
     ("kernels", {KERNELS}),
     ("foundations", {"errors", "lora_variables", "faults", "distributed", "sharding", "cli_args",
-                     "atomic_files", "orbax_io", "state_digests"}),
+                     "atomic_files", "orbax_io", "state_digests", "host_arrays"}),
     ("models and moe", {"moe", "models", "data", "checkpoint", "calibration_pass", "carving", "loading"}),
     ("methods", {"methods", "generate"}),
     ("jobs", {"jobs", "convert", "train", "eval", "export", "compress", "downcycle"}),
