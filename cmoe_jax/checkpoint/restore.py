@@ -46,7 +46,7 @@ def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None, stack: bool 
         cfg = ModelConfig.from_dict(manifest["model_config"], where=directory / "cmoe_manifest.json")
         into_stack = (stack and jnp.dtype(dtype) == jnp.float32 and manifest.get("state_layout") == PER_LAYER
                       and not any(s is not None and s.prototype_owner >= 0 for s in cfg.moe_layers))
-        cfg, state, graphdef, mesh = _restore_state(directory, manifest, mesh, into_stack=into_stack)
+        state, graphdef, mesh = _restore_state(directory, manifest, cfg, mesh, into_stack=into_stack)
     if into_stack:
         return nnx.merge(graphdef, state)
     if jnp.dtype(dtype) != jnp.float32:
@@ -60,8 +60,7 @@ def restore_model(directory: Path, *, dtype=jnp.float32, mesh=None, stack: bool 
     return stacked_on(model, mesh) if stack else model
 
 
-def _restore_state(directory: Path, manifest: dict, mesh, into_stack: bool = False):
-    cfg = ModelConfig.from_dict(manifest["model_config"], where=directory / "cmoe_manifest.json")
+def _restore_state(directory: Path, manifest: dict, cfg: ModelConfig, mesh, into_stack: bool = False):
     mesh = mesh if mesh is not None else make_mesh(devices=jax.local_devices())
     abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), stack=False))
     graphdef, abstract_state = nnx.split(abstract)
@@ -85,7 +84,7 @@ def _restore_state(directory: Path, manifest: dict, mesh, into_stack: bool = Fal
                     fault_point("read:layer")
                     return read(layer_part(i), target["layers"][i])
                 graphdef, state = _fill_stacked(cfg, mesh, rest, read_layer)
-                return cfg, state, graphdef, mesh
+                return state, graphdef, mesh
             state = target
             for key in rest:
                 state[key] = rest[key]
@@ -103,7 +102,7 @@ def _restore_state(directory: Path, manifest: dict, mesh, into_stack: bool = Fal
                               "write it again with the job that made it") from None
     finally:
         checkpointer.close()
-    return cfg, state, graphdef, mesh
+    return state, graphdef, mesh
 
 
 def _fill_stacked(cfg: ModelConfig, mesh, rest: nnx.State, read_layer):
