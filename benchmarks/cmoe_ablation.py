@@ -15,10 +15,15 @@ tokenizer adds one):
   --kmeans-iters 1`);
 - one variant per departure, each the defaults with that one choice set back or changed
   (`VARIANTS` below); `+bos` / `authors-sampler` change the calibration windows instead.
+
+`--stream DIR` converts through the conversion job with `--stream` (one layer in memory at a
+time, written under DIR, restored for the evaluation, then removed) instead of a copy of the
+loaded model: for a model whose dense and converted copies do not fit together (the 1.5B).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -73,24 +78,65 @@ def run(lm, valid, bos, test, config: str, variant: str, samples: int = 8) -> di
     import copy
 
     from benchmarks.cmoe_authors_reference import calibration
-    from cmoe_jax.convert import ConvertConfig, convert_model
+    from cmoe_jax.convert import convert_model
     from cmoe_jax.eval import perplexity
+
+    with carving_of(variant):
+        t0 = time.perf_counter()
+        moe, _ = convert_model(copy.deepcopy(lm.model), calibration(valid, bos, variant, n=samples),
+                               variant_config(config, variant), progress=False)
+        seconds = time.perf_counter() - t0
+    return {"config": config, "variant": variant, "calib_samples": samples,
+            "ppl": perplexity(moe, test, progress=False)["ppl"], "convert_s": round(seconds, 1)}
+
+
+def run_streamed(model: str, test, config: str, variant: str, args) -> dict:
+    """`run` through the conversion job with `--stream`, the result written under
+    `args.stream`, restored for the evaluation and removed (the project's calibration sampler:
+    the variants that change the windows are refused)."""
+    import shutil
+
+    from cmoe_jax.convert import convert
+    from cmoe_jax.data import Calibration
+    from cmoe_jax.eval import perplexity
+    from cmoe_jax.loading import load_model
+    from cmoe_jax.methods.cmoe.settings import ConvertSettings
+
+    if variant in ("calib-bos", "authors-sampler"):
+        raise SystemExit(f"error: --stream runs the project's calibration windows; drop {variant}")
+    out = args.stream / f"{config}-{variant}"
+    settings = ConvertSettings(method=variant_config(config, variant), stream=True,
+                               calibration=Calibration(data_path=str(args.data_dir / "valid.txt"),
+                                                       samples=args.calib_samples))
+    with carving_of(variant):
+        t0 = time.perf_counter()
+        convert(model, settings, out=out, overwrite=True, progress=False)
+        seconds = time.perf_counter() - t0
+    ppl = perplexity(load_model(str(out), progress=False).model, test, progress=False)["ppl"]
+    shutil.rmtree(out)
+    return {"config": config, "variant": variant, "calib_samples": args.calib_samples, "stream": True,
+            "ppl": ppl, "convert_s": round(seconds, 1)}
+
+
+def variant_config(config: str, variant: str):
+    from cmoe_jax.convert import ConvertConfig
     from cmoe_jax.methods.cmoe import MoEPlan
+
+    return ConvertConfig(plan=MoEPlan.parse(config), **VARIANTS[variant])
+
+
+@contextlib.contextmanager
+def carving_of(variant: str):
+    """The conversion's carve, the authors' one while `variant` is `authors`."""
     from cmoe_jax.methods.cmoe import convert as cmoe_convert
 
-    cc = ConvertConfig(plan=MoEPlan.parse(config), **VARIANTS[variant])
     carve = cmoe_convert.carve_profiled
     if variant == "authors":
         cmoe_convert.carve_profiled = _authors_carve
     try:
-        t0 = time.perf_counter()
-        moe, _ = convert_model(copy.deepcopy(lm.model), calibration(valid, bos, variant, n=samples), cc,
-                               progress=False)
-        seconds = time.perf_counter() - t0
+        yield
     finally:
         cmoe_convert.carve_profiled = carve
-    return {"config": config, "variant": variant, "calib_samples": samples,
-            "ppl": perplexity(moe, test, progress=False)["ppl"], "convert_s": round(seconds, 1)}
 
 
 def _authors_carve(markers, mu, energy, cc, plan):
@@ -115,6 +161,8 @@ def main(argv=None) -> None:
     p.add_argument("--data-dir", type=Path, default=WIKITEXT,
                    help="folder with WikiText-2's valid.txt and test.txt")
     p.add_argument("--json", type=Path, help="append each result as one JSON line")
+    p.add_argument("--stream", type=Path, metavar="DIR",
+                   help="convert streamed into DIR (one layer in memory), then restore and evaluate")
     args = p.parse_args(argv)
 
     from cmoe_jax.eval import perplexity
@@ -123,11 +171,14 @@ def main(argv=None) -> None:
     lm = load_model(args.model, progress=False)
     valid, bos, test = windows(lm, args)
     dense = perplexity(lm.model, test, progress=False)["ppl"]
+    if args.stream:
+        del lm  # each conversion reads the checkpoint again
     print(f"{args.model}: dense ppl {dense:.4f} on {len(test)} windows", flush=True)
     print("| config | variant | ppl | x dense | conversion (s) |\n| --- | --- | --- | --- | --- |", flush=True)
     for config in args.configs:
         for variant in args.variants:
-            r = run(lm, valid, bos, test, config, variant, args.calib_samples)
+            r = (run_streamed(args.model, test, config, variant, args) if args.stream
+                 else run(lm, valid, bos, test, config, variant, args.calib_samples))
             r.update(model=args.model, dense_ppl=dense, windows=len(test), x_dense=r["ppl"] / dense)
             print(f"| {config} | {variant} | {r['ppl']:.3f} | {r['x_dense']:.3f}x | {r['convert_s']} |",
                   flush=True)

@@ -54,5 +54,9 @@ def forward(layer, x):
         for j, g in zip(sel, gates):
             y += g * ((silu(xt @ p["expert_gate"][j]) * (xt @ p["expert_up"][j])) @ p["expert_down"][j])
             counts[j] += 1
+        if "skip_down" in p:  # each skipped expert's r router neurons' h through its skip_down rows
+            h = (silu(xt @ p["router_gate"]) * (xt @ p["router_up"])).reshape(e, -1)
+            rows = p["skip_down"].reshape(e, h.shape[1], -1)
+            y += sum(h[j] @ rows[j] for j in range(e) if j not in sel)
         out[t], chosen[t] = y, sel
     return out, counts, chosen

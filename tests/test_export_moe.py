@@ -58,11 +58,11 @@ def trained(model):
     return model
 
 
-def carved_llama(save_tiny):
+def carved_llama(save_tiny, **options):
     """A tiny Llama carved by CMoE (S2A2E8): an MoE whose router is CMoE's own."""
     _, path = save_tiny("llama", intermediate_size=64)
     dense = load_model(str(path), progress=False).model
-    moe, _ = convert_model(dense, CALIB, ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4),
+    moe, _ = convert_model(dense, CALIB, ConvertConfig(plan=MoEPlan.parse("S2A2E8"), k_act=4, **options),
                            progress=False)
     return moe
 
@@ -142,6 +142,14 @@ def test_hierarchical_cmoe_of_a_cmoe_model_exports(save_tiny, tmp_path):
                                                           router_neurons=1), progress=False)
     config = _check(trained(hier), tmp_path, "llama")
     assert all(s["router"] == "cmoe" and s["sub_experts"] == 2 for s in config["moe_layers"])
+
+
+def test_skip_compensation_exports(save_tiny, tmp_path):
+    """A CMoE-carved Llama whose skipped experts are predicted from the router's h
+    (`skip_down`, fitted): the remote code adds the same term."""
+    moe = carved_llama(save_tiny, skip_compensation=True, router_neurons=2)
+    config = _check(trained(moe), tmp_path, "llama")
+    assert all(s["skip_compensation"] for s in config["moe_layers"])
 
 
 @pytest.mark.parametrize("method", ["conmoe", "frequency"])

@@ -43,6 +43,10 @@ def check_layer(d_model: int, spec, backend, dispatch: str) -> None:
                          f"{spec.num_experts} must be positive, shared_width={spec.shared_width} >= 0")
     if not spec.capacity_factor >= 0:
         raise ValueError(f"capacity_factor={spec.capacity_factor} must be >= 0 (0: no capacity limit)")
+    if spec.skip_compensation and (spec.router != "cmoe" or spec.sub_experts):
+        raise ValueError("skip_compensation predicts skipped experts from the cmoe router's neurons: "
+                         f"it needs router='cmoe' and no sub-experts (got router={spec.router!r}, "
+                         f"sub_experts={spec.sub_experts})")
     if not callable(backend):
         resolve_backend(backend)  # fail early on a typo
     if dispatch not in DISPATCHES:

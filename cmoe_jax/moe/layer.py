@@ -27,6 +27,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from cmoe_jax.moe.balance import update_router_bias
@@ -54,7 +55,8 @@ class MoEFFN(MoELayer):
     [E, d, m]`, `expert_down [E, m, d]`; the router's arrays as its kind declares them
     (`cmoe_jax.moe.routers`: linear `router_kernel [d, E]`; cmoe `router_gate/router_up
     [d, E*r]`, `u [E]` and the balancing bias `router_bias [E]`, a `RouterBias`). With
-    `num_prototypes` K > 0 the experts hold K prototypes behind an int32 `slot_map [E]`.
+    `num_prototypes` K > 0 the experts hold K prototypes behind an int32 `slot_map [E]`;
+    with `skip_compensation`, `skip_down [E*r, d]` (`cmoe_jax.moe.skip_term`).
     """
 
     TABLE_NAMES = TABLE_NAMES  # what a cross-layer ConMoE scope shares
@@ -69,6 +71,9 @@ class MoEFFN(MoELayer):
         self.expert_up = param(e, d, m, axes=("expert", "embed", "mlp"))
         self.expert_down = param(e, m, d, axes=("expert", "mlp", "embed"))
         make_router_params(self, self.router_unit.params(d, self.router_settings), param, self.param_dtype)
+        if spec.skip_compensation:  # zero: a fresh layer predicts nothing for its skipped experts
+            rows = spec.num_experts * spec.router_neurons
+            self.skip_down = nnx.Param(jnp.zeros((rows, d), self.param_dtype), **with_axes(("router", "embed")))
 
     num_experts = property(lambda self: self.spec.num_experts, doc="E, the router's slots")
 

@@ -4,7 +4,9 @@
     keep       which (token, expert) pairs run: token mask and capacity (`cmoe_jax.moe.token_pairs`);
     experts    the routed experts on the path `cmoe_jax.moe.modes.run_experts` picks (its
                dispatch, expert computation and combine each under their own `jax.named_scope`);
-    shared     the always-on shared MLP (`cmoe_jax.moe.shared_mlp`), added to the routed sum.
+    shared     the always-on shared MLP (`cmoe_jax.moe.shared_mlp`), added to the routed sum;
+    skipped    with `skip_compensation`, the skipped experts' predicted outputs
+               (`cmoe_jax.moe.skip_term`), added too.
 
 `MoEFFN` routes with one router, `HierMoEFFN` with a top-level router and per-expert
 sub-routers; both are built from one `FFNSpec` (kept whole as `spec`, every shape setting
@@ -29,6 +31,7 @@ from cmoe_jax.moe.params import make_param
 from cmoe_jax.moe.router_outputs import router_output
 from cmoe_jax.moe.routers import Router, Routing, get_router
 from cmoe_jax.moe.shared_mlp import make_shared_mlp, shared_mlp
+from cmoe_jax.moe.skip_term import skip_term
 from cmoe_jax.moe.spec import FFNSpec, spec_with
 from cmoe_jax.moe.token_pairs import capacity, drop_pairs, kept_pairs, pad_tokens
 
@@ -159,8 +162,16 @@ class MoELayer(nnx.Module):
         with jax.named_scope("shared_mlp"):
             shared = self.shared(x, key).astype(jnp.float32)
         with jax.named_scope("combine"):
-            y = (shared + routed).astype(self.dtype)
+            y = (shared + routed + self.skipped(x, pairs.slots, mask)).astype(self.dtype)
         return pairs.slots, y, loads, keep
+
+    def skipped(self, x, slots, mask=None):
+        """float32 `[T, d]` compensation of the experts outside `slots` (`cmoe_jax.moe.skip_term`),
+        or 0 without `skip_compensation`."""
+        if not self.spec.skip_compensation:
+            return 0.0
+        return skip_term(x, self.router_gate[...], self.router_up[...], self.skip_down[...], slots,
+                         self.spec.num_experts, activation=self.activation, mask=mask)
 
     def routed_experts(self, x, ids, gates, key=None, factor: float = 0.0):
         """float32 `[T, d]` sum of the kept pairs' gated expert outputs and int32 row loads.

@@ -69,6 +69,11 @@ class FFNSpec:
     router_scoring: str = "softmax"
     routed_scaling: float = 1.0
     router_jitter: float = 0.0
+    # cmoe router: the experts a token skips add `(their router neurons' h) @ skip_down`
+    # (`skip_down [E*r, d]`, fitted with the down projections; zero in a fresh layer): what
+    # the skipped experts would have added, predicted from the activations the router has
+    # already computed (`cmoe_jax.moe.skip_term`)
+    skip_compensation: bool = False
     # each expert runs at most ceil(capacity_factor * T * k / E) of a call's T tokens' pairs
     # (per device, expert-parallel), the rest dropped (`cmoe_jax.moe.token_pairs`); 0: dropless
     capacity_factor: float = jax_only(0.0)

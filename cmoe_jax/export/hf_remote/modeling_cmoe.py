@@ -62,7 +62,7 @@ class MoEMLP(nn.Module):
     SPEC = ("num_experts", "top_k", "expert_width", "shared_width", "router", "norm_topk_prob",
             "router_neurons", "sub_experts", "sub_shared", "sub_top_k", "sub_router_neurons",
             "num_prototypes", "prototype_owner", "duplicate_gates", "shared_gated", "router_balance",
-            "router_scoring", "routed_scaling", "router_jitter", "router_params")
+            "router_scoring", "routed_scaling", "router_jitter", "skip_compensation", "router_params")
 
     def __init__(self, hidden_size, spec, *, act, owner=None):
         """`spec`: the layer's `moe_layers` entry (every key of `SPEC`), taken whole."""
@@ -99,6 +99,9 @@ class MoEMLP(nn.Module):
         self.router_params = {role: name for role, (name, _, _) in router_params.items()}
         for name, shape, init in router_params.values():
             setattr(self, name, (fixed if init == "bias" else new)(*shape))
+        self.skip_compensation = spec["skip_compensation"]
+        if self.skip_compensation:  # the skipped experts' predicted outputs, from the router's h
+            self.skip_down = new(n * spec["router_neurons"], d)
         if sub_experts:
             routed = sub_experts - sub_shared
             if owner is None:
@@ -118,13 +121,24 @@ class MoEMLP(nn.Module):
         return ROUTES[self.router](torch, self.act, x, p, r, keep)
 
     def route(self, x):
-        """(expert rows [T, j], float32 gates [T, j]) of tokens x [T, d]."""
+        """(the router's slots [T, k], expert rows [T, j], float32 gates [T, j]) of tokens x [T, d]."""
         x = x.float()
         keep = self.slot_map >= 0 if self.num_prototypes else None
-        ids, gates = self.top_route(x, keep)
+        slots, gates = self.top_route(x, keep)
+        ids = slots
         if self.num_prototypes:
-            ids, gates = to_prototypes(ids, gates, self.slot_map, self.duplicate_gates)
-        return self.sub_route(x, ids, gates) if self.sub_experts else (ids, gates)
+            ids, gates = to_prototypes(slots, gates, self.slot_map, self.duplicate_gates)
+        return (slots,) + (self.sub_route(x, ids, gates) if self.sub_experts else (ids, gates))
+
+    def skipped(self, x, slots):
+        """The experts outside `slots` predicted from their router neurons' h: (h, 0 on the chosen
+        experts' columns) @ skip_down, float32 [T, d]."""
+        gate, up = (getattr(self, self.router_params[role]).float() for role in ("gate", "up"))
+        h = self.act(x @ gate) * (x @ up)
+        chosen = torch.zeros(x.shape[0], self.num_experts, dtype=torch.bool, device=x.device)
+        chosen.scatter_(1, slots.long(), True)
+        h = h.masked_fill(chosen.repeat_interleave(h.shape[1] // self.num_experts, dim=1), 0.0)
+        return h @ self.skip_down.float()
 
     def sub_route(self, x, top_ids, top_w):
         """Each chosen expert's shared sub-experts and the top `sub_top_k` of its sub-router."""
@@ -147,8 +161,10 @@ class MoEMLP(nn.Module):
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        ids, gates = self.route(x)
+        slots, ids, gates = self.route(x)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if self.skip_compensation:
+            out += self.skipped(x.float(), slots)
         if self.shared_width:
             h = self.act(x @ self.shared_gate) * (x @ self.shared_up)
             shared = h @ self.shared_down

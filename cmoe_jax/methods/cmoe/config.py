@@ -48,6 +48,10 @@ class ConvertConfig:
     # (docs/results/cmoe.md, ablation).
     down_fit: float = 0.1
     down_fit_tokens: int | None = None
+    # The experts a token skips add a linear prediction of their output from their router
+    # neurons' activations (`cmoe_jax.moe.skip_term`), fitted with the down projections
+    # (needs down_fit > 0). Off by default: it helps SmolLM2, not Gemma 3 (docs/methods/cmoe.md).
+    skip_compensation: bool = False
     # One shape per layer (a budget's allocation, `cmoe_jax.methods.cmoe.budget`); None in
     # it keeps that layer's dense FFN. None: every layer gets `plan`.
     layer_plans: tuple[MoEPlan | None, ...] | None = None
@@ -91,4 +95,5 @@ class ConvertConfig:
                 "router_neurons": self.router_neurons, "router_scale": self.router_scale,
                 "router_fit_tokens": self.router_fit_tokens, "shared_by": self.shared_by,
                 "router_reps": self.router_reps, "gate_fit": self.gate_fit,
-                "down_fit": self.down_fit, "down_fit_tokens": self.down_fit_tokens}
+                "down_fit": self.down_fit, "down_fit_tokens": self.down_fit_tokens,
+                "skip_compensation": self.skip_compensation}

@@ -103,6 +103,9 @@ def check_router(cfg: ModelConfig, cc: ConvertConfig) -> None:
         raise ConversionError(f"--router-fit-tokens {cc.router_fit_tokens} must be at least 1")
     if not 0 <= cc.down_fit < float("inf"):
         raise ConversionError(f"--down-fit {cc.down_fit} must be a finite ridge of at least 0")
+    if cc.skip_compensation and not cc.down_fit:
+        raise ConversionError("--skip-compensation is fitted with the down projections: give a "
+                              "--down-fit ridge above 0")
     if cc.down_fit_tokens is not None and cc.down_fit_tokens < 1:
         raise ConversionError(f"--down-fit-tokens {cc.down_fit_tokens} must be at least 1")
 
@@ -126,7 +129,7 @@ def moe_spec(cfg: ModelConfig, cc: ConvertConfig, plan: MoEPlan | None) -> FFNSp
     m = plan.expert_width(cfg.intermediate_size)
     return FFNSpec(num_experts=plan.routed, top_k=plan.active, expert_width=m,
                    shared_width=plan.shared_width(cfg.intermediate_size), router="cmoe",
-                   router_neurons=cc.neurons_for(m))
+                   router_neurons=cc.neurons_for(m), skip_compensation=cc.skip_compensation)
 
 
 def carve_one_layer(layer, x, cc: ConvertConfig, plan: MoEPlan) -> tuple[LayerCarving, np.ndarray, dict]:

@@ -42,6 +42,11 @@ def add_flags(g) -> None:
     g.add_argument("--down-fit-tokens", type=positive_int, default=ConvertConfig.down_fit_tokens,
                    help="calibration tokens the down projections are refitted on (an even stride "
                         "over the windows; default: all)")
+    g.add_argument("--skip-compensation", action="store_true",
+                   help="the experts a token skips add a linear prediction of their output from "
+                        "their router neurons' activations, fitted with the down projections "
+                        "(needs --down-fit above 0; costs E*r*d multiply-adds a token, counted in "
+                        "the active share)")
     g.add_argument("--router-reps", choices=["centroid", "energy"], default=None,
                    help="router neurons of each expert: the members of highest output energy "
                         "(default) or closest to the cluster centroid (the paper's rule)")
@@ -121,7 +126,8 @@ def router_options(args) -> dict:
         given = [f for f, v in (("--router-neurons", args.router_neurons), ("--router-reps", args.router_reps),
                                 ("--no-router-scale", args.no_router_scale or None),
                                 ("--no-gate-fit", args.no_gate_fit or None),
-                                ("--down-fit", args.down_fit)) if v is not None]
+                                ("--down-fit", args.down_fit),
+                                ("--skip-compensation", args.skip_compensation or None)) if v is not None]
         if given:
             raise CmoeError(f"--paper-router sets the router itself: drop {', '.join(given)}")
         return dict(ConvertConfig.PAPER_ROUTER)
@@ -138,7 +144,7 @@ def settings_from_args(args) -> ConvertSettings:
                            kmeans_iters=args.kmeans_iters, seed=args.seed,
                            router_fit_tokens=args.router_fit_tokens, down_fit_tokens=args.down_fit_tokens,
                            shared_by=args.shared_by or ConvertConfig.shared_by,
-                           **router_options(args))
+                           skip_compensation=args.skip_compensation, **router_options(args))
     calibration = Calibration(dataset=args.dataset, split=args.split, data_path=args.data_path,
                               samples=args.calib_samples,
                               seqlen=2048 if args.seqlen is None else args.seqlen)

@@ -60,14 +60,25 @@ def plan_entry(plan: MoEPlan | None, d_h: int, experts: int) -> dict:
             "expert_width": plan.expert_width(d_h)}
 
 
-def layer_shapes(plans) -> list[tuple[str, float]]:
-    """(shape name, share of FFN neurons a token runs) of each layer of shapes `plans`."""
-    return [("dense", 1.0) if p is None else (p.name, (p.shared + p.active) / p.total) for p in plans]
+def layer_shapes(plans, extra=None) -> list[tuple[str, float]]:
+    """(shape name, share of the dense FFN's work a token runs) of each layer of shapes
+    `plans`: the share of its neurons, plus `extra(plan)` if given (`compensation_share`)."""
+    return [("dense", 1.0) if p is None else
+            (p.name, (p.shared + p.active) / p.total + (extra(p) if extra else 0.0)) for p in plans]
 
 
-def active_share(plans) -> float:
-    """The mean share of FFN neurons a token runs over layers of shapes `plans`."""
-    return float(np.mean([share for _, share in layer_shapes(plans)]))
+def active_share(plans, extra=None) -> float:
+    """The mean of `layer_shapes`' shares over layers of shapes `plans`."""
+    return float(np.mean([share for _, share in layer_shapes(plans, extra)]))
+
+
+def compensation_share(cfg, cc: ConvertConfig):
+    """plan -> the skipped experts' compensation's multiply-adds a token (`skip_down`: E r d;
+    its h the router computes anyway) as a share of the dense FFN's 3 d d_h; None without one."""
+    if not cc.skip_compensation:
+        return None
+    d_h = cfg.intermediate_size
+    return lambda plan: plan.routed * cc.neurons_for(plan.expert_width(d_h)) / (3 * d_h)
 
 
 def router_neurons(cfg, cc: ConvertConfig, plans) -> int | None:
@@ -81,11 +92,12 @@ def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> 
     `plan` has one entry per layer, `active_share` the mean share of neurons a token runs."""
     cc, cal = settings.method, settings.calibration
     plans = cc.layer_shapes(cfg.num_layers)
+    extra = compensation_share(cfg, cc)
     experts = settings.budget.experts if settings.budget else cc.plan.total
     return {
         "source_model": source_name, "method": "cmoe", "config": cc.label,
         "plan": [plan_entry(p, cfg.intermediate_size, experts) for p in plans],
-        "active_share": active_share(plans),
+        "active_share": active_share(plans, extra),
         "budget": None if settings.budget is None else settings.budget.to_json(),
         "calibration": cal.manifest(cc.seed),
         "k_act": cc.k_act, "normalize": cc.normalize, "kmeans_iters": cc.kmeans_iters,
@@ -93,10 +105,11 @@ def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> 
         "router": {"neurons_per_expert": router_neurons(cfg, cc, plans), "fitted_scales": cc.router_scale,
                    "fit_tokens": cc.router_fit_tokens, "representatives_by": cc.router_reps,
                    "fitted_gates": cc.gate_fit},
-        "down_fit": {"ridge": cc.down_fit, "tokens": cc.down_fit_tokens},
+        "down_fit": {"ridge": cc.down_fit, "tokens": cc.down_fit_tokens,
+                     "skip_compensation": cc.skip_compensation},
         "layers": [dict(layer=i, shape=name, active_share=share,
                         **{k: v for k, v in r.to_json().items() if k not in ("mu", "seconds")})
-                   for i, (r, (name, share)) in enumerate(zip(records, layer_shapes(plans)))],
+                   for i, (r, (name, share)) in enumerate(zip(records, layer_shapes(plans, extra)))],
     }
 
 
@@ -266,7 +279,7 @@ class CmoeSteps:
             save_converted(model, manifest, run.final, tokenizer=tokenizer)
 
     def write_report(self, records, manifest, seconds, directory) -> None:
-        shapes = layer_shapes(self.settings.method.layer_shapes(len(records)))
+        shapes = [(layer["shape"], layer["active_share"]) for layer in manifest["layers"]]
         write_report(records, self.settings.method.label, seconds, directory, shapes)
 
 

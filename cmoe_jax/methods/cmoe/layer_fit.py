@@ -15,7 +15,7 @@ from cmoe_jax.methods.cmoe.router import (down_fit_sums, gate_fit_sums, router_f
 from cmoe_jax.calibration_pass.layer_pass import replicate
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("top_k", "activation"))
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("top_k", "activation", "skip"))
 def _per_window(sums, x, *weights, **static):
     """`sums(tokens, *weights)` of each window of x [N, T', d] -> its outputs, each [N, ...]."""
     fit = functools.partial(sums, **static)
@@ -81,16 +81,21 @@ def fit_gate_scales(ffn, x, cc, mesh) -> np.ndarray:
 def fit_down(ffn, x, cc, mesh) -> None:
     """Replace the shared and routed down projections of `ffn` (in place) by the
     least-squares ones (`down_fit_sums`, `solve_down` with `cc.down_fit` as the ridge) on
-    `cc.down_fit_tokens` of the layer's calibration inputs, with its router as fitted."""
+    `cc.down_fit_tokens` of the layer's calibration inputs, with its router as fitted; a layer
+    with `skip_compensation` gets its `skip_down` from the same solve (pulled towards 0)."""
+    skip = ffn.spec.skip_compensation
     ptp, pty = fit_sums(down_fit_sums, ffn, x, cc.down_fit_tokens, mesh,
-                        (("router_gate", "router_up", "u"), _SHARED, _EXPERTS), top_k=ffn.top_k)
+                        (("router_gate", "router_up", "u"), _SHARED, _EXPERTS), top_k=ffn.top_k, skip=skip)
     shared, (e, m, d) = np.asarray(_arrays(ffn, "shared_down"), np.float32), ffn.expert_down.shape
     s = shared.shape[0]
-    w0 = np.concatenate([shared, np.asarray(ffn.expert_down[...], np.float32).reshape(e * m, d)])
-    w = solve_down(ptp, pty, w0, cc.down_fit)
+    rows = [shared, np.asarray(ffn.expert_down[...], np.float32).reshape(e * m, d)]
+    w = solve_down(ptp, pty, np.concatenate(rows + ([np.zeros(ffn.skip_down.shape, np.float32)] if skip else [])),
+                   cc.down_fit)
     if s:
         ffn.shared_down[...] = jnp.asarray(w[:s], ffn.shared_down[...].dtype)
-    ffn.expert_down[...] = jnp.asarray(w[s:].reshape(e, m, d), ffn.expert_down[...].dtype)
+    ffn.expert_down[...] = jnp.asarray(w[s:s + e * m].reshape(e, m, d), ffn.expert_down[...].dtype)
+    if skip:
+        ffn.skip_down[...] = jnp.asarray(w[s + e * m:], ffn.skip_down[...].dtype)
 
 
 def fit_layer(ffn, x, cc, mesh) -> tuple:

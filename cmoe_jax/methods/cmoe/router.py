@@ -15,6 +15,7 @@ import scipy.sparse as sp
 from cmoe_jax.carving.kmeans import cooccurrence
 from cmoe_jax.moe.activations import glu_activation
 from cmoe_jax.moe.routers import cmoe_route, cmoe_scores
+from cmoe_jax.moe.skip_term import skipped_activations
 
 
 def representative_neurons(points: sp.csr_matrix, labels, centroid_counts, cluster_size: int,
@@ -132,10 +133,12 @@ def solve_gate_scales(ata, atr, ridge: float = 1e-6) -> np.ndarray:
     return u
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "activation"))
-def down_fit_sums(x, router, shared, experts, *, top_k: int, activation: str):
+@functools.partial(jax.jit, static_argnames=("top_k", "activation", "skip"))
+def down_fit_sums(x, router, shared, experts, *, top_k: int, activation: str, skip: bool = False):
     """(P^T P [H, H], P^T y [H, d]) of the least-squares down projections over tokens x [..., d],
-    H = S + E m the layer's neurons (shared first, then the experts' in order). `router`:
+    H = S + E m the layer's neurons (shared first, then the experts' in order; with `skip`,
+    then the E r router neurons' h of the experts each token skips, the rows of `skip_down`,
+    `cmoe_jax.moe.skip_term`). `router`:
     (router_gate, router_up, u); `shared`: the shared MLP's (gate, up, down), S = 0 allowed;
     `experts`: the routed experts' (gate, up, down).
 
@@ -159,7 +162,10 @@ def down_fit_sums(x, router, shared, experts, *, top_k: int, activation: str):
     h = act(jnp.einsum("td,edm->tem", x, f32(expert_gate))) * jnp.einsum("td,edm->tem", x, f32(expert_up))
     hs = act(x @ f32(shared_gate)) * (x @ f32(shared_up))                     # [T, S]
     dense = hs @ f32(shared_down) + jnp.einsum("tem,emd->td", h, f32(expert_down))
-    p = jnp.concatenate([hs, (weight[..., None] * h).reshape(n, -1)], axis=1)  # [T, H]
+    columns = [hs, (weight[..., None] * h).reshape(n, -1)]
+    if skip:
+        columns.append(skipped_activations(x, router_gate, router_up, ids, num_experts, activation=activation))
+    p = jnp.concatenate(columns, axis=1)                                      # [T, H]
     return p.T @ p, p.T @ dense
 
 

@@ -44,12 +44,19 @@ def validate_moe(cfg: ModelConfig, cc: ConvertConfig, min_tokens: int = 32) -> N
     cc = with_sub_router(cc)
     if min_tokens < 1:
         raise ConversionError(f"--min-expert-tokens {min_tokens} must be at least 1")
+    if cc.skip_compensation:
+        raise ConversionError("--skip-compensation is fitted with a dense FFN's down projections: an "
+                              "MoE source is carved hierarchically, its sub-experts keeping their rows")
     specs = [s for s in cfg.moe_layers if s is not None]
     if not specs:
         raise ConversionError("the model has no MoE layer: hierarchical CMoE needs an MoE source")
     for spec in specs:
         if spec.sub_experts:
             raise ConversionError("the model is already hierarchical: carve its source MoE instead")
+        if spec.skip_compensation:
+            raise ConversionError("the model's layers predict their skipped experts "
+                                  "(skip_compensation), which a hierarchical layer cannot: carve a "
+                                  "conversion without --skip-compensation")
         if not get_router(spec.router).learned_gates:
             raise ConversionError(f"top-level router {spec.router!r} has constant gates: hierarchical "
                                   f"CMoE keeps a top level that weighs its experts (linear, cmoe)")

@@ -25,11 +25,18 @@ def _f32_product(x, w):
     return x.astype(jnp.float32) @ w.astype(jnp.float32)
 
 
+def router_activations(x, router_gate, router_up, *, activation: str):
+    """h = act(x W_gate^R) * (x W_up^R) in float32 `[T, E*r]`: the router neurons' activations
+    (`router_gate/router_up [d, E*r]`, expert-major); act is the model's GLU activation
+    (`cmoe_jax.moe.activations`). The scores and the skipped experts' compensation
+    (`cmoe_jax.moe.skip_term`) both read them: one computation under jit."""
+    return glu_activation(activation)(_f32_product(x, router_gate)) * _f32_product(x, router_up)
+
+
 def cmoe_scores(x, router_gate, router_up, num_experts: int | None = None, *, activation: str):
-    """s = |act(x W_gate^R) * (x W_up^R)| in float32, summed over each expert's r router
-    neurons (`router_gate/router_up [d, E*r]`, expert-major): scores `[T, E]`; act is the
-    model's GLU activation (`cmoe_jax.moe.activations`)."""
-    s = jnp.abs(glu_activation(activation)(_f32_product(x, router_gate)) * _f32_product(x, router_up))
+    """s = |h| (`router_activations`) summed over each expert's r router neurons: scores
+    `[T, E]`."""
+    s = jnp.abs(router_activations(x, router_gate, router_up, activation=activation))
     num_experts = num_experts or s.shape[-1]
     if s.shape[-1] % num_experts:
         raise ValueError(f"{s.shape[-1]} router neurons do not split over {num_experts} experts")
