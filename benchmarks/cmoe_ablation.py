@@ -58,6 +58,8 @@ VARIANTS = {
     "down-fit-0.001": {"down_fit": 0.001},
     "down-fit-0.3": {"down_fit": 0.3},
     "down-fit-1": {"down_fit": 1.0},
+    "skip-compensation": {"skip_compensation": True},
+    "skip-compensation-ridge-1": {"skip_compensation": True, "down_fit": 1.0},
     "calib-bos": {},
     "authors-sampler": {},
 }
