@@ -98,11 +98,9 @@ def run_streamed(model: str, test, config: str, variant: str, args) -> dict:
     the variants that change the windows are refused)."""
     import shutil
 
-    from cmoe_jax.convert import convert
-    from cmoe_jax.data import Calibration
+    from cmoe_jax.convert import Calibration, ConvertSettings, convert
     from cmoe_jax.eval import perplexity
     from cmoe_jax.loading import load_model
-    from cmoe_jax.methods.cmoe.settings import ConvertSettings
 
     if variant in ("calib-bos", "authors-sampler"):
         raise SystemExit(f"error: --stream runs the project's calibration windows; drop {variant}")
