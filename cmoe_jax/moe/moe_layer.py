@@ -162,14 +162,14 @@ class MoELayer(nnx.Module):
         with jax.named_scope("shared_mlp"):
             shared = self.shared(x, key).astype(jnp.float32)
         with jax.named_scope("combine"):
-            y = (shared + routed + self.skipped(x, pairs.slots, mask)).astype(self.dtype)
+            y = shared + routed
+            if self.spec.skip_compensation:
+                y = y + self.skipped(x, pairs.slots, mask)
+            y = y.astype(self.dtype)
         return pairs.slots, y, loads, keep
 
     def skipped(self, x, slots, mask=None):
-        """float32 `[T, d]` compensation of the experts outside `slots` (`cmoe_jax.moe.skip_term`),
-        or 0 without `skip_compensation`."""
-        if not self.spec.skip_compensation:
-            return 0.0
+        """float32 `[T, d]` compensation of the experts outside `slots` (`cmoe_jax.moe.skip_term`)."""
         return skip_term(x, self.router_gate[...], self.router_up[...], self.skip_down[...], slots,
                          self.spec.num_experts, activation=self.activation, mask=mask)
 
