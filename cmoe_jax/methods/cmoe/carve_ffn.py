@@ -85,7 +85,7 @@ def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
       return_carving: also return the `LayerCarving` (which neurons went where).
       **options: the conversion's `ConvertConfig` fields: k_act, normalize, kmeans_iters,
         router_neurons, router_scale, router_fit_tokens, shared_by, router_reps, gate_fit,
-        down_fit, down_fit_tokens.
+        down_fit, down_fit_tokens, skip_compensation.
 
     With every routed expert active (`layer.top_k = layer.num_experts`), `gate_fit=False` and
     `down_fit=0` the layer equals the dense FFN: the carving is a permutation of its neurons and the gates
