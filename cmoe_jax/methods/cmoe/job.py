@@ -89,7 +89,8 @@ def router_neurons(cfg, cc: ConvertConfig, plans) -> int | None:
 
 def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> dict:
     """The manifest of a CMoE conversion (hierarchical CMoE updates some of its fields):
-    `plan` has one entry per layer, `active_share` the mean share of neurons a token runs."""
+    `plan` has one entry per layer, `active_share` the mean share of the dense FFN's work a
+    token runs (its neurons, plus the skipped experts' compensation when there is one)."""
     cc, cal = settings.method, settings.calibration
     plans = cc.layer_shapes(cfg.num_layers)
     extra = compensation_share(cfg, cc)

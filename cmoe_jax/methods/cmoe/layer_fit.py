@@ -89,8 +89,9 @@ def fit_down(ffn, x, cc, mesh) -> None:
     shared, (e, m, d) = np.asarray(_arrays(ffn, "shared_down"), np.float32), ffn.expert_down.shape
     s = shared.shape[0]
     rows = [shared, np.asarray(ffn.expert_down[...], np.float32).reshape(e * m, d)]
-    w = solve_down(ptp, pty, np.concatenate(rows + ([np.zeros(ffn.skip_down.shape, np.float32)] if skip else [])),
-                   cc.down_fit)
+    if skip:
+        rows.append(np.zeros(ffn.skip_down.shape, np.float32))
+    w = solve_down(ptp, pty, np.concatenate(rows), cc.down_fit)
     if s:
         ffn.shared_down[...] = jnp.asarray(w[:s], ffn.shared_down[...].dtype)
     ffn.expert_down[...] = jnp.asarray(w[s:s + e * m].reshape(e, m, d), ffn.expert_down[...].dtype)
