@@ -21,7 +21,7 @@ from cmoe_jax import distributed
 from cmoe_jax.models import Decoder, FFNSpec, ModelConfig
 from cmoe_jax.models.ffn import filled_ffn
 from cmoe_jax.calibration_pass.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
-                                                  start_pass)
+                                                  start_pass, window_chunks)
 
 
 @dataclasses.dataclass
@@ -163,11 +163,15 @@ def layer_profile(layer, x, cc: ConvertConfig) -> tuple[np.ndarray, np.ndarray, 
     """(ATopK markers [T, d_h], activation rates mu [d_h], output energies [d_h]) of one
     dense layer's FFN on its input x [N, T, d], gathered over processes."""
     mlp = layer.mlp
-    markers, _, energy = profile_layer(x.reshape(-1, x.shape[-1]), mlp.gate[...], mlp.up[...],
-                                       mlp.down[...], k_act=cc.k_act, normalize=cc.normalize,
-                                       windows=x.shape[0], activation=mlp.activation)
-    markers = distributed.gather_rows(np.asarray(markers))
-    energy = distributed.gather_rows(np.asarray(energy)).astype(np.float64).sum(0)
+    parts = []
+    for chunk in window_chunks(x):  # the FFN's [tokens, d_h] intermediates for a few windows at a time
+        markers, _, energy = profile_layer(chunk.reshape(-1, x.shape[-1]), mlp.gate[...], mlp.up[...],
+                                           mlp.down[...], k_act=cc.k_act, normalize=cc.normalize,
+                                           windows=chunk.shape[0], activation=mlp.activation)
+        parts.append((np.asarray(markers), np.asarray(energy)))
+    markers = distributed.gather_rows(np.concatenate([m for m, _ in parts]))
+    energy = distributed.gather_rows(np.concatenate([e for _, e in parts])).astype(np.float64).sum(0)
+    del parts
     tokens = markers.shape[0]
     mu = markers.sum(axis=0, dtype=np.int64).astype(np.float32) / np.float32(tokens)
     return markers, mu, (energy / tokens).astype(np.float32)

@@ -12,7 +12,7 @@ import numpy as np
 from cmoe_jax import distributed
 from cmoe_jax.methods.cmoe.router import (down_fit_sums, gate_fit_sums, router_fit_sums, scale_router_up,
                                           solve_down, solve_gate_scales)
-from cmoe_jax.calibration_pass.layer_pass import replicate
+from cmoe_jax.calibration_pass.layer_pass import replicate, window_chunks
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("top_k", "activation", "skip"))
@@ -35,13 +35,16 @@ def fit_sums(sums, ffn, x, tokens: int | None, mesh, names: tuple, **static) -> 
     n_all = int(distributed.sum_across_processes(np.int64(n)))
     stride = 1 if tokens is None else max(1, -(-n_all * t // tokens))
     weights = [replicate(_arrays(ffn, name), mesh) for name in names]
-    step = len(mesh.local_devices) if n % len(mesh.local_devices) == 0 else n
     total = None
-    for start in range(0, n, step):
-        part = _per_window(sums, x[start:start + step, ::stride], *weights, activation=ffn.activation,
-                           **static)
-        part = [distributed.gather_rows(np.asarray(s)).astype(np.float64).sum(0) for s in part]
-        total = part if total is None else [a + b for a, b in zip(total, part)]
+    for chunk in window_chunks(x):
+        part = _per_window(sums, chunk[:, ::stride], *weights, activation=ffn.activation, **static)
+        part = [distributed.gather_rows(np.asarray(s)) for s in part]
+        if total is None:
+            total = [np.zeros(s.shape[1:], np.float64) for s in part]
+        for acc, windows in zip(total, part):
+            for window in windows:  # added in place in window order: no float64 copy of a chunk
+                np.add(acc, window, out=acc)
+        del part
     return tuple(total)
 
 
@@ -91,7 +94,7 @@ def fit_down(ffn, x, cc, mesh) -> None:
     rows = [shared, np.asarray(ffn.expert_down[...], np.float32).reshape(e * m, d)]
     if skip:
         rows.append(np.zeros(ffn.skip_down.shape, np.float32))
-    w = solve_down(ptp, pty, np.concatenate(rows), cc.down_fit)
+    w = solve_down(ptp, pty, np.concatenate(rows), cc.down_fit, overwrite=True)
     if s:
         ffn.shared_down[...] = jnp.asarray(w[:s], ffn.shared_down[...].dtype)
     ffn.expert_down[...] = jnp.asarray(w[s:s + e * m].reshape(e, m, d), ffn.expert_down[...].dtype)

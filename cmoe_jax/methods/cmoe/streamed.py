@@ -95,10 +95,10 @@ def convert_streamed(model: Streamed, calib: np.ndarray, cc: ConvertConfig, *, d
     validate(cfg, calib, cc)
     mesh = conversion_mesh(cc, calib.shape[0], devices, expert_parallel, carved_plans(cfg, cc))
     outer = load_outer(source, cfg, dtype=jnp.float32, mesh=mesh)
+    source.release()  # the file's pages go before the save's buffers arrive
     save_state_part(out, "rest", without_layers(nnx.state(outer)))
     h, rope = start_pass(outer, calib, mesh)
     del outer
-    source.release()
     cfg_moe = cfg.with_moe_layers([moe_spec(cfg, cc, p) for p in cc.layer_shapes(cfg.num_layers)])
     step = LayerConverter(cfg, cc, mesh, done or (), on_layer)
 
