@@ -171,7 +171,6 @@ def layer_profile(layer, x, cc: ConvertConfig) -> tuple[np.ndarray, np.ndarray, 
         parts.append((np.asarray(markers), np.asarray(energy)))
     markers = distributed.gather_rows(np.concatenate([m for m, _ in parts]))
     energy = distributed.gather_rows(np.concatenate([e for _, e in parts])).astype(np.float64).sum(0)
-    del parts
     tokens = markers.shape[0]
     mu = markers.sum(axis=0, dtype=np.int64).astype(np.float32) / np.float32(tokens)
     return markers, mu, (energy / tokens).astype(np.float32)
