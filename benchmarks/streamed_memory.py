@@ -194,11 +194,16 @@ def main() -> None:
                   f"{(n * layer_f32 + outer_f32) / GIB:.2f} GiB float32 (one layer "
                   f"{layer_f32 / GIB:.2f} GiB)", flush=True)
             for mode in a.modes:
+                peaks = {}
                 for name, tree in trees:
                     out = work / f"out_{n}_{mode}_{name.replace(' ', '_')}"
                     r = run_child(tree, src, out, mode == "stream", a.config, a.samples, a.seqlen)
+                    peaks[name] = r["peak_rss"]
                     print(f"  {mode:6} {name:9}: peak RSS {r['peak_rss'] / GIB:.2f} GiB, "
                           f"{r['seconds']:.0f} s, load average {load_average():.2f}", flush=True)
+                if "baseline" in peaks:
+                    print(f"  {mode:6} peak, this tree / baseline: "
+                          f"{peaks['this tree'] / peaks['baseline']:.2f}x", flush=True)
             if set(a.modes) == {"stream", "memory"}:
                 equal.append(same_state(str(work / f"out_{n}_stream_this_tree"),
                                         str(work / f"out_{n}_memory_this_tree")))
