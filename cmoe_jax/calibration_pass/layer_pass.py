@@ -139,10 +139,19 @@ class LayerInput:
     ffn: nnx.Module | None = None  # what `on_layer` returned
     residual: jax.Array | None = None  # the stream after attention, h_mid [N, T, d]
     out_norm: nnx.Module | None = None  # the norm on the FFN's output (`DecoderLayer.ffn_out`)
+    output: tuple | None = None  # (ffn, stream after the layer, load) of `run`
 
     def stream_after(self, ffn: nnx.Module, mesh: Mesh) -> jax.Array:
         """The residual stream after this layer were `ffn` its FFN (a method trying shapes)."""
         return run_ffn(ffn, self.residual, self.ffn_input, mesh, self.out_norm)[0]
+
+    def run(self, ffn: nnx.Module, mesh: Mesh) -> jax.Array:
+        """`stream_after(ffn)` for the FFN the method is about to return, kept: the pass
+        carries this stream on instead of running `ffn` a second time (a converted layer's
+        forward over the calibration batch costs about as much as the dense one's), so
+        `ffn` must not change after."""
+        self.output = (ffn, *run_ffn(ffn, self.residual, self.ffn_input, mesh, self.out_norm))
+        return self.output[1]
 
 
 def _ffn_input(layer, index: int, h, rope, mesh: Mesh):
@@ -217,8 +226,11 @@ def layer_pass(layers: Collection[nnx.Module], h, rope, mesh: Mesh,
             inputs = LayerInput(index, layer, x, seconds, residual=h_mid, out_norm=out_norm)
             del layer, x
             inputs.ffn = on_layer(inputs)
-            h, load = run_ffn(inputs.ffn, h_mid, inputs.ffn_input, mesh, out_norm)
-            inputs.ffn_input = inputs.residual = h_mid = None
+            if inputs.output is not None and inputs.output[0] is inputs.ffn:  # `LayerInput.run`
+                h, load = inputs.output[1:]
+            else:
+                h, load = run_ffn(inputs.ffn, h_mid, inputs.ffn_input, mesh, out_norm)
+            inputs.ffn_input = inputs.residual = inputs.output = h_mid = None
             if after_layer is not None:
                 load = np.asarray(load)
                 after_layer(inputs, distributed.sum_across_processes(load).astype(load.dtype))

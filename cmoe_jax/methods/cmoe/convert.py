@@ -239,16 +239,17 @@ class LayerConverter(LayerStep):
         ffn = filled_ffn(self.cfg, moe_spec(self.cfg, self.cc, plan), slices_for(layer, record.carving),
                          layer.mlp.gate[...].dtype)
         record.router_scales, record.gate_scales = fit_layer(ffn, x, self.cc, self.mesh)
-        record.error = stream_error(inputs, ffn, inputs.stream_after(layer.mlp, self.mesh), self.mesh)
+        record.error = stream_error(inputs.run(ffn, self.mesh), inputs.stream_after(layer.mlp, self.mesh))
         self.records.append(record)
         return ffn
 
 
-def stream_error(inputs: LayerInput, ffn, dense_stream, mesh) -> float:
-    """||stream after the layer with `ffn` - with the dense FFN||^2 / ||the dense one||^2 over
-    every calibration token (all processes): how much of what the next layer reads the
-    carving changed (a norm on the FFN's output, as in Gemma, included)."""
-    change = inputs.stream_after(ffn, mesh) - dense_stream
+def stream_error(stream, dense_stream) -> float:
+    """||stream after the layer with a carved FFN - with the dense FFN||^2 / ||the dense
+    one||^2 over every calibration token (all processes; the streams from
+    `LayerInput.stream_after`): how much of what the next layer reads the carving changed (a
+    norm on the FFN's output, as in Gemma, included)."""
+    change = stream - dense_stream
     return _total(change ** 2) / _total(dense_stream ** 2)
 
 

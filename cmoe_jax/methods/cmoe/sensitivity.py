@@ -123,7 +123,7 @@ class ErrorStep:
                     row.append(0.0)
                     continue
                 carved = carved_candidate(self.cfg, layer, x, self.cc, plan, self.mesh, profile)
-                row.append(stream_error(inputs, carved, dense, self.mesh))
+                row.append(stream_error(inputs.stream_after(carved, self.mesh), dense))
                 if k in kept:
                     carvings[k] = carved
             self.rows.append(row)
@@ -229,7 +229,7 @@ def loss_gains(outer, layers, tokens, cc, plan, num_layers: int, measured: Measu
             if inputs.index != index:
                 return inputs.layer.mlp
             ffn = carved_candidate(cfg, inputs.layer, inputs.ffn_input, cc, plan, mesh)
-            error.append(stream_error(inputs, ffn, inputs.stream_after(inputs.layer.mlp, mesh), mesh))
+            error.append(stream_error(inputs.run(ffn, mesh), inputs.stream_after(inputs.layer.mlp, mesh)))
             return ffn
 
         rise = pass_nll(outer, layers, tokens, mesh, carve_one) - dense
