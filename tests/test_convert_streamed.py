@@ -129,14 +129,29 @@ def test_interrupted_streamed_conversion_resumes_identically(tiny_checkpoint, tm
     _assert_same_state(restore_model(tmp_path / "full"), restore_model(tmp_path / "resumed"))
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--method", "expertweaver", "--experts", "8"], "--stream does not apply to --method expertweaver"),
-])
-def test_stream_refused_where_unsupported(tiny_checkpoint, tmp_path, capsys, extra, message):
-    _, path, text = tiny_checkpoint
-    out = tmp_path / "out"
-    argv = ["--model", str(path), "--data-path", str(text), "--out", str(out), "--stream", *extra]
-    assert convert_main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error:") and message in err and err.count("\n") == 1, err
-    assert not out.exists() and not (tmp_path / "out.partial").exists()
+def test_expertweaver_streamed_equals_in_memory(tiny_checkpoint, tmp_path, monkeypatch):
+    """`--stream` weaves the same layers (manifest and bitwise-equal parameters) as in
+    memory, and a streamed weave stopped after a layer resumes to the same model."""
+    from cmoe_jax.convert import TaskCalibration, WeaveConfig, WeaverSettings
+    from cmoe_jax.methods.expertweaver import job
+    from tests.test_expertweaver import _articles, _cli
+
+    streamed, weave = [], job.weave_streamed
+    monkeypatch.setattr(job, "weave_streamed", lambda *a, **k: streamed.append(1) or weave(*a, **k))
+    _, path, _ = tiny_checkpoint
+    text = _articles(tmp_path / "articles.txt")
+    assert convert_main(_cli(path, text, tmp_path / "memory")) == 0
+    assert not streamed
+    assert convert_main(_cli(path, text, tmp_path / "streamed", "--stream")) == 0
+    assert streamed == [1]
+    a, b = (json.loads((tmp_path / n / "cmoe_manifest.json").read_text()) for n in ("memory", "streamed"))
+    assert a["layers"] == b["layers"] and a["model_config"] == b["model_config"]
+    assert b["state_layout"] == PER_LAYER and [s["shared_width"] for s in b["model_config"]["moe_layers"]]
+    _assert_same_state(restore_model(tmp_path / "memory"), restore_model(tmp_path / "streamed"))
+
+    settings = WeaverSettings(WeaveConfig(experts=8), TaskCalibration(data_path=str(text), tasks=4,
+                                                                       samples_per_task=2, seqlen=32), stream=True)
+    r = convert(str(path), settings, out=tmp_path / "resumed", stop_after_layers=1, progress=False)
+    assert r["out"] is None and not (tmp_path / "resumed").exists()
+    convert(str(path), settings, out=tmp_path / "resumed", resume=True, progress=False)
+    _assert_same_state(restore_model(tmp_path / "memory"), restore_model(tmp_path / "resumed"))

@@ -55,6 +55,10 @@ def build_parser(prog: str = "python -m cmoe_jax.convert") -> Parser:
     data = add_data(p, "validation", "calibration")
     add_calib_samples(data, 8)
     add_seqlen(p, None, "calibration window length (default 2048; expertweaver 256)")
+    p.add_argument("--stream", action="store_true",
+                   help="read, convert and write one decoder layer at a time (peak host memory "
+                        "about one layer: models larger than the host's memory); dense sources, "
+                        "cmoe and expertweaver")
     registry.add_method_flags(p, "convert")
     add_seed(p)
     add_output_dir(p, "the converted model", "continue an interrupted conversion", report=True)

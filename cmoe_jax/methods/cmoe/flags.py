@@ -65,9 +65,6 @@ def add_flags(g) -> None:
                         "conversion has the least loss on calibration text outside the calibration "
                         "windows; default: any with the marginal damage, auto with the others, z/4 "
                         "with --stream)")
-    g.add_argument("--stream", action="store_true",
-                   help="read, convert and write one decoder layer at a time (peak host memory "
-                        "about one layer: models larger than the host's memory); dense sources")
 
 
 def spread_arg(text: str) -> int | str:

@@ -12,6 +12,7 @@ import dataclasses
 import time
 from typing import Callable
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -23,6 +24,7 @@ from cmoe_jax.models.ffn import filled_ffn
 from cmoe_jax.calibration_pass.layer_pass import (LayerInput, LayerStep, calibration_mesh, converted_ffns,
                                                   start_pass)
 from cmoe_jax.calibration_pass.markers import output_energy
+from cmoe_jax.methods.streamed_pass import Streamed, streamed_pass
 
 
 SHARED_BY = ("energy", "profile")
@@ -139,19 +141,43 @@ class LayerWeaver(LayerStep):
         record["load"] = load.tolist()  # a JSON record; its seconds are profile and cluster
 
 
+def _checked_windows(cfg: ModelConfig, cc: WeaveConfig, windows, task_ids) -> np.ndarray:
+    validate(cfg, cc)
+    windows = np.asarray(windows, np.int32)
+    if len(np.unique(task_ids)) < 2 or len(task_ids) != len(windows):
+        raise ConversionError("ExpertWeaver needs calibration samples from at least 2 tasks")
+    return windows
+
+
 def weave_model(model: Decoder, windows: np.ndarray, task_ids: np.ndarray, cc: WeaveConfig, *,
                 devices=None, progress: bool = True, done: list[dict] | None = None,
                 on_layer: Callable[[int, dict], None] | None = None):
     """Convert `model` with calibration windows [N, T] of tasks `task_ids` [N] ->
     (moe_model, per-layer records). `done`: records of layers finished before (resume)."""
     cfg = model.config
-    validate(cfg, cc)
-    windows = np.asarray(windows, np.int32)
-    if len(np.unique(task_ids)) < 2 or len(task_ids) != len(windows):
-        raise ConversionError("ExpertWeaver needs calibration samples from at least 2 tasks")
+    windows = _checked_windows(cfg, cc, windows, task_ids)
     mesh = calibration_mesh(windows.shape[0], devices)
     h, rope = start_pass(model, windows, mesh)
     step = LayerWeaver(cfg, cc, task_ids, model.dtype, done or (), on_layer)
     ffns = converted_ffns(model.layers, h, rope, mesh, step, desc=f"weaving {cc.name}",
                           progress=progress)
     return model.with_ffns(cfg.with_moe_layers(step.specs), ffns), step.records
+
+
+def weave_streamed(model: Streamed, windows: np.ndarray, task_ids: np.ndarray, cc: WeaveConfig, *,
+                   devices=None, progress: bool = True, done: list[dict] | None = None,
+                   on_layer: Callable[[int, dict], None] | None = None) -> tuple[ModelConfig, list[dict]]:
+    """`weave_model` of the dense model in `model.source`, read, woven and written into
+    `model.out` one layer at a time (`streamed_pass`) -> (converted config, records): the
+    same layers as in memory (float32, as the job loads them)."""
+    cfg = model.config
+    windows = _checked_windows(cfg, cc, windows, task_ids)
+    mesh = calibration_mesh(windows.shape[0], devices)
+    step = LayerWeaver(cfg, cc, task_ids, jnp.float32, done or (), on_layer)
+
+    def woven_so_far(index: int) -> ModelConfig:  # layer `index` and those before it are woven
+        return cfg.with_moe_layers(step.specs + [None] * (cfg.num_layers - len(step.specs)))
+
+    streamed_pass(model, windows, mesh, step, woven_so_far, desc=f"weaving {cc.name} (streamed)",
+                  progress=progress)
+    return cfg.with_moe_layers(step.specs), step.records

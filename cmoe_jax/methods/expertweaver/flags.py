@@ -53,4 +53,4 @@ def settings_from_args(args) -> WeaverSettings:
     calibration = TaskCalibration(data_path=args.data_path, arc_path=args.arc_path, tasks=args.calib_tasks,
                                   samples_per_task=args.samples_per_task,
                                   seqlen=256 if args.seqlen is None else args.seqlen, mix=args.calib_mix)
-    return WeaverSettings(cc, calibration, report=args.report)
+    return WeaverSettings(cc, calibration, report=args.report, stream=args.stream)

@@ -1,5 +1,6 @@
 """ExpertWeaver as a job's steps (run by `cmoe_jax.jobs.run_job`): its settings, calibration
-tasks (WikiText articles, or a task-diverse mix), the layer-by-layer weave, manifest, report."""
+tasks (WikiText articles, or a task-diverse mix), the layer-by-layer weave (in memory or
+streamed), manifest, report."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,10 +9,13 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
+from cmoe_jax.checkpoint import PER_LAYER, save_converted, write_manifest
 from cmoe_jax.errors import CmoeError
+from cmoe_jax.loading import open_source
 from cmoe_jax.methods.expertweaver.calib_tasks import arc_text, task_windows, wikitext_articles
-from cmoe_jax.methods.expertweaver.convert import WeaveConfig, validate, weave_model
+from cmoe_jax.methods.expertweaver.convert import WeaveConfig, validate, weave_model, weave_streamed
 from cmoe_jax.methods.expertweaver.report import write_report
+from cmoe_jax.methods.streamed_pass import Streamed
 from cmoe_jax.methods.expertweaver.task_mix import diverse_task_windows
 
 MIXES = ("wikitext", "diverse")
@@ -53,6 +57,7 @@ class WeaverSettings:
     method: WeaveConfig
     calibration: TaskCalibration = TaskCalibration()
     report: bool = False
+    stream: bool = False  # read, weave and write one decoder layer at a time
 
     def check(self) -> None:
         self.calibration.check()
@@ -86,6 +91,7 @@ class WeaverSteps:
     def __init__(self, settings: WeaverSettings):
         self.settings = settings
         self.windows = self.task_ids = self.names = None
+        self.moe_config = None  # a streamed result's config
 
     def validate(self, source, options) -> None:
         cfg, seqlen = source.config, self.settings.calibration.seqlen
@@ -107,10 +113,19 @@ class WeaverSteps:
     def work(self, run):
         cc = self.settings.method
         done, on_layer = run.json_layers(dict)
-        lm = run.source.load(dtype=jnp.float32, progress=run.options.progress, stack=False)
         t_conv = time.perf_counter()
-        model, records = weave_model(lm.model, self.windows, self.task_ids, cc,
-                                     progress=run.options.progress, done=done, on_layer=on_layer)
+        if self.settings.stream:
+            source = run.source
+            streamed = Streamed(source.source or open_source(source.path), source.config, run.final)
+            self.moe_config, records = weave_streamed(streamed, self.windows, self.task_ids, cc,
+                                                      progress=run.options.progress, done=done,
+                                                      on_layer=on_layer)
+            model = None  # written into `run.final` layer by layer
+        else:
+            lm = run.source.load(dtype=jnp.float32, progress=run.options.progress, stack=False)
+            t_conv = time.perf_counter()
+            model, records = weave_model(lm.model, self.windows, self.task_ids, cc,
+                                         progress=run.options.progress, done=done, on_layer=on_layer)
         seconds = {"prepare_and_load": t_conv - run.t_start, "convert": time.perf_counter() - t_conv,
                    "profile": sum(r["seconds"]["profile"] for r in records),
                    "cluster": sum(r["seconds"]["cluster"] for r in records)}
@@ -131,6 +146,13 @@ class WeaverSteps:
 
     def interrupted(self, after: int) -> dict:
         return {"out": None, "config": self.settings.method.name, "interrupted_after": after}
+
+    def save(self, run, model, manifest) -> None:
+        tokenizer = run.source.tokenizer
+        if self.settings.stream:
+            write_manifest(run.final, self.moe_config, dict(manifest, state_layout=PER_LAYER), tokenizer)
+        else:
+            save_converted(model, manifest, run.final, tokenizer=tokenizer)
 
     def write_report(self, records, manifest, seconds, directory) -> None:
         write_report(records, self.settings.method.name, directory, manifest["calibration"])
