@@ -7,8 +7,8 @@ fresh process (its peak is its own), in memory and streamed.
 A variant is `METHOD-PLAN[-stream]`: METHOD `cmoe` or `expertweaver`, PLAN a config such as
 S3A3E8, `active0.25` (a budget: `--active 0.25`) or `default` (expertweaver's own). Each runs
 `python -m cmoe_jax.convert` with the calibration given here (the project's defaults: 8
-windows of 2048 tokens), and the script prints per variant the wall seconds and the peak RSS
-(`wait4`'s ru_maxrss) against the model's float32 weights, with the load average at start and
+windows of 2048 tokens; expertweaver its own, 32 WikiText-2 articles of 2 x 256 tokens),
+and the script prints per variant the wall seconds and the peak RSS (`wait4`'s ru_maxrss) against the model's float32 weights, with the load average at start and
 end (`benchmarks/harness.py`): one side per process, so no ratio of times is claimed under
 load, only memory, which load does not change. The streamed peak should be a few layers,
 not the model (`--stream` reads, converts and writes one layer at a time).
@@ -62,9 +62,10 @@ def fp32_weight_bytes(model: str) -> int:
 
 def run_variant(variant: str, args, work: Path) -> dict:
     out = work / variant
+    calibration = ([] if variant.startswith("expertweaver") else  # its own: 32 tasks x 2 x 256 tokens
+                   ["--calib-samples", str(args.calib_samples), "--seqlen", str(args.seqlen)])
     cmd = [sys.executable, "-m", "cmoe_jax.convert", "--model", args.model, *convert_args(variant),
-           "--calib-samples", str(args.calib_samples), "--seqlen", str(args.seqlen),
-           "--seed", str(args.seed), "--out", str(out), "--no-progress"]
+           *calibration, "--seed", str(args.seed), "--out", str(out), "--no-progress"]
     if args.data_path:
         cmd += ["--data-path", args.data_path]
     start, began = load_average(), time.perf_counter()
