@@ -8,8 +8,9 @@ A variant is `METHOD-PLAN[-stream]`: METHOD `cmoe` or `expertweaver`, PLAN a con
 S3A3E8, `active0.25` (a budget: `--active 0.25`) or `default` (expertweaver's own). Each runs
 `python -m cmoe_jax.convert` with the calibration given here (the project's defaults: 8
 windows of 2048 tokens; expertweaver its own, 32 WikiText-2 articles of 2 x 256 tokens),
-and the script prints per variant the wall seconds and the peak RSS (`wait4`'s ru_maxrss) against the model's float32 weights, with the load average at start and
-end (`benchmarks/harness.py`): one side per process, so no ratio of times is claimed under
+and the script prints per variant the wall seconds and the peak RSS (`wait4`'s ru_maxrss)
+against the model's float32 weights, with the load average at start and end
+(`benchmarks/harness.py`): one side per process, so no ratio of times is claimed under
 load, only memory, which load does not change. The streamed peak should be a few layers,
 not the model (`--stream` reads, converts and writes one layer at a time).
 """
