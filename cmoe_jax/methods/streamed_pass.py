@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from cmoe_jax.calibration_pass.layer_pass import LayerStep, layer_pass, start_pass
-from cmoe_jax.checkpoint import PER_LAYER, layer_part, save_state_part, without_layers
+from cmoe_jax.checkpoint import (PER_LAYER, layer_part, save_converted, save_state_part, without_layers,
+                                 write_manifest)
 from cmoe_jax.loading.load import load_layer, load_outer
 from cmoe_jax.loading.sources import TensorSource
 from cmoe_jax.models import DecoderLayer, ModelConfig
@@ -85,4 +86,14 @@ def streamed_pass(model: Streamed, calib: np.ndarray, mesh, step: LayerStep,
     layer_pass(StreamedLayers(model, mesh), h, rope, mesh, step, after_layer=save, desc=desc, progress=progress)
 
 
-__all__ = ["PER_LAYER", "Streamed", "StreamedLayers", "converted_layer_state", "streamed_pass"]
+def save_conversion(out: Path, model, manifest: dict, tokenizer, streamed_config: ModelConfig | None) -> None:
+    """Save a finished conversion into `out`: a streamed one (`streamed_config`, its config;
+    its layers already written there by `streamed_pass`) gets its manifest, with
+    `"state_layout": PER_LAYER`; one made in memory (`model`) is saved whole."""
+    if streamed_config is not None:
+        write_manifest(out, streamed_config, dict(manifest, state_layout=PER_LAYER), tokenizer)
+    else:
+        save_converted(model, manifest, out, tokenizer=tokenizer)
+
+
+__all__ = ["PER_LAYER", "Streamed", "StreamedLayers", "converted_layer_state", "save_conversion", "streamed_pass"]

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from cmoe_jax import distributed
-from cmoe_jax.checkpoint import PER_LAYER, save_converted, write_manifest
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.loading import open_source
@@ -25,6 +24,7 @@ from cmoe_jax.methods.cmoe.settings import ConvertSettings
 from cmoe_jax.methods.cmoe.spread_choice import HELD_OUT_WINDOWS, BandRun, choose_band
 from cmoe_jax.methods.method import Method
 from cmoe_jax.methods.cmoe.streamed import Streamed, convert_streamed, measure_streamed
+from cmoe_jax.methods.streamed_pass import save_conversion
 
 
 def is_dense(cfg) -> bool:
@@ -273,11 +273,8 @@ class CmoeSteps:
         return {"out": None, "config": self.settings.method.label, "interrupted_after": after}
 
     def save(self, run, model, manifest) -> None:
-        tokenizer = run.source.tokenizer
-        if self.settings.stream:
-            write_manifest(run.final, self.moe_config, dict(manifest, state_layout=PER_LAYER), tokenizer)
-        else:
-            save_converted(model, manifest, run.final, tokenizer=tokenizer)
+        save_conversion(run.final, model, manifest, run.source.tokenizer,
+                        self.moe_config if self.settings.stream else None)
 
     def write_report(self, records, manifest, seconds, directory) -> None:
         shapes = [(layer["shape"], layer["active_share"]) for layer in manifest["layers"]]

@@ -9,13 +9,12 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from cmoe_jax.checkpoint import PER_LAYER, save_converted, write_manifest
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.loading import open_source
 from cmoe_jax.methods.expertweaver.calib_tasks import arc_text, task_windows, wikitext_articles
 from cmoe_jax.methods.expertweaver.convert import WeaveConfig, validate, weave_model, weave_streamed
 from cmoe_jax.methods.expertweaver.report import write_report
-from cmoe_jax.methods.streamed_pass import Streamed
+from cmoe_jax.methods.streamed_pass import Streamed, save_conversion
 from cmoe_jax.methods.expertweaver.task_mix import diverse_task_windows
 
 MIXES = ("wikitext", "diverse")
@@ -148,11 +147,8 @@ class WeaverSteps:
         return {"out": None, "config": self.settings.method.name, "interrupted_after": after}
 
     def save(self, run, model, manifest) -> None:
-        tokenizer = run.source.tokenizer
-        if self.settings.stream:
-            write_manifest(run.final, self.moe_config, dict(manifest, state_layout=PER_LAYER), tokenizer)
-        else:
-            save_converted(model, manifest, run.final, tokenizer=tokenizer)
+        save_conversion(run.final, model, manifest, run.source.tokenizer,
+                        self.moe_config if self.settings.stream else None)
 
     def write_report(self, records, manifest, seconds, directory) -> None:
         write_report(records, self.settings.method.name, directory, manifest["calibration"])
