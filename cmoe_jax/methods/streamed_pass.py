@@ -21,6 +21,7 @@ from flax import nnx
 from cmoe_jax.calibration_pass.layer_pass import LayerStep, layer_pass, start_pass
 from cmoe_jax.checkpoint import (PER_LAYER, layer_part, save_converted, save_state_part, without_layers,
                                  write_manifest)
+from cmoe_jax.loading import open_source
 from cmoe_jax.loading.load import load_layer, load_outer
 from cmoe_jax.loading.sources import TensorSource
 from cmoe_jax.models import DecoderLayer, ModelConfig
@@ -33,6 +34,12 @@ class Streamed(NamedTuple):
     source: TensorSource
     config: ModelConfig
     out: Path
+
+    @classmethod
+    def of_job(cls, run) -> "Streamed":
+        """A conversion job's source, read layer by layer into its staged output `run.final`."""
+        source = run.source
+        return cls(source.source or open_source(source.path), source.config, run.final)
 
 
 class StreamedLayers:

@@ -12,7 +12,6 @@ import numpy as np
 from cmoe_jax import distributed
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.loading import open_source
 from cmoe_jax.methods.cmoe import flags
 from cmoe_jax.methods.cmoe.budget import AUTO, Budget, adaptive_config, check_budget
 from cmoe_jax.methods.cmoe.config import ConvertConfig
@@ -182,17 +181,13 @@ class CmoeSteps:
         """(converted model or None when streamed into `run.final`, per-layer records)."""
         s = self.settings
         if s.stream:
-            moe_config, records = convert_streamed(self.streamed(run), self.windows, s.method,
+            moe_config, records = convert_streamed(Streamed.of_job(run), self.windows, s.method,
                                                    progress=run.options.progress, done=done,
                                                    on_layer=on_layer, expert_parallel=s.expert_parallel)
             self.moe_config = moe_config
             return None, records
         return convert_model(lm.model, self.windows, s.method, progress=run.options.progress,
                              done=done, on_layer=on_layer, expert_parallel=s.expert_parallel)
-
-    def streamed(self, run) -> Streamed:
-        source = run.source
-        return Streamed(source.source or open_source(source.path), source.config, run.final)
 
     def load(self, run):
         if self.settings.stream:
@@ -235,7 +230,7 @@ class CmoeSteps:
                             rises=[r["rise"] for r in rises], on_rise=lambda i, rise: save_rise(i, {"rise": rise}),
                             progress=run.options.progress)
         if self.settings.stream:  # the layers read one at a time, as the conversion reads them
-            self.sensitivity = measure_streamed(self.streamed(run), self.windows, self.settings.method,
+            self.sensitivity = measure_streamed(Streamed.of_job(run), self.windows, self.settings.method,
                                                 budget, measured=measured)
         else:
             self.sensitivity = measure_damage(lm.model, self.windows, self.settings.method, budget,

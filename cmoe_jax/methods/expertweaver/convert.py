@@ -175,9 +175,8 @@ def weave_streamed(model: Streamed, windows: np.ndarray, task_ids: np.ndarray, c
     mesh = calibration_mesh(windows.shape[0], devices)
     step = LayerWeaver(cfg, cc, task_ids, jnp.float32, done or (), on_layer)
 
-    def woven_so_far(index: int) -> ModelConfig:  # layer `index` and those before it are woven
-        return cfg.with_moe_layers(step.specs + [None] * (cfg.num_layers - len(step.specs)))
-
-    streamed_pass(model, windows, mesh, step, woven_so_far, desc=f"weaving {cc.name} (streamed)",
-                  progress=progress)
+    # at layer i's save the step has woven layers 0..i: the rest are dense in that config
+    streamed_pass(model, windows, mesh, step,
+                  lambda i: cfg.with_moe_layers(step.specs + [None] * (cfg.num_layers - len(step.specs))),
+                  desc=f"weaving {cc.name} (streamed)", progress=progress)
     return cfg.with_moe_layers(step.specs), step.records

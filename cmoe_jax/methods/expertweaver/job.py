@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from cmoe_jax.errors import CmoeError
-from cmoe_jax.loading import open_source
 from cmoe_jax.methods.expertweaver.calib_tasks import arc_text, task_windows, wikitext_articles
 from cmoe_jax.methods.expertweaver.convert import WeaveConfig, validate, weave_model, weave_streamed
 from cmoe_jax.methods.expertweaver.report import write_report
@@ -114,9 +113,7 @@ class WeaverSteps:
         done, on_layer = run.json_layers(dict)
         t_conv = time.perf_counter()
         if self.settings.stream:
-            source = run.source
-            streamed = Streamed(source.source or open_source(source.path), source.config, run.final)
-            self.moe_config, records = weave_streamed(streamed, self.windows, self.task_ids, cc,
+            self.moe_config, records = weave_streamed(Streamed.of_job(run), self.windows, self.task_ids, cc,
                                                       progress=run.options.progress, done=done,
                                                       on_layer=on_layer)
             model = None  # written into `run.final` layer by layer
