@@ -60,6 +60,8 @@ VARIANTS = {
     "down-fit-1": {"down_fit": 1.0},
     "skip-compensation": {"skip_compensation": True},
     "skip-compensation-ridge-1": {"skip_compensation": True, "down_fit": 1.0},
+    "threshold-routing": {"routing": "threshold"},
+    "threshold-routing-skip-compensation": {"routing": "threshold", "skip_compensation": True},
     "calib-bos": {},
     "authors-sampler": {},
 }

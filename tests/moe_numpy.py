@@ -29,7 +29,8 @@ def logits(p, xt, router, num_experts):
 
 
 def forward(layer, x):
-    """(y [T, d], loads [E], ids [T, k]) of `layer` on tokens `x [T, d]`, token by token."""
+    """(y [T, d], loads [E], ids [T, k]) of `layer` on tokens `x [T, d]`, token by token (a
+    pair that does not run, below a routing threshold: id E)."""
     p = params(layer)
     e, k = layer.num_experts, layer.top_k
     out = np.zeros(x.shape, np.float64)
@@ -42,6 +43,8 @@ def forward(layer, x):
             gates = probs[sel] / (probs[sel].sum() if layer.spec.norm_topk_prob else 1.0)
         elif layer.router == "cmoe":
             sel = np.argsort(-(probs + p["router_bias"]), kind="stable")[:k]
+            if "router_threshold" in p:  # only the chosen experts whose score reaches it run
+                sel = sel[logits(p, xt, "cmoe", e)[sel] >= p["router_threshold"][0]]
             gates = 1.0 + probs[sel] * p["u"][sel]
         elif layer.router == "topsum":
             sel = np.argsort(-(xt @ p["router_kernel"]), kind="stable")[:k]
@@ -58,5 +61,5 @@ def forward(layer, x):
             h = (silu(xt @ p["router_gate"]) * (xt @ p["router_up"])).reshape(e, -1)
             rows = p["skip_down"].reshape(e, h.shape[1], -1)
             y += sum(h[j] @ rows[j] for j in range(e) if j not in sel)
-        out[t], chosen[t] = y, sel
+        out[t], chosen[t] = y, np.pad(sel, (0, k - len(sel)), constant_values=e)
     return out, counts, chosen

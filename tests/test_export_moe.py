@@ -152,6 +152,17 @@ def test_skip_compensation_exports(save_tiny, tmp_path):
     assert all(s["skip_compensation"] for s in config["moe_layers"])
 
 
+def test_threshold_routing_exports(save_tiny, tmp_path):
+    """A CMoE-carved Llama routed by a fitted threshold (a token runs its experts whose score
+    reaches it, up to all of them), with the skipped experts' term: the remote code drops
+    the same pairs and predicts the same skipped experts."""
+    moe = carved_llama(save_tiny, routing="threshold", skip_compensation=True, router_neurons=2)
+    thresholds = [float(layer.mlp.router_threshold[0]) for layer in moe.unstacked().layers]
+    assert all(t > 0 for t in thresholds)
+    config = _check(trained(moe), tmp_path, "llama")
+    assert all(s["threshold_routing"] and s["top_k"] == 6 for s in config["moe_layers"])
+
+
 @pytest.mark.parametrize("method", ["conmoe", "frequency"])
 def test_compressed_cmoe_model_exports(save_tiny, tmp_path, method):
     """ConMoE / pruning on a CMoE-carved Llama: the cmoe router's slots masked or mapped."""

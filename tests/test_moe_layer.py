@@ -316,10 +316,12 @@ def test_the_linear_router_with_a_balancing_bias_matches_a_recomputation(norm):
 
 
 @pytest.mark.parametrize("field,value", [("router_balance", True), ("router_scoring", "sigmoid"),
-                                         ("routed_scaling", 2.0), ("router_jitter", 0.1)])
+                                         ("routed_scaling", 2.0), ("router_jitter", 0.1),
+                                         ("threshold_routing", True)])
 def test_a_router_option_its_kind_does_not_implement_is_refused(field, value):
-    with pytest.raises(ValueError, match=f"{field} is an option of the linear router"):
-        MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, router="cmoe", activation="silu",
+    router = "linear" if field == "threshold_routing" else "cmoe"
+    with pytest.raises(ValueError, match=f"{field} is not an option of the {router!r} router"):
+        MoEFFN(d_model=D, expert_width=M, num_experts=E, top_k=2, router=router, activation="silu",
                rngs=nnx.Rngs(0), **{field: value})
 
 

@@ -17,10 +17,10 @@ from cmoe_jax.models.layers import SwiGLU
 from cmoe_jax.moe import MoEFFN
 from cmoe_jax.moe.hierarchical import HierMoEFFN
 
-# Learned gates, load-balancing biases and the skipped experts' compensation start at zero
-# in a fresh module; a method that does not set them leaves them there. Every other
-# parameter must be given.
-ZERO_START = frozenset({"u", "router_bias", "top_u", "top_bias", "skip_down"})
+# Learned gates, load-balancing biases, the skipped experts' compensation and the routing
+# threshold start at zero in a fresh module; a method that does not set them leaves them
+# there. Every other parameter must be given.
+ZERO_START = frozenset({"u", "router_bias", "top_u", "top_bias", "skip_down", "router_threshold"})
 
 
 def make_ffn(cfg: ModelConfig, spec: FFNSpec | None, *, dtype, rngs: nnx.Rngs) -> nnx.Module:

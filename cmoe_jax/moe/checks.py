@@ -47,6 +47,9 @@ def check_layer(d_model: int, spec, backend, dispatch: str) -> None:
         raise ValueError("skip_compensation predicts skipped experts from the cmoe router's neurons: "
                          f"it needs router='cmoe' and no sub-experts (got router={spec.router!r}, "
                          f"sub_experts={spec.sub_experts})")
+    if spec.threshold_routing and (spec.sub_experts or spec.num_prototypes):
+        raise ValueError("threshold_routing runs a token's experts whose scores reach the layer's "
+                         "threshold: it needs a plain cmoe layer (no sub-experts, no prototypes)")
     if not callable(backend):
         resolve_backend(backend)  # fail early on a typo
     if dispatch not in DISPATCHES:

@@ -74,6 +74,12 @@ class FFNSpec:
     # the skipped experts would have added, predicted from the activations the router has
     # already computed (`cmoe_jax.moe.skip_term`)
     skip_compensation: bool = False
+    # cmoe router: a token runs those of its `top_k` best-scored experts whose score is at
+    # least the layer's `router_threshold` (a scalar array, fitted at conversion so the
+    # calibration tokens run the plan's share on average; 0 in a fresh layer: all `top_k`
+    # run). `top_k` is then the most experts a token may run: a token the router is sure of
+    # runs few, an unsure one more (`cmoe_jax.moe.routers.cmoe`)
+    threshold_routing: bool = False
     # each expert runs at most ceil(capacity_factor * T * k / E) of a call's T tokens' pairs
     # (per device, expert-parallel), the rest dropped (`cmoe_jax.moe.token_pairs`); 0: dropless
     capacity_factor: float = jax_only(0.0)

@@ -62,7 +62,8 @@ class MoEMLP(nn.Module):
     SPEC = ("num_experts", "top_k", "expert_width", "shared_width", "router", "norm_topk_prob",
             "router_neurons", "sub_experts", "sub_shared", "sub_top_k", "sub_router_neurons",
             "num_prototypes", "prototype_owner", "duplicate_gates", "shared_gated", "router_balance",
-            "router_scoring", "routed_scaling", "router_jitter", "skip_compensation", "router_params")
+            "router_scoring", "routed_scaling", "router_jitter", "skip_compensation", "threshold_routing",
+            "router_params")
 
     def __init__(self, hidden_size, spec, *, act, owner=None):
         """`spec`: the layer's `moe_layers` entry (every key of `SPEC`), taken whole."""
@@ -135,8 +136,10 @@ class MoEMLP(nn.Module):
         experts' columns) @ skip_down, float32 [T, d]."""
         gate, up = (getattr(self, self.router_params[role]).float() for role in ("gate", "up"))
         h = self.act(x @ gate) * (x @ up)
-        chosen = torch.zeros(x.shape[0], self.num_experts, dtype=torch.bool, device=x.device)
+        # one column more for the dropped pairs' id E (threshold routing), then cut off
+        chosen = torch.zeros(x.shape[0], self.num_experts + 1, dtype=torch.bool, device=x.device)
         chosen.scatter_(1, slots.long(), True)
+        chosen = chosen[:, :self.num_experts]
         h = h.masked_fill(chosen.repeat_interleave(h.shape[1] // self.num_experts, dim=1), 0.0)
         return h @ self.skip_down.float()
 

@@ -85,7 +85,7 @@ def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
       return_carving: also return the `LayerCarving` (which neurons went where).
       **options: the conversion's `ConvertConfig` fields: k_act, normalize, kmeans_iters,
         router_neurons, router_scale, router_fit_tokens, shared_by, router_reps, gate_fit,
-        down_fit, down_fit_tokens, skip_compensation.
+        down_fit, down_fit_tokens, skip_compensation, routing.
 
     With every routed expert active (`layer.top_k = layer.num_experts`), `gate_fit=False` and
     `down_fit=0` the layer equals the dense FFN: the carving is a permutation of its neurons and the gates
@@ -118,5 +118,5 @@ def carve_ffn(w_gate, w_up, w_down, calibration_inputs, plan: str | MoEPlan, *,
     weights = [np.asarray(w, np.float32) for w in (w_gate, w_up, w_down)]
     layer = filled_ffn(cfg, moe_spec(cfg, cc, cc.plan), slice_ffn(*weights, carving), dtype)
     layer.backend = backend
-    fit_layer(layer, x[None], cc, conversion_mesh(cc, 1))
+    fit_layer(layer, x[None], cc, conversion_mesh(cc, 1), cc.plan.active)
     return (layer, carving) if return_carving else layer

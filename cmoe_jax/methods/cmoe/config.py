@@ -14,6 +14,7 @@ class ConversionError(CmoeError):
 
 SHARED_BY = ("energy", "rate", "rate-energy")
 ROUTER_REPS = ("centroid", "energy")
+ROUTINGS = ("topk", "threshold")
 
 @dataclasses.dataclass(frozen=True)
 class ConvertConfig:
@@ -52,6 +53,11 @@ class ConvertConfig:
     # neurons' activations (`cmoe_jax.moe.skip_term`), fitted with the down projections
     # (needs down_fit > 0). Off by default: it helps SmolLM2, not Gemma 3 (docs/methods/cmoe.md).
     skip_compensation: bool = False
+    # Which routed experts a token runs: its y best-scored ("topk", the paper's), or every
+    # expert whose score reaches one threshold per layer, fitted so the calibration tokens
+    # run y on average ("threshold": a token the router is sure of runs fewer, an unsure one
+    # more; `cmoe_jax.moe.routers.cmoe`).
+    routing: str = "topk"
     # One shape per layer (a budget's allocation, `cmoe_jax.methods.cmoe.budget`); None in
     # it keeps that layer's dense FFN. None: every layer gets `plan`.
     layer_plans: tuple[MoEPlan | None, ...] | None = None
@@ -60,7 +66,7 @@ class ConvertConfig:
     # closest to the centroid, raw |h| scores, gates 1, the experts' dense down rows
     # (`--paper-router`).
     PAPER_ROUTER = {"router_neurons": 1, "router_reps": "centroid", "router_scale": False,
-                    "gate_fit": False, "down_fit": 0.0}
+                    "gate_fit": False, "down_fit": 0.0, "routing": "topk"}
 
     # 16 router neurons: better than 8 on SmolLM2 and Gemma 3 at 25% and 75% active and about
     # as good as 32 at half the router's cost (docs/results/cmoe.md, ablation)
@@ -96,4 +102,4 @@ class ConvertConfig:
                 "router_fit_tokens": self.router_fit_tokens, "shared_by": self.shared_by,
                 "router_reps": self.router_reps, "gate_fit": self.gate_fit,
                 "down_fit": self.down_fit, "down_fit_tokens": self.down_fit_tokens,
-                "skip_compensation": self.skip_compensation}
+                "skip_compensation": self.skip_compensation, "routing": self.routing}

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 from flax import nnx
 
-from cmoe_jax.methods.cmoe.config import ROUTER_REPS, SHARED_BY, ConversionError, ConvertConfig
+from cmoe_jax.methods.cmoe.config import ROUTER_REPS, ROUTINGS, SHARED_BY, ConversionError, ConvertConfig
 from cmoe_jax.methods.cmoe.carve import LayerCarving, NeuronScores, carve_layer, slice_ffn
 from cmoe_jax.methods.cmoe.plan import MoEPlan
 from cmoe_jax.calibration_pass.markers import profile_layer
@@ -99,6 +99,8 @@ def check_router(cfg: ModelConfig, cc: ConvertConfig) -> None:
         raise ConversionError(f"--shared-by {cc.shared_by!r} must be one of {', '.join(SHARED_BY)}")
     if cc.router_reps not in ROUTER_REPS:
         raise ConversionError(f"--router-reps {cc.router_reps!r} must be one of {', '.join(ROUTER_REPS)}")
+    if cc.routing not in ROUTINGS:
+        raise ConversionError(f"--routing {cc.routing!r} must be one of {', '.join(ROUTINGS)}")
     if cc.router_fit_tokens < 1:
         raise ConversionError(f"--router-fit-tokens {cc.router_fit_tokens} must be at least 1")
     if not 0 <= cc.down_fit < float("inf"):
@@ -123,13 +125,17 @@ def conversion_mesh(cc: ConvertConfig, num_windows: int, devices=None, expert_pa
 
 
 def moe_spec(cfg: ModelConfig, cc: ConvertConfig, plan: MoEPlan | None) -> FFNSpec | None:
-    """The FFN spec of a layer carved to `plan` (None: the layer stays dense)."""
+    """The FFN spec of a layer carved to `plan` (None: the layer stays dense). Routed by a
+    threshold, a token may run every routed expert (`top_k` is the cap; the threshold,
+    fitted per layer, holds the mean to the plan's y)."""
     if plan is None:
         return None
     m = plan.expert_width(cfg.intermediate_size)
-    return FFNSpec(num_experts=plan.routed, top_k=plan.active, expert_width=m,
+    threshold = cc.routing == "threshold"
+    return FFNSpec(num_experts=plan.routed, top_k=plan.routed if threshold else plan.active, expert_width=m,
                    shared_width=plan.shared_width(cfg.intermediate_size), router="cmoe",
-                   router_neurons=cc.neurons_for(m), skip_compensation=cc.skip_compensation)
+                   router_neurons=cc.neurons_for(m), skip_compensation=cc.skip_compensation,
+                   threshold_routing=threshold)
 
 
 def carve_one_layer(layer, x, cc: ConvertConfig, plan: MoEPlan) -> tuple[LayerCarving, np.ndarray, dict]:
@@ -238,7 +244,7 @@ class LayerConverter(LayerStep):
             return layer.mlp
         ffn = filled_ffn(self.cfg, moe_spec(self.cfg, self.cc, plan), slices_for(layer, record.carving),
                          layer.mlp.gate[...].dtype)
-        record.router_scales, record.gate_scales = fit_layer(ffn, x, self.cc, self.mesh)
+        record.router_scales, record.gate_scales = fit_layer(ffn, x, self.cc, self.mesh, plan.active)
         record.error = stream_error(inputs.run(ffn, self.mesh), inputs.stream_after(layer.mlp, self.mesh))
         self.records.append(record)
         return ffn

@@ -47,6 +47,12 @@ def add_flags(g) -> None:
                         "their router neurons' activations, fitted with the down projections "
                         "(needs --down-fit above 0; costs E*r*d multiply-adds a token, counted in "
                         "the active share)")
+    g.add_argument("--routing", choices=["topk", "threshold"], default=None,
+                   help="which routed experts a token runs: its y best-scored (topk, the paper's; "
+                        "the default) or those whose score reaches one threshold per layer, fitted "
+                        "so the calibration tokens run y on average (threshold: a token the router "
+                        "is sure of runs fewer, an unsure one more; the active share holds on the "
+                        "calibration tokens, not per token)")
     g.add_argument("--router-reps", choices=["centroid", "energy"], default=None,
                    help="router neurons of each expert: the members of highest output energy "
                         "(default) or closest to the cluster centroid (the paper's rule)")
@@ -124,7 +130,8 @@ def router_options(args) -> dict:
                                 ("--no-router-scale", args.no_router_scale or None),
                                 ("--no-gate-fit", args.no_gate_fit or None),
                                 ("--down-fit", args.down_fit),
-                                ("--skip-compensation", args.skip_compensation or None)) if v is not None]
+                                ("--skip-compensation", args.skip_compensation or None),
+                                ("--routing", args.routing)) if v is not None]
         if given:
             raise CmoeError(f"--paper-router sets the router itself: drop {', '.join(given)}")
         return dict(ConvertConfig.PAPER_ROUTER)
@@ -132,7 +139,8 @@ def router_options(args) -> dict:
     return {"router_neurons": neurons,
             "router_reps": ConvertConfig.router_reps if reps is None else reps,
             "router_scale": not args.no_router_scale, "gate_fit": not args.no_gate_fit,
-            "down_fit": ConvertConfig.down_fit if args.down_fit is None else args.down_fit}
+            "down_fit": ConvertConfig.down_fit if args.down_fit is None else args.down_fit,
+            "routing": ConvertConfig.routing if args.routing is None else args.routing}
 
 
 def settings_from_args(args) -> ConvertSettings:

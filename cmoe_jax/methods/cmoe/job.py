@@ -104,7 +104,7 @@ def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> 
         "shared_by": cc.shared_by,
         "router": {"neurons_per_expert": router_neurons(cfg, cc, plans), "fitted_scales": cc.router_scale,
                    "fit_tokens": cc.router_fit_tokens, "representatives_by": cc.router_reps,
-                   "fitted_gates": cc.gate_fit},
+                   "fitted_gates": cc.gate_fit, "routing": cc.routing},
         "down_fit": {"ridge": cc.down_fit, "tokens": cc.down_fit_tokens,
                      "skip_compensation": cc.skip_compensation},
         "layers": [dict(layer=i, shape=name, active_share=share,

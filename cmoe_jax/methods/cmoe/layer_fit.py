@@ -1,6 +1,6 @@
 """The fits on a converted layer's calibration inputs: the analytical router's per-expert
-score scales and gate scales, then the down projections, each a least-squares solve from
-sums taken per window."""
+score scales, its routing threshold (threshold routing), the gate scales, then the down
+projections, each a least-squares solve (or a quantile) from sums (scores) taken per window."""
 from __future__ import annotations
 
 import functools
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cmoe_jax import distributed
-from cmoe_jax.methods.cmoe.router import (down_fit_sums, gate_fit_sums, router_fit_sums, scale_router_up,
-                                          solve_down, solve_gate_scales)
+from cmoe_jax.methods.cmoe.router import (down_fit_sums, gate_fit_sums, router_fit_sums, routing_threshold,
+                                          scale_router_up, score_sample, solve_down, solve_gate_scales)
 from cmoe_jax.calibration_pass.layer_pass import replicate, window_chunks
 
 
@@ -50,9 +50,11 @@ def fit_sums(sums, ffn, x, tokens: int | None, mesh, names: tuple, **static) -> 
 
 def _arrays(ffn, name: str | tuple):
     """`ffn`'s array `name` (a tuple of names: a tuple of arrays); a shared MLP of width 0
-    has none: an empty one of its shape."""
+    has none: an empty one of its shape; a layer routed by top-k alone has no threshold: None."""
     if isinstance(name, tuple):
         return tuple(_arrays(ffn, n) for n in name)
+    if name == "router_threshold" and not ffn.spec.threshold_routing:
+        return None
     if name.startswith("shared_") and ffn.spec.shared_width == 0:
         d = ffn.expert_gate.shape[1]
         return jnp.zeros((0, d) if name == "shared_down" else (d, 0), jnp.float32)
@@ -71,11 +73,23 @@ def fit_router_scales(ffn, x, cc, mesh) -> np.ndarray:
     return scales
 
 
+def fit_threshold(ffn, x, mesh, active: int) -> float:
+    """Set `ffn.router_threshold` so that its calibration tokens x [N, T, d] run `active`
+    routed experts each on average (`routing_threshold` over all of them); returns it."""
+    weights = [replicate(ffn.router_gate[...], mesh), replicate(ffn.router_up[...], mesh)]
+    scores = [distributed.gather_rows(np.asarray(score_sample(chunk, *weights, ffn.num_experts,
+                                                              activation=ffn.activation)))
+              for chunk in window_chunks(x)]
+    threshold = routing_threshold(np.concatenate(scores), active)
+    ffn.router_threshold[...] = jnp.full((1,), threshold, ffn.router_threshold[...].dtype)
+    return threshold
+
+
 def fit_gate_scales(ffn, x, cc, mesh) -> np.ndarray:
     """Set `ffn.u` to the least-squares gate scales (`gate_fit_sums`) on the same tokens as
     the router scales; returns them."""
     ata, atr = fit_sums(gate_fit_sums, ffn, x, cc.router_fit_tokens, mesh,
-                        ("router_gate", "router_up") + _EXPERTS, top_k=ffn.top_k)
+                        ("router_gate", "router_up") + _EXPERTS + ("router_threshold",), top_k=ffn.top_k)
     u = solve_gate_scales(ata, atr)
     ffn.u[...] = jnp.asarray(u, ffn.u[...].dtype)
     return u
@@ -88,7 +102,7 @@ def fit_down(ffn, x, cc, mesh) -> None:
     with `skip_compensation` gets its `skip_down` from the same solve (pulled towards 0)."""
     skip = ffn.spec.skip_compensation
     ptp, pty = fit_sums(down_fit_sums, ffn, x, cc.down_fit_tokens, mesh,
-                        (("router_gate", "router_up", "u"), _SHARED, _EXPERTS), top_k=ffn.top_k, skip=skip)
+                        (("router_gate", "router_up", "u", "router_threshold"), _SHARED, _EXPERTS), top_k=ffn.top_k, skip=skip)
     shared, (e, m, d) = np.asarray(_arrays(ffn, "shared_down"), np.float32), ffn.expert_down.shape
     s = shared.shape[0]
     rows = [shared, np.asarray(ffn.expert_down[...], np.float32).reshape(e * m, d)]
@@ -102,12 +116,17 @@ def fit_down(ffn, x, cc, mesh) -> None:
         ffn.skip_down[...] = jnp.asarray(w[s + e * m:], ffn.skip_down[...].dtype)
 
 
-def fit_layer(ffn, x, cc, mesh) -> tuple:
+def fit_layer(ffn, x, cc, mesh, active: int | None = None) -> tuple:
     """The layer's fits on its calibration inputs x [N, T, d], as `cc` asks: the score scales
-    (`fit_router_scales`), then on the router so scaled the gate scales (`fit_gate_scales`),
-    then with the router as fitted the down projections (`fit_down`). Returns (score scales,
-    gate scales), None for a fit not made."""
+    (`fit_router_scales`), then on the router so scaled its threshold for `active` experts a
+    token (`fit_threshold`, a layer with threshold routing), the gate scales
+    (`fit_gate_scales`), then with the router as fitted the down projections (`fit_down`).
+    Returns (score scales, gate scales), None for a fit not made."""
     scales = fit_router_scales(ffn, x, cc, mesh) if cc.router_scale else None
+    if ffn.spec.threshold_routing:
+        if active is None:
+            raise ValueError("a layer with threshold routing needs the experts a token runs on average (active)")
+        fit_threshold(ffn, x, mesh, active)
     gates = fit_gate_scales(ffn, x, cc, mesh) if cc.gate_fit else None
     if cc.down_fit:
         fit_down(ffn, x, cc, mesh)

@@ -95,7 +95,7 @@ def scale_router_up(router_up, num, den, num_experts: int) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "activation"))
-def gate_fit_sums(x, router_gate, router_up, expert_gate, expert_up, expert_down, *,
+def gate_fit_sums(x, router_gate, router_up, expert_gate, expert_up, expert_down, threshold=None, *,
                   top_k: int, activation: str):
     """(A^T A [E, E], A^T r [E]) of the least-squares gate scales u over tokens x [..., d].
 
@@ -104,20 +104,41 @@ def gate_fit_sums(x, router_gate, router_up, expert_gate, expert_up, expert_down
     selected ones are exact, the carving being a split of the dense FFN). Column j of A is
     s'_j E_j(x) on the tokens that select j (0 elsewhere), so u = argmin ||r - A u||^2 is the
     gate scaling that best makes up, on the calibration tokens, for the experts left out.
-    Selection as the layer makes it at conversion, where the balancing bias is 0.
+    Selection as the layer makes it at conversion (`cmoe_route`, balancing bias 0; with the
+    layer's `threshold` if it routes by one).
     """
     x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     num_experts = expert_gate.shape[0]
     scores = cmoe_scores(x, router_gate, router_up, num_experts, activation=activation)
     probs = jax.nn.softmax(scores, axis=-1)
-    _, ids = jax.lax.top_k(probs, top_k)
-    chosen = jnp.zeros(probs.shape, bool).at[jnp.arange(x.shape[0])[:, None], ids].set(True)
+    zeros = jnp.zeros((num_experts,), jnp.float32)
+    ids, _ = cmoe_route(x, router_gate, router_up, zeros, zeros, top_k, threshold=threshold, activation=activation)
+    chosen = jnp.zeros(probs.shape, bool).at[jnp.arange(x.shape[0])[:, None], ids].set(True, mode="drop")
     h = (glu_activation(activation)(jnp.einsum("td,edm->tem", x, expert_gate.astype(jnp.float32)))
          * jnp.einsum("td,edm->tem", x, expert_up.astype(jnp.float32)))
     out = jnp.einsum("tem,emd->ted", h, expert_down.astype(jnp.float32))     # [T, E, d]
     missing = jnp.where(chosen[..., None], 0.0, out).sum(1)                   # [T, d]
     a = jnp.where(chosen[..., None], probs[..., None] * out, 0.0)              # [T, E, d]
     return jnp.einsum("ted,tfd->ef", a, a), jnp.einsum("ted,td->e", a, missing)
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "activation"))
+def score_sample(x, router_gate, router_up, num_experts: int | None = None, *, activation: str):
+    """The router's scores `[T, E]` of tokens x [..., d] (`cmoe_scores`), what
+    `routing_threshold` is taken over."""
+    return cmoe_scores(x.reshape(-1, x.shape[-1]).astype(jnp.float32), router_gate, router_up,
+                       num_experts, activation=activation)
+
+
+def routing_threshold(scores, active: int) -> float:
+    """The threshold with which the tokens of `scores [T, E]` run `active` experts each on
+    average: the (T * active)-th largest score. A global cut rather than one per token, so
+    the budget goes to the (token, expert) pairs the router rates highest."""
+    flat = np.asarray(scores, np.float32).ravel()
+    n = scores.shape[0] * active
+    if n >= flat.size:
+        return 0.0
+    return float(np.partition(flat, flat.size - n)[flat.size - n])
 
 
 def solve_gate_scales(ata, atr, ridge: float = 1e-6) -> np.ndarray:
@@ -153,12 +174,12 @@ def down_fit_sums(x, router, shared, experts, *, top_k: int, activation: str, sk
     x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     act = glu_activation(activation)
     f32 = lambda w: w.astype(jnp.float32)  # noqa: E731
-    (router_gate, router_up, u), (shared_gate, shared_up, shared_down) = router, shared
+    (router_gate, router_up, u, threshold), (shared_gate, shared_up, shared_down) = router, shared
     expert_gate, expert_up, expert_down = experts
     n, num_experts = x.shape[0], expert_gate.shape[0]
     ids, gates = cmoe_route(x, router_gate, router_up, u, jnp.zeros((num_experts,), jnp.float32),
-                            top_k, activation=activation)
-    weight = jnp.zeros((n, num_experts), jnp.float32).at[jnp.arange(n)[:, None], ids].set(gates)
+                            top_k, threshold=threshold, activation=activation)
+    weight = jnp.zeros((n, num_experts), jnp.float32).at[jnp.arange(n)[:, None], ids].set(gates, mode="drop")
     h = act(jnp.einsum("td,edm->tem", x, f32(expert_gate))) * jnp.einsum("td,edm->tem", x, f32(expert_up))
     hs = act(x @ f32(shared_gate)) * (x @ f32(shared_up))                     # [T, S]
     dense = hs @ f32(shared_down) + jnp.einsum("tem,emd->td", h, f32(expert_down))

@@ -89,7 +89,7 @@ def carved_candidate(cfg, layer, x, cc: ConvertConfig, plan, mesh, profile=None)
     markers, mu, energy = profile or layer_profile(layer, x, cc)
     carving = carve_on_main(markers, mu, energy, cc, plan)
     ffn = filled_ffn(cfg, moe_spec(cfg, cc, plan), slices_for(layer, carving), layer.mlp.gate[...].dtype)
-    fit_layer(ffn, x, cc, mesh)
+    fit_layer(ffn, x, cc, mesh, plan.active)
     return ffn
 
 

@@ -44,6 +44,9 @@ def validate_moe(cfg: ModelConfig, cc: ConvertConfig, min_tokens: int = 32) -> N
     cc = with_sub_router(cc)
     if min_tokens < 1:
         raise ConversionError(f"--min-expert-tokens {min_tokens} must be at least 1")
+    if cc.routing != "topk":
+        raise ConversionError(f"--routing {cc.routing} is a dense FFN's conversion: an MoE source "
+                              "is carved hierarchically, each sub-router choosing its top-k")
     if cc.skip_compensation:
         raise ConversionError("--skip-compensation is fitted with a dense FFN's down projections: an "
                               "MoE source is carved hierarchically, its sub-experts keeping their rows")
@@ -57,6 +60,10 @@ def validate_moe(cfg: ModelConfig, cc: ConvertConfig, min_tokens: int = 32) -> N
             raise ConversionError("the model's layers predict their skipped experts "
                                   "(skip_compensation), which a hierarchical layer cannot: carve a "
                                   "conversion without --skip-compensation")
+        if spec.threshold_routing:
+            raise ConversionError("the model's layers route by a threshold (threshold_routing), "
+                                  "which a hierarchical layer cannot: carve a conversion made "
+                                  "with --routing topk")
         if not get_router(spec.router).learned_gates:
             raise ConversionError(f"top-level router {spec.router!r} has constant gates: hierarchical "
                                   f"CMoE keeps a top level that weighs its experts (linear, cmoe)")

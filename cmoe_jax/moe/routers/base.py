@@ -48,6 +48,7 @@ class Routing:
     scoring: str = "softmax"  # or "sigmoid"
     scaling: float = 1.0  # the gates' factor
     jitter: float = 0.0  # training: the router's input times U(1 - jitter, 1 + jitter)
+    threshold: bool = False  # a chosen expert runs only if its score reaches a fitted threshold (cmoe)
 
     def __post_init__(self):
         # checked where the routing is used (every trace), so a `top_k` changed after
@@ -68,7 +69,7 @@ class Routing:
 
 # Routing's optional settings -> the FFNSpec fields that set them
 OPTIONS = {"balance": "router_balance", "scoring": "router_scoring", "scaling": "routed_scaling",
-           "jitter": "router_jitter"}
+           "jitter": "router_jitter", "threshold": "threshold_routing"}
 
 
 def jittered(x: jax.Array, routing: Routing, key) -> jax.Array:
@@ -113,7 +114,9 @@ class Router(abc.ABC):
         defaults = {f.name: f.default for f in dataclasses.fields(Routing)}
         for name, field in OPTIONS.items():
             if getattr(routing, name) != defaults[name] and name not in self.options:
-                raise ValueError(f"{field} is an option of the linear router, not of {self.name!r}")
+                given = [OPTIONS[o] for o in self.options]
+                raise ValueError(f"{field} is not an option of the {self.name!r} router (its options: "
+                                 f"{', '.join(given) or 'none'})")
         self.check(routing)
 
     def check(self, routing: Routing) -> None:

@@ -5,6 +5,12 @@
 Experts are chosen by `top_k(s' + b)` with the non-trainable balancing bias `b`, and
 weighted by `g = 1 + s' * u` with the trainable scales `u` (zero at conversion, so the
 experts are then summed unweighted, as in the training-free model).
+
+With threshold routing (`FFNSpec.threshold_routing`) a chosen expert runs only if its score
+`s` reaches the layer's `router_threshold`; the others are dropped pairs (id E, gate 0:
+`cmoe_jax.moe.token_pairs`). The scores estimate each expert's output norm (their scales are
+fitted to it), so one threshold per layer spends a fixed budget of experts where they add
+most: a token whose output a few experts carry runs few, an ambiguous one more.
 """
 from __future__ import annotations
 
@@ -43,9 +49,13 @@ def cmoe_scores(x, router_gate, router_up, num_experts: int | None = None, *, ac
     return s.reshape(*s.shape[:-1], num_experts, -1).sum(-1)
 
 
-def cmoe_route(x, router_gate, router_up, u, bias, top_k: int, keep=None, *, activation: str):
-    """`keep` (bool `[E]`, optional): experts not kept get score -inf (pruned)."""
-    scores = cmoe_scores(x, router_gate, router_up, u.shape[0], activation=activation)
+def cmoe_route(x, router_gate, router_up, u, bias, top_k: int, keep=None, threshold=None, *,
+               activation: str):
+    """`keep` (bool `[E]`, optional): experts not kept get score -inf (pruned). `threshold`
+    (float32 `[1]`, optional): a chosen expert whose score is below it is dropped (id E,
+    gate 0)."""
+    num_experts = u.shape[0]
+    scores = cmoe_scores(x, router_gate, router_up, num_experts, activation=activation)
     if keep is not None:
         scores = jnp.where(keep, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
@@ -56,6 +66,9 @@ def cmoe_route(x, router_gate, router_up, u, bias, top_k: int, keep=None, *, act
     _, ids = jax.lax.top_k(key, top_k)
     picked = jnp.take_along_axis(probs, ids, axis=-1)
     gates = 1.0 + picked * u.astype(jnp.float32)[ids]
+    if threshold is not None:
+        runs = jnp.take_along_axis(scores, ids, axis=-1) >= threshold.astype(jnp.float32)
+        ids, gates = jnp.where(runs, ids, num_experts), jnp.where(runs, gates, 0.0)
     return ids.astype(jnp.int32), gates
 
 
@@ -68,13 +81,18 @@ def torch_cmoe_route(torch, act, x, p, r, keep):
     probs = torch.softmax(scores, dim=-1)
     key = probs + p["bias"].float()
     ids = torch.topk(key if keep is None else key.masked_fill(~keep, float("-inf")), r["top_k"], dim=-1).indices
-    return ids, 1.0 + probs.gather(-1, ids) * u[ids]
+    gates = 1.0 + probs.gather(-1, ids) * u[ids]
+    if "threshold" in p:  # below it: dropped (id E, which no expert has; gate 0)
+        runs = scores.gather(-1, ids) >= p["threshold"].float()
+        ids, gates = torch.where(runs, ids, u.shape[0]), torch.where(runs, gates, 0.0)
+    return ids, gates
 
 
 class CmoeRouter(Router):
     name = "cmoe"
     trained = ("u", "bias")
     torch_route = torch_cmoe_route
+    options = ("threshold",)
 
     def check(self, routing):
         if routing.neurons < 1:
@@ -85,11 +103,12 @@ class CmoeRouter(Router):
         return {"gate": RouterParam("router_gate", (d_model, cols), ("embed", "router"), top_name="top_gate"),
                 "up": RouterParam("router_up", (d_model, cols), ("embed", "router"), top_name="top_up"),
                 "u": RouterParam("u", (e,), ("router",), "zeros", top_name="top_u"),
-                "bias": RouterParam("router_bias", (e,), ("router",), "bias", top_name="top_bias")}
+                "bias": RouterParam("router_bias", (e,), ("router",), "bias", top_name="top_bias"),
+                **({"threshold": RouterParam("router_threshold", (1,), (None,), "zeros")} if routing.threshold else {})}
 
     def route(self, x, p, routing, keep=None):
         return cmoe_route(x, p["gate"], p["up"], p["u"], p["bias"], routing.top_k, keep=keep,
-                          activation=routing.activation)
+                          threshold=p.get("threshold"), activation=routing.activation)
 
     def logits(self, x, p, routing):
         return cmoe_scores(x, p["gate"], p["up"], routing.num_experts, activation=routing.activation)
