@@ -62,6 +62,7 @@ VARIANTS = {
     "skip-compensation-ridge-1": {"skip_compensation": True, "down_fit": 1.0},
     "threshold-routing": {"routing": "threshold"},
     "threshold-routing-skip-compensation": {"routing": "threshold", "skip_compensation": True},
+    "threshold-routing-calib-bos": {"routing": "threshold"},
     "calib-bos": {},
     "authors-sampler": {},
 }
@@ -90,8 +91,30 @@ def run(lm, valid, bos, test, config: str, variant: str, samples: int = 8) -> di
         moe, _ = convert_model(copy.deepcopy(lm.model), calibration(valid, bos, variant, n=samples),
                                variant_config(config, variant), progress=False)
         seconds = time.perf_counter() - t0
-    return {"config": config, "variant": variant, "calib_samples": samples,
-            "ppl": perplexity(moe, test, progress=False)["ppl"], "convert_s": round(seconds, 1)}
+    out = {"config": config, "variant": variant, "calib_samples": samples,
+           "ppl": perplexity(moe, test, progress=False)["ppl"], "convert_s": round(seconds, 1)}
+    if VARIANTS[variant].get("routing") == "threshold":
+        out["test_active_share"] = test_share(moe, test, config)
+    return out
+
+
+def test_share(model, test, config: str) -> float:
+    """The share of the FFN's neurons a token ran on the test windows, over every layer:
+    under threshold routing a token runs as many routed experts as pass the threshold, so
+    the plan's share holds on the calibration tokens only."""
+    import jax
+    from flax import nnx
+
+    from cmoe_jax.methods.cmoe import MoEPlan
+
+    plan = MoEPlan.parse(config)
+    graphdef, state = nnx.split(model)
+    run = jax.jit(lambda state, toks: nnx.merge(graphdef, state).run_layers(toks)[2])
+    per_token = []
+    for window in test:
+        loads = run(state, np.asarray(window, np.int32)[None])
+        per_token.append(np.mean([int(np.asarray(v).sum()) for v in loads.values()]) / len(window))
+    return float((plan.shared + np.mean(per_token)) / plan.total)
 
 
 def run_streamed(model: str, test, config: str, variant: str, args) -> dict:
@@ -104,7 +127,7 @@ def run_streamed(model: str, test, config: str, variant: str, args) -> dict:
     from cmoe_jax.eval import perplexity
     from cmoe_jax.loading import load_model
 
-    if variant in ("calib-bos", "authors-sampler"):
+    if variant.endswith("calib-bos") or variant == "authors-sampler":
         raise SystemExit(f"error: --stream runs the project's calibration windows; drop {variant}")
     out = args.stream / f"{config}-{variant}"
     settings = ConvertSettings(method=variant_config(config, variant), stream=True,
@@ -182,7 +205,8 @@ def main(argv=None) -> None:
             r = (run_streamed(args.model, test, config, variant, args) if args.stream
                  else run(lm, valid, bos, test, config, variant, args.calib_samples))
             r.update(model=args.model, dense_ppl=dense, windows=len(test), x_dense=r["ppl"] / dense)
-            print(f"| {config} | {variant} | {r['ppl']:.3f} | {r['x_dense']:.3f}x | {r['convert_s']} |",
+            share = f" (test share {r['test_active_share']:.3f})" if "test_active_share" in r else ""
+            print(f"| {config} | {variant} | {r['ppl']:.3f} | {r['x_dense']:.3f}x | {r['convert_s']}{share} |",
                   flush=True)
             if args.json:
                 with args.json.open("a") as f:

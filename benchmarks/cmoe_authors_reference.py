@@ -190,8 +190,8 @@ def convert(model, calib: np.ndarray, shared: int, active: int, total: int, k_ac
 
 def calibration(valid, bos, variant: str, seqlen: int = 2048, n: int = 8, seed: int = 0):
     """The calibration windows of `variant`: the project's sampler, or the authors'
-    (`random.seed(seed)`; `random.randint(0, len - seqlen - 1)` per window); `calib-bos`
-    opens each window with BOS."""
+    (`random.seed(seed)`; `random.randint(0, len - seqlen - 1)` per window); a variant
+    named `...calib-bos` opens each window with BOS."""
     from cmoe_jax.data import calibration_windows
 
     if variant == "authors-sampler":
@@ -200,7 +200,7 @@ def calibration(valid, bos, variant: str, seqlen: int = 2048, n: int = 8, seed: 
         calib = np.stack([valid[s:s + seqlen] for s in starts]).astype(np.int32)
     else:
         calib = calibration_windows(valid, n, seqlen, seed)
-    with_bos = {"calib-bos": bos}.get(variant)
+    with_bos = bos if variant.endswith("calib-bos") else None
     if with_bos is not None:
         calib = np.concatenate([np.full((n, 1), with_bos, np.int32), calib[:, :-1]], axis=1)
     return calib
