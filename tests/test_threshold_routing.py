@@ -145,3 +145,13 @@ def test_a_streamed_conversion_with_it_equals_in_memory_and_records_it(save_tiny
     memory, streamed = restore_model(tmp_path / "memory"), restore_model(tmp_path / "streamed")
     _assert_same_state(memory, streamed)
     assert all(s.threshold_routing and s.top_k == 7 for s in memory.config.moe_layers)
+
+
+def test_the_threshold_is_state_that_no_optimiser_moves():
+    """A `RouterThreshold`, not an `nnx.Param`: an optimiser over the parameters (weight
+    decay included) never sees it."""
+    from cmoe_jax.moe import RouterThreshold
+
+    layer = _layer()
+    assert isinstance(layer.router_threshold, RouterThreshold)
+    assert "router_threshold" not in nnx.to_pure_dict(nnx.state(layer, nnx.Param))

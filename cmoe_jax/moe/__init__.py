@@ -17,7 +17,7 @@ Example::
     layer = MoEFFN(d_model=576, expert_width=192, num_experts=8, top_k=2, shared_width=192, activation="silu",
                    rngs=nnx.Rngs(0))
 """
-from cmoe_jax.moe.balance import RouterBias, update_router_bias
+from cmoe_jax.moe.balance import RouterBias, RouterThreshold, update_router_bias
 from cmoe_jax.moe.dispatch import GLUExperts, routed_experts
 from cmoe_jax.moe.expert_parallel import routed_experts_sharded, routed_swiglu_experts
 from cmoe_jax.moe.gmm import BACKENDS, get_gmm, resolve_backend
@@ -31,7 +31,7 @@ from cmoe_jax.moe.routers import ROUTER_KINDS, RouterKind
 
 # `cmoe_jax.moe.gmm` stays the subpackage (`import cmoe_jax.moe.gmm.pallas_gpu` works): the
 # function is exported as `grouped_matmul`, never bound to the subpackage's name here.
-__all__ = ["MoELayer", "MoEFFN", "HierMoEFFN", "RouterOutput", "RouterKind", "ROUTER_KINDS", "RouterBias",
+__all__ = ["MoELayer", "MoEFFN", "HierMoEFFN", "RouterOutput", "RouterKind", "ROUTER_KINDS", "RouterBias", "RouterThreshold",
            "update_router_bias", "grouped_matmul", "get_gmm", "resolve_backend", "BACKENDS",
            "GLUExperts", "routed_experts", "routed_experts_sharded", "routed_swiglu_experts",
            "ExpertParallelWarning"]

@@ -15,6 +15,11 @@ class RouterBias(nnx.Variable):
     """Selection bias of the CMoE router: state, not a parameter (optimisers skip it)."""
 
 
+class RouterThreshold(nnx.Variable):
+    """The score a chosen expert must reach to run (threshold routing): fitted at
+    conversion, not a parameter (optimisers skip it, so no weight decay moves it)."""
+
+
 def update_router_bias(layer_or_bias, counts: jax.Array, gamma: float) -> jax.Array:
     """New bias `b + gamma * sign(mean(counts) - counts)`; pure, nothing is modified.
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cmoe_jax.moe.balance import RouterBias
+from cmoe_jax.moe.balance import RouterBias, RouterThreshold
 
 _init = nnx.initializers.normal(0.02)
 
@@ -56,6 +56,8 @@ def make_router_params(layer, params: dict, param, param_dtype, top_level: bool 
             value = nnx.Param(jnp.zeros(p.shape, param_dtype), **with_axes(p.axes))
         elif p.init == "bias":
             value = RouterBias(jnp.zeros(p.shape, jnp.float32), **with_axes(p.axes))
+        elif p.init == "fixed":
+            value = RouterThreshold(jnp.zeros(p.shape, jnp.float32), **with_axes(p.axes))
         else:
             value = param(*p.shape, axes=p.axes)
         setattr(layer, p.attr(top_level), value)

@@ -99,7 +99,7 @@ class MoEMLP(nn.Module):
         router_params = spec["router_params"]
         self.router_params = {role: name for role, (name, _, _) in router_params.items()}
         for name, shape, init in router_params.values():
-            setattr(self, name, (fixed if init == "bias" else new)(*shape))
+            setattr(self, name, (fixed if init in ("bias", "fixed") else new)(*shape))
         self.skip_compensation = spec["skip_compensation"]
         if self.skip_compensation:  # the skipped experts' predicted outputs, from the router's h
             self.skip_down = new(n * spec["router_neurons"], d)

@@ -104,7 +104,7 @@ class CmoeRouter(Router):
                 "up": RouterParam("router_up", (d_model, cols), ("embed", "router"), top_name="top_up"),
                 "u": RouterParam("u", (e,), ("router",), "zeros", top_name="top_u"),
                 "bias": RouterParam("router_bias", (e,), ("router",), "bias", top_name="top_bias"),
-                **({"threshold": RouterParam("router_threshold", (1,), (None,), "zeros")} if routing.threshold else {})}
+                **({"threshold": RouterParam("router_threshold", (1,), (None,), "fixed")} if routing.threshold else {})}
 
     def route(self, x, p, routing, keep=None):
         return cmoe_route(x, p["gate"], p["up"], p["u"], p["bias"], routing.top_k, keep=keep,
