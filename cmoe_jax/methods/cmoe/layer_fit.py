@@ -89,7 +89,7 @@ def fit_gate_scales(ffn, x, cc, mesh) -> np.ndarray:
     """Set `ffn.u` to the least-squares gate scales (`gate_fit_sums`) on the same tokens as
     the router scales; returns them."""
     ata, atr = fit_sums(gate_fit_sums, ffn, x, cc.router_fit_tokens, mesh,
-                        ("router_gate", "router_up") + _EXPERTS + ("router_threshold",), top_k=ffn.top_k)
+                        (("router_gate", "router_up", "router_threshold"), _EXPERTS), top_k=ffn.top_k)
     u = solve_gate_scales(ata, atr)
     ffn.u[...] = jnp.asarray(u, ffn.u[...].dtype)
     return u

@@ -14,7 +14,7 @@ import scipy.sparse as sp
 
 from cmoe_jax.carving.kmeans import cooccurrence
 from cmoe_jax.moe.activations import glu_activation
-from cmoe_jax.moe.routers import cmoe_route, cmoe_scores
+from cmoe_jax.moe.routers import cmoe_choice, cmoe_scores
 from cmoe_jax.moe.skip_term import skipped_activations
 
 
@@ -95,8 +95,7 @@ def scale_router_up(router_up, num, den, num_experts: int) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "activation"))
-def gate_fit_sums(x, router_gate, router_up, expert_gate, expert_up, expert_down, threshold=None, *,
-                  top_k: int, activation: str):
+def gate_fit_sums(x, router, experts, *, top_k: int, activation: str):
     """(A^T A [E, E], A^T r [E]) of the least-squares gate scales u over tokens x [..., d].
 
     The routed part of the layer is sum over the selected experts j of (1 + s'_j u_j) E_j(x);
@@ -104,15 +103,17 @@ def gate_fit_sums(x, router_gate, router_up, expert_gate, expert_up, expert_down
     selected ones are exact, the carving being a split of the dense FFN). Column j of A is
     s'_j E_j(x) on the tokens that select j (0 elsewhere), so u = argmin ||r - A u||^2 is the
     gate scaling that best makes up, on the calibration tokens, for the experts left out.
-    Selection as the layer makes it at conversion (`cmoe_route`, balancing bias 0; with the
-    layer's `threshold` if it routes by one).
+    `router`: (router_gate, router_up, the layer's routing threshold or None); `experts`: the
+    routed experts' (gate, up, down). Selection as the layer makes it at conversion
+    (`cmoe_choice`, balancing bias 0).
     """
     x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    (router_gate, router_up, threshold), (expert_gate, expert_up, expert_down) = router, experts
     num_experts = expert_gate.shape[0]
     scores = cmoe_scores(x, router_gate, router_up, num_experts, activation=activation)
     probs = jax.nn.softmax(scores, axis=-1)
     zeros = jnp.zeros((num_experts,), jnp.float32)
-    ids, _ = cmoe_route(x, router_gate, router_up, zeros, zeros, top_k, threshold=threshold, activation=activation)
+    ids, _ = cmoe_choice(scores, zeros, zeros, top_k, threshold=threshold)
     chosen = jnp.zeros(probs.shape, bool).at[jnp.arange(x.shape[0])[:, None], ids].set(True, mode="drop")
     h = (glu_activation(activation)(jnp.einsum("td,edm->tem", x, expert_gate.astype(jnp.float32)))
          * jnp.einsum("td,edm->tem", x, expert_up.astype(jnp.float32)))
@@ -165,7 +166,7 @@ def down_fit_sums(x, router, shared, experts, *, top_k: int, activation: str, sk
 
     Row t of P holds what each neuron feeds the down projections in the converted layer: the
     shared neurons' h, and for a selected expert j its neurons' h times its gate g_j
-    (`cmoe_route`, with the fitted u), 0 for the experts the token skips; y_t is the dense
+    (`cmoe_choice`, with the fitted u), 0 for the experts the token skips; y_t is the dense
     FFN's output (the shared expert's plus every routed expert's, the carving being a split
     of the dense neurons). W = argmin ||y - P W||^2 is the set of down projections with which
     the neurons a token runs best make up, on the calibration tokens, for the ones it skips:
@@ -177,8 +178,8 @@ def down_fit_sums(x, router, shared, experts, *, top_k: int, activation: str, sk
     (router_gate, router_up, u, threshold), (shared_gate, shared_up, shared_down) = router, shared
     expert_gate, expert_up, expert_down = experts
     n, num_experts = x.shape[0], expert_gate.shape[0]
-    ids, gates = cmoe_route(x, router_gate, router_up, u, jnp.zeros((num_experts,), jnp.float32),
-                            top_k, threshold=threshold, activation=activation)
+    scores = cmoe_scores(x, router_gate, router_up, num_experts, activation=activation)
+    ids, gates = cmoe_choice(scores, u, jnp.zeros((num_experts,), jnp.float32), top_k, threshold=threshold)
     weight = jnp.zeros((n, num_experts), jnp.float32).at[jnp.arange(n)[:, None], ids].set(gates, mode="drop")
     h = act(jnp.einsum("td,edm->tem", x, f32(expert_gate))) * jnp.einsum("td,edm->tem", x, f32(expert_up))
     hs = act(x @ f32(shared_gate)) * (x @ f32(shared_up))                     # [T, S]

@@ -166,7 +166,7 @@ def fit_sub_gates(rows: np.ndarray, sub: dict, plan: MoEPlan, fit_tokens: int,
     on the same strided rows as its score scales (so after them)."""
     stride = max(1, -(-len(rows) // fit_tokens))
     routed = slice(plan.shared, None)
-    ata, atr = gate_fit_sums(jnp.asarray(padded(rows[::stride])), sub["router_gate"], sub["router_up"],
-                             sub["gate"][routed], sub["up"][routed], sub["down"][routed],
+    ata, atr = gate_fit_sums(jnp.asarray(padded(rows[::stride])), (sub["router_gate"], sub["router_up"], None),
+                             (sub["gate"][routed], sub["up"][routed], sub["down"][routed]),
                              top_k=plan.active, activation=activation)
     return solve_gate_scales(ata, atr).astype(np.float32)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from cmoe_jax.moe.routers.base import Router, RouterParam, Routing
-from cmoe_jax.moe.routers.cmoe import CmoeRouter, cmoe_route, cmoe_scores
+from cmoe_jax.moe.routers.cmoe import CmoeRouter, cmoe_choice, cmoe_route, cmoe_scores
 from cmoe_jax.moe.routers.linear import LinearRouter, linear_route
 from cmoe_jax.moe.routers.sum import SumRouter, sum_route
 from cmoe_jax.moe.routers.topsum import TopSumRouter, topsum_route
@@ -60,5 +60,5 @@ def router_logits(unit: Router, x, arrays: dict, routing: Routing, keep=None) ->
 
 
 __all__ = ["Router", "RouterParam", "Routing", "ROUTERS", "ROUTER_KINDS", "RouterKind",
-           "register_router", "get_router", "router_logits", "cmoe_route", "cmoe_scores", "linear_route",
+           "register_router", "get_router", "router_logits", "cmoe_choice", "cmoe_route", "cmoe_scores", "linear_route",
            "sum_route", "topsum_route"]

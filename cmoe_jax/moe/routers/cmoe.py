@@ -49,13 +49,18 @@ def cmoe_scores(x, router_gate, router_up, num_experts: int | None = None, *, ac
     return s.reshape(*s.shape[:-1], num_experts, -1).sum(-1)
 
 
-def cmoe_route(x, router_gate, router_up, u, bias, top_k: int, keep=None, threshold=None, *,
-               activation: str):
-    """`keep` (bool `[E]`, optional): experts not kept get score -inf (pruned). `threshold`
-    (float32 `[1]`, optional): a chosen expert whose score is below it is dropped (id E,
-    gate 0)."""
+def cmoe_route(x, router_gate, router_up, u, bias, top_k: int, keep=None, *, activation: str):
+    """`keep` (bool `[E]`, optional): experts not kept get score -inf (pruned)."""
+    scores = cmoe_scores(x, router_gate, router_up, u.shape[0], activation=activation)
+    return cmoe_choice(scores, u, bias, top_k, keep)
+
+
+def cmoe_choice(scores, u, bias, top_k: int, keep=None, threshold=None):
+    """(ids int32 `[T, k]`, gates float32 `[T, k]`) from the scores `[T, E]` (`cmoe_scores`):
+    top-k of `softmax(s) + b`, gates `1 + s' u`. `keep` (bool `[E]`, optional): experts not
+    kept are never chosen (pruned). `threshold` (float32 `[1]`, optional): a chosen expert
+    whose score is below it is dropped (id E, gate 0)."""
     num_experts = u.shape[0]
-    scores = cmoe_scores(x, router_gate, router_up, num_experts, activation=activation)
     if keep is not None:
         scores = jnp.where(keep, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
@@ -107,8 +112,8 @@ class CmoeRouter(Router):
                 **({"threshold": RouterParam("router_threshold", (1,), (None,), "fixed")} if routing.threshold else {})}
 
     def route(self, x, p, routing, keep=None):
-        return cmoe_route(x, p["gate"], p["up"], p["u"], p["bias"], routing.top_k, keep=keep,
-                          threshold=p.get("threshold"), activation=routing.activation)
+        scores = cmoe_scores(x, p["gate"], p["up"], routing.num_experts, activation=routing.activation)
+        return cmoe_choice(scores, p["u"], p["bias"], routing.top_k, keep, p.get("threshold"))
 
     def logits(self, x, p, routing):
         return cmoe_scores(x, p["gate"], p["up"], routing.num_experts, activation=routing.activation)
