@@ -23,6 +23,21 @@ def _job(plan, text, stream=False):
                       stream=stream)
 
 
+def memory_and_streamed(save_tiny, tmp_path, cc: ConvertConfig) -> tuple:
+    """A tiny Llama converted with `cc` in memory and streamed: (the two manifests, the two
+    restored models)."""
+    from tests.conftest import save_tiny_tokenizer, write_random_text
+
+    _, path = save_tiny("llama", intermediate_size=64)
+    save_tiny_tokenizer(path)
+    text = write_random_text(tmp_path / "calib.txt", 2000)
+    for out, stream in (("memory", False), ("streamed", True)):
+        convert(str(path), ConvertSettings(cc, Calibration(data_path=str(text), samples=2, seqlen=32), stream=stream),
+                out=tmp_path / out, progress=False)
+    manifests = tuple(json.loads((tmp_path / o / "cmoe_manifest.json").read_text()) for o in ("memory", "streamed"))
+    return manifests, (restore_model(tmp_path / "memory"), restore_model(tmp_path / "streamed"))
+
+
 def _assert_same_state(a, b):
     fa, fb = nnx.to_flat_state(nnx.state(a)), nnx.to_flat_state(nnx.state(b))
     assert [p for p, _ in fa] == [p for p, _ in fb]

@@ -135,6 +135,21 @@ def _neuron_features(moe, t):
     return np.stack(rows)
 
 
+def down_rows(moe) -> np.ndarray:
+    """The layer's down projections, shared rows first, float64 [H, d]."""
+    shared = [np.asarray(moe.shared_down[...], np.float64)] if moe.shared_width else []
+    return np.concatenate(shared + [np.asarray(moe.expert_down[...], np.float64).reshape(-1, D)])
+
+
+def assert_ridge_down(moe, carved, feats, y, ridge: float) -> None:
+    """`moe`'s down projections equal numpy's ridge solution of y = P W over the features
+    P [T, H], pulled towards `carved`'s rows."""
+    gram = feats.T @ feats
+    lam = ridge * np.mean(np.diag(gram))
+    want = np.linalg.solve(gram + lam * np.eye(len(gram)), feats.T @ y + lam * down_rows(carved))
+    np.testing.assert_allclose(down_rows(moe), want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("plan, ridge", [("S1A2E8", 0.01), ("S0A1E4", 0.1), ("S2A3E6", 1e-3)])
 def test_down_fit_is_the_ridge_least_squares_reconstruction(plan, ridge):
     """The refitted down projections equal numpy's ridge solution (pulled towards the
@@ -145,16 +160,8 @@ def test_down_fit_is_the_ridge_least_squares_reconstruction(plan, ridge):
     moe = carve_ffn(*w, x, plan, activation="silu", down_fit=ridge, down_fit_tokens=10_000)
     for name in ("router_gate", "router_up", "u", "expert_gate", "expert_up"):
         np.testing.assert_array_equal(np.asarray(getattr(moe, name)[...]), np.asarray(getattr(carved, name)[...]))
-    t = x.reshape(-1, D).astype(np.float64)
-    feats = _neuron_features(carved, t)
-    shared = [np.asarray(carved.shared_down[...], np.float64)] if carved.shared_width else []
-    w0 = np.concatenate(shared + [np.asarray(carved.expert_down[...], np.float64).reshape(-1, D)])
-    gram = feats.T @ feats
-    lam = ridge * np.mean(np.diag(gram))
-    want = np.linalg.solve(gram + lam * np.eye(len(gram)), feats.T @ numpy_dense(w, x).reshape(-1, D) + lam * w0)
-    shared = [np.asarray(moe.shared_down[...], np.float64)] if moe.shared_width else []
-    got = np.concatenate(shared + [np.asarray(moe.expert_down[...], np.float64).reshape(-1, D)])
-    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+    feats = _neuron_features(carved, x.reshape(-1, D).astype(np.float64))
+    assert_ridge_down(moe, carved, feats, numpy_dense(w, x).reshape(-1, D), ridge)
     dense = numpy_dense(w, x)
     error = lambda layer: np.square(np.asarray(layer(jnp.asarray(x)), np.float64) - dense).sum()  # noqa: E731
     assert error(moe) < error(carved)

@@ -3,7 +3,6 @@ layer adds what the token-by-token numpy reference adds, the fit equals numpy's 
 over the extra columns, and conversions with it stream, export and refuse as the others."""
 from __future__ import annotations
 
-import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -117,24 +116,14 @@ def test_the_cli_refuses_it_with_the_paper_router(save_tiny, tmp_path, capsys):
 
 
 def test_a_streamed_conversion_with_the_term_equals_in_memory_and_counts_its_cost(save_tiny, tmp_path):
-    from cmoe_jax.checkpoint import restore_model
-    from cmoe_jax.convert import Calibration, ConvertSettings, convert
-    from tests.conftest import save_tiny_tokenizer, write_random_text
-    from tests.test_convert_streamed import _assert_same_state
+    from tests.test_convert_streamed import _assert_same_state, memory_and_streamed
 
-    _, path = save_tiny("llama", intermediate_size=64)
-    save_tiny_tokenizer(path)
-    text = write_random_text(tmp_path / "calib.txt", 2000)
     cc = ConvertConfig(plan=MoEPlan.parse("S1A2E8"), k_act=4, router_neurons=2, skip_compensation=True)
-    for out, stream in (("memory", False), ("streamed", True)):
-        convert(str(path), ConvertSettings(cc, Calibration(data_path=str(text), samples=2, seqlen=32), stream=stream),
-                out=tmp_path / out, progress=False)
-    a, b = (json.loads((tmp_path / o / "cmoe_manifest.json").read_text()) for o in ("memory", "streamed"))
+    (a, b), (memory, streamed) = memory_and_streamed(save_tiny, tmp_path, cc)
     assert a["layers"] == b["layers"]
     # 7 routed experts x 2 router neurons x d, against the dense FFN's 3 d d_h (d_h = 64)
     assert a["active_share"] == pytest.approx(3 / 8 + 7 * 2 / (3 * 64))
     assert a["down_fit"]["skip_compensation"] is True
-    memory, streamed = restore_model(tmp_path / "memory"), restore_model(tmp_path / "streamed")
     _assert_same_state(memory, streamed)
     assert all(s.skip_compensation for s in memory.config.moe_layers)
     skip = [np.asarray(layer.mlp.skip_down[...]) for layer in memory.unstacked().layers]

@@ -5,7 +5,6 @@ quantile that gives the plan's mean on the calibration tokens, the fits use the 
 and conversions with it stream, record it and refuse what cannot take it."""
 from __future__ import annotations
 
-import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +16,7 @@ from cmoe_jax.convert import ConvertConfig
 from cmoe_jax.methods.cmoe import MoEPlan
 from cmoe_jax.moe import MoEFFN
 from tests import moe_numpy
-from tests.test_moe_carve_ffn import D, dense_ffn, numpy_dense
+from tests.test_moe_carve_ffn import D, assert_ridge_down, dense_ffn, numpy_dense
 
 
 def _layer(**fields):
@@ -99,15 +98,7 @@ def test_the_fits_route_by_the_fitted_threshold(plan):
     carved = carve_ffn(*w, x, plan, activation="silu", down_fit=0.0, routing="threshold")
     for name in ("router_gate", "router_up", "u", "router_threshold"):  # the routing the fit saw
         np.testing.assert_array_equal(np.asarray(getattr(moe, name)[...]), np.asarray(getattr(carved, name)[...]))
-    feats = _features(carved, t)
-    shared = [np.asarray(carved.shared_down[...], np.float64)] if carved.shared_width else []
-    w0 = np.concatenate(shared + [np.asarray(carved.expert_down[...], np.float64).reshape(-1, D)])
-    gram = feats.T @ feats
-    lam = ridge * np.mean(np.diag(gram))
-    want = np.linalg.solve(gram + lam * np.eye(len(gram)), feats.T @ numpy_dense(w, x).reshape(-1, D) + lam * w0)
-    shared = [np.asarray(moe.shared_down[...], np.float64)] if moe.shared_width else []
-    got = np.concatenate(shared + [np.asarray(moe.expert_down[...], np.float64).reshape(-1, D)])
-    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+    assert_ridge_down(moe, carved, _features(carved, t), numpy_dense(w, x).reshape(-1, D), ridge)
 
 
 def test_the_cli_refuses_it_with_the_paper_router(save_tiny, tmp_path, capsys):
@@ -125,24 +116,14 @@ def test_the_cli_refuses_it_with_the_paper_router(save_tiny, tmp_path, capsys):
 
 
 def test_a_streamed_conversion_with_it_equals_in_memory_and_records_it(save_tiny, tmp_path):
-    from cmoe_jax.checkpoint import restore_model
-    from cmoe_jax.convert import Calibration, ConvertSettings, convert
-    from tests.conftest import save_tiny_tokenizer, write_random_text
-    from tests.test_convert_streamed import _assert_same_state
+    from tests.test_convert_streamed import _assert_same_state, memory_and_streamed
 
-    _, path = save_tiny("llama", intermediate_size=64)
-    save_tiny_tokenizer(path)
-    text = write_random_text(tmp_path / "calib.txt", 2000)
     cc = ConvertConfig(plan=MoEPlan.parse("S1A2E8"), k_act=4, router_neurons=2, routing="threshold")
-    for out, stream in (("memory", False), ("streamed", True)):
-        convert(str(path), ConvertSettings(cc, Calibration(data_path=str(text), samples=2, seqlen=32), stream=stream),
-                out=tmp_path / out, progress=False)
-    a, b = (json.loads((tmp_path / o / "cmoe_manifest.json").read_text()) for o in ("memory", "streamed"))
+    (a, b), (memory, streamed) = memory_and_streamed(save_tiny, tmp_path, cc)
     assert a["layers"] == b["layers"] and a["router"]["routing"] == "threshold"
     assert a["active_share"] == pytest.approx(3 / 8)
     # the calibration tokens ran 2 routed experts each on average, in every layer
     assert all(sum(layer["load"]) == 2 * 2 * 32 for layer in a["layers"])
-    memory, streamed = restore_model(tmp_path / "memory"), restore_model(tmp_path / "streamed")
     _assert_same_state(memory, streamed)
     assert all(s.threshold_routing and s.top_k == 7 for s in memory.config.moe_layers)
 
