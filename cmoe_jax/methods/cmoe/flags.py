@@ -6,7 +6,7 @@ from cmoe_jax.cli_args import nonneg_float, nonneg_int, positive_int
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
 from cmoe_jax.methods.cmoe.budget import AUTO, DEFAULTS_TEXT, MEASURES, Budget
-from cmoe_jax.methods.cmoe.config import ConvertConfig
+from cmoe_jax.methods.cmoe.config import ROUTINGS, ConvertConfig
 from cmoe_jax.methods.cmoe.settings import ConvertSettings
 from cmoe_jax.methods.cmoe.plan import MoEPlan
 
@@ -47,7 +47,7 @@ def add_flags(g) -> None:
                         "their router neurons' activations, fitted with the down projections "
                         "(needs --down-fit above 0; costs E*r*d multiply-adds a token, counted in "
                         "the active share)")
-    g.add_argument("--routing", choices=["topk", "threshold"], default=None,
+    g.add_argument("--routing", choices=list(ROUTINGS), default=None,
                    help="which routed experts a token runs: its y best-scored (topk, the paper's; "
                         "the default) or those whose score reaches one threshold per layer, fitted "
                         "so the calibration tokens run y on average (threshold: a token the router "
