@@ -170,6 +170,24 @@ def test_calibration_windows_seeded_gptq_offsets():
     assert set(small[:, 0].tolist()) == {0, 1}  # never runs past the end, both offsets drawn
 
 
+def test_bos_opened_calibration_windows_are_the_same_draw_shifted_behind_bos():
+    """Each window is BOS and the first seqlen - 1 tokens of the plain window of the same
+    seed; the held-out windows are opened alike and still touch no calibration window."""
+    from cmoe_jax.data import held_out_windows
+
+    tokens = np.arange(7, 5007, dtype=np.int32)
+    plain, opened = calibration_windows(tokens, 4, 64, seed=3), calibration_windows(tokens, 4, 64, seed=3, bos=1)
+    assert opened.shape == plain.shape and opened.dtype == np.int32
+    assert (opened[:, 0] == 1).all()
+    np.testing.assert_array_equal(opened[:, 1:], plain[:, :-1])
+    held_plain = held_out_windows(tokens, 4, 64, 3, 5)
+    held = held_out_windows(tokens, 4, 64, 3, 5, bos=1)
+    assert len(held) == len(held_plain) > 0
+    assert (held[:, 0] == 1).all()
+    np.testing.assert_array_equal(held[:, 1:], held_plain[:, :-1])
+    assert not set(held[:, 1:].ravel()) & set(opened[:, 1:].ravel())
+
+
 def test_short_dataset_errors_name_dataset_count_and_seqlen():
     with pytest.raises(DataError, match=r"wikitext2 \(test\) has 100 tokens, fewer than one window of 2048.*--seqlen"):
         text_windows(np.arange(100), 2048, name="wikitext2 (test)")

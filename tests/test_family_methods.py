@@ -107,3 +107,35 @@ def test_conmoe_and_baselines_shrink_and_keep_the_shared_expert(shared_moe, meth
         copied = materialize(model, plans)
         np.testing.assert_allclose(np.asarray(runtime(jnp.asarray(TOKENS))),
                                    np.asarray(copied(jnp.asarray(TOKENS))), atol=2e-5)
+
+
+@pytest.mark.parametrize("family, bos", [("gemma3_text", 1), ("llama", None)])
+def test_calibration_windows_open_as_the_family_reads_them(save_tiny, tmp_path, family, bos):
+    """The conversion job calibrates Gemma (whose evaluation windows open with BOS) on
+    BOS-opened windows and a Llama on plain ones: its model equals `convert_model` on the
+    windows built directly, and the manifest names the token."""
+    import json
+
+    from flax import nnx
+
+    from cmoe_jax.checkpoint import restore_model
+    from cmoe_jax.convert import Calibration, ConvertSettings, convert
+    from cmoe_jax.data import calibration_windows, load_text_tokens
+    from tests.conftest import save_tiny_tokenizer, write_random_text
+
+    _, path = save_tiny(family, intermediate_size=64)
+    save_tiny_tokenizer(path)
+    text = write_random_text(tmp_path / "calib.txt", 2000)
+    cc = ConvertConfig(plan=MoEPlan.parse("S1A2E8"), k_act=4)
+    convert(str(path), ConvertSettings(cc, Calibration(data_path=str(text), samples=2, seqlen=32)),
+            out=tmp_path / "out", progress=False)
+    assert json.loads((tmp_path / "out" / "cmoe_manifest.json").read_text())["calibration"]["bos"] == bos
+    lm = load_model(str(path), progress=False)
+    windows = calibration_windows(load_text_tokens("wikitext2", lm.tokenizer, data_path=str(text)), 2, 32, 0, bos=bos)
+    assert (windows[:, 0] == 1).all() == (bos is not None)
+    direct, _ = convert_model(lm.model, windows, cc, progress=False)
+    got = nnx.to_flat_state(nnx.state(restore_model(tmp_path / "out", stack=False)))
+    want = dict(nnx.to_flat_state(nnx.state(direct.unstacked())))
+    assert len(got) == len(want)
+    for key, value in got:
+        np.testing.assert_array_equal(np.asarray(value.get_value()), np.asarray(want[key].get_value()), err_msg=str(key))

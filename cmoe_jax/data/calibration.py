@@ -12,7 +12,11 @@ from cmoe_jax.data.windows import calibration_windows, held_out_windows
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """`samples` windows of `seqlen` tokens drawn from `dataset`'s `split` (or `data_path`)."""
+    """`samples` windows of `seqlen` tokens drawn from `dataset`'s `split` (or `data_path`).
+
+    The windows take the shape of the model's evaluation windows: a family that opens each
+    of those with BOS (`cmoe_jax.loading.window_bos`, Gemma) is calibrated on BOS-opened
+    windows too (`bos`), so its layers are fitted on the activations it produces when read."""
 
     dataset: str = "wikitext2"
     split: str = "validation"
@@ -27,20 +31,21 @@ class Calibration:
         """The whole text, tokenized."""
         return load_text_tokens(self.dataset, tokenizer, split=self.split, data_path=self.data_path)
 
-    def windows(self, tokens: np.ndarray, seed: int) -> np.ndarray:
-        """[samples, seqlen] random windows of `tokens` (a shortage names --calib-samples)."""
-        return calibration_windows(tokens, self.samples, self.seqlen, seed, flag="--calib-samples")
+    def windows(self, tokens: np.ndarray, seed: int, bos: int | None = None) -> np.ndarray:
+        """[samples, seqlen] random windows of `tokens` (a shortage names --calib-samples),
+        each opened by `bos` when given."""
+        return calibration_windows(tokens, self.samples, self.seqlen, seed, flag="--calib-samples", bos=bos)
 
-    def held_out(self, tokens: np.ndarray, seed: int, limit: int) -> np.ndarray:
+    def held_out(self, tokens: np.ndarray, seed: int, limit: int, bos: int | None = None) -> np.ndarray:
         """Up to `limit` windows of `seqlen` tokens that none of `windows(tokens, seed)` touches."""
-        return held_out_windows(tokens, self.samples, self.seqlen, seed, limit)
+        return held_out_windows(tokens, self.samples, self.seqlen, seed, limit, bos=bos)
 
     def settings(self) -> dict:
         """The fields a resume fingerprint records, under the command line's names."""
         return {"calib": self.dataset, "calib_split": self.split, "data_path": self.data_path,
                 "calib_samples": self.samples, "seqlen": self.seqlen}
 
-    def manifest(self, seed: int) -> dict:
-        """The manifest's "calibration" entry."""
+    def manifest(self, seed: int, bos: int | None = None) -> dict:
+        """The manifest's "calibration" entry (`bos`: the token opening each window, or None)."""
         return {"dataset": self.dataset, "split": self.split, "data_path": self.data_path,
-                "samples": self.samples, "seqlen": self.seqlen, "seed": seed}
+                "samples": self.samples, "seqlen": self.seqlen, "seed": seed, "bos": bos}

@@ -58,7 +58,8 @@ def eval_windows(tokens, dataset: str, seqlen: int, max_windows: int | None = No
 
 
 def calibration_windows(tokens, n_samples: int, seqlen: int, seed: int,
-                        name: str = "the calibration data", flag: str | None = None) -> np.ndarray:
+                        name: str = "the calibration data", flag: str | None = None,
+                        bos: int | None = None) -> np.ndarray:
     """`n_samples` int32 [n_samples, seqlen] windows at random start offsets (GPTQ sampling).
 
     Starts are drawn uniformly from [0, len(tokens) - seqlen - 1] (GPTQ's
@@ -66,7 +67,9 @@ def calibration_windows(tokens, n_samples: int, seqlen: int, seed: int,
     gives the same windows on every machine; windows may overlap. With `flag` (the command
     line's name for `n_samples`) no more windows are drawn than the text holds side by side:
     more would repeat its tokens and only add time (and a typo such as 100000 would run for
-    hours before running out of memory).
+    hours before running out of memory). With `bos` each window is that token followed by
+    the first seqlen - 1 tokens at its start (the same starts): shaped as the evaluation
+    windows of a family that reads every window as a document (`text_windows`).
     """
     tokens = _as_tokens(tokens)
     _check_seqlen(seqlen)
@@ -80,18 +83,27 @@ def calibration_windows(tokens, n_samples: int, seqlen: int, seed: int,
                         f"windows of {seqlen}; give at most that many samples, a longer text or a "
                         "smaller --seqlen")
     starts = _calibration_starts(len(tokens), n_samples, seqlen, seed)
-    return np.stack([tokens[s:s + seqlen] for s in starts]).astype(np.int32)
+    return _open_with(bos, np.stack([tokens[s:s + seqlen] for s in starts]).astype(np.int32))
+
+
+def _open_with(bos: int | None, windows: np.ndarray) -> np.ndarray:
+    """`windows` [N, seqlen] with `bos` in front of each and its last token dropped (None: as
+    they are)."""
+    if bos is None:
+        return windows
+    return np.concatenate([np.full((len(windows), 1), bos, np.int32), windows[:, :-1]], axis=1)
 
 
 def _calibration_starts(n_tokens: int, n_samples: int, seqlen: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, n_tokens - seqlen, size=n_samples)
 
 
-def held_out_windows(tokens, n_samples: int, seqlen: int, seed: int, limit: int) -> np.ndarray:
+def held_out_windows(tokens, n_samples: int, seqlen: int, seed: int, limit: int,
+                     bos: int | None = None) -> np.ndarray:
     """Up to `limit` int32 [N, seqlen] windows of `tokens` that no calibration window of
     (`n_samples`, `seqlen`, `seed`) touches: the aligned windows from the start of the stream,
     in order, skipping each that overlaps one (N may be 0). A choice made on them is made on
-    text the conversion did not fit to."""
+    text the conversion did not fit to. `bos`: opened as `calibration_windows` opens them."""
     tokens = _as_tokens(tokens)
     _check_seqlen(seqlen)
     if len(tokens) <= seqlen:
@@ -99,7 +111,7 @@ def held_out_windows(tokens, n_samples: int, seqlen: int, seed: int, limit: int)
     starts = _calibration_starts(len(tokens), n_samples, seqlen, seed)
     free = [i * seqlen for i in range(len(tokens) // seqlen)
             if not np.any(np.abs(starts - i * seqlen) < seqlen)]
-    return np.asarray([tokens[s:s + seqlen] for s in free[:limit]], np.int32).reshape(-1, seqlen)
+    return _open_with(bos, np.asarray([tokens[s:s + seqlen] for s in free[:limit]], np.int32).reshape(-1, seqlen))
 
 
 def length_bucket(n: int, limit: int) -> int:

@@ -12,6 +12,7 @@ import numpy as np
 from cmoe_jax import distributed
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
+from cmoe_jax.loading import window_bos
 from cmoe_jax.methods.cmoe import flags
 from cmoe_jax.methods.cmoe.budget import AUTO, Budget, adaptive_config, check_budget
 from cmoe_jax.methods.cmoe.config import ConvertConfig
@@ -86,10 +87,11 @@ def router_neurons(cfg, cc: ConvertConfig, plans) -> int | None:
     return cc.neurons_for(carved[0].expert_width(cfg.intermediate_size)) if carved else None
 
 
-def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> dict:
+def base_manifest(source_name: str, cfg, settings: ConvertSettings, records, bos: int | None = None) -> dict:
     """The manifest of a CMoE conversion (hierarchical CMoE updates some of its fields):
     `plan` has one entry per layer, `active_share` the mean share of the dense FFN's work a
-    token runs (its neurons, plus the skipped experts' compensation when there is one)."""
+    token runs (its neurons, plus the skipped experts' compensation when there is one);
+    `bos`: the token that opened each calibration window, or None."""
     cc, cal = settings.method, settings.calibration
     plans = cc.layer_shapes(cfg.num_layers)
     extra = compensation_share(cfg, cc)
@@ -99,7 +101,7 @@ def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> 
         "plan": [plan_entry(p, cfg.intermediate_size, experts) for p in plans],
         "active_share": active_share(plans, extra),
         "budget": None if settings.budget is None else settings.budget.to_json(),
-        "calibration": cal.manifest(cc.seed),
+        "calibration": cal.manifest(cc.seed, bos),
         "k_act": cc.k_act, "normalize": cc.normalize, "kmeans_iters": cc.kmeans_iters,
         "shared_by": cc.shared_by,
         "router": {"neurons_per_expert": router_neurons(cfg, cc, plans), "fitted_scales": cc.router_scale,
@@ -113,10 +115,11 @@ def base_manifest(source_name: str, cfg, settings: ConvertSettings, records) -> 
     }
 
 
-def band_windows(cal: Calibration, tokens, seed: int):
-    """This process's share of the windows `--spread auto` scores the bands on; an error
-    before any work when the text holds too few beside the calibration windows."""
-    held_out = cal.held_out(tokens, seed, HELD_OUT_WINDOWS)
+def band_windows(cal: Calibration, tokens, seed: int, bos: int | None = None):
+    """This process's share of the windows `--spread auto` scores the bands on (opened as
+    the calibration windows are); an error before any work when the text holds too few
+    beside the calibration windows."""
+    held_out = cal.held_out(tokens, seed, HELD_OUT_WINDOWS, bos)
     if len(held_out) < distributed.process_count():
         raise CmoeError(f"--spread auto scores each band on windows of {cal.seqlen} tokens that no "
                         f"calibration window touches, and the calibration text holds "
@@ -144,6 +147,7 @@ class CmoeSteps:
             settings = dataclasses.replace(settings, budget=settings.budget.streamed())
         self.settings = settings
         self.windows = self.moe_config = None  # the calibration windows; a streamed result's config
+        self.bos = None  # the token opening each calibration window (`window_bos`), or None
         self.held_out = None  # windows no calibration window touches (`--spread auto`)
         self.sensitivity = self.band = None  # each layer's, with a budget; `--spread auto`'s choice
         self.band_seconds = 0.0
@@ -170,12 +174,17 @@ class CmoeSteps:
                 **({} if budget is None else budget.to_json())}
 
     def prepare(self, source):
-        cal = self.settings.calibration
-        tokens = cal.tokens(source.require_tokenizer("calibration text cannot be tokenized"))
-        self.windows = distributed.split_for_process(cal.windows(tokens, self.settings.method.seed))
+        """The calibration windows, shaped as the model's evaluation windows (BOS-opened for
+        a family that reads each window as a document), and the fingerprint."""
+        cal, seed = self.settings.calibration, self.settings.method.seed
+        tokenizer = source.require_tokenizer("calibration text cannot be tokenized")
+        self.bos = window_bos(source.config, tokenizer)
+        tokens = cal.tokens(tokenizer)
+        self.windows = distributed.split_for_process(cal.windows(tokens, seed, self.bos))
         if self.settings.budget is not None and self.settings.budget.spread == AUTO:
-            self.held_out = band_windows(cal, tokens, self.settings.method.seed)
-        return self.fingerprint_settings(source), tokens
+            self.held_out = band_windows(cal, tokens, seed, self.bos)
+        opened = {} if self.bos is None else {"calib_bos": self.bos}  # plain windows: as before
+        return dict(self.fingerprint_settings(source), **opened), tokens
 
     def carve(self, run, lm, done, on_layer):
         """(converted model or None when streamed into `run.final`, per-layer records)."""
@@ -254,7 +263,7 @@ class CmoeSteps:
         return dataclasses.replace(s.method, plan=None, layer_plans=tuple(self.band.plans))
 
     def manifest(self, source, records) -> dict:
-        manifest = base_manifest(source.name, source.config, self.settings, records)
+        manifest = base_manifest(source.name, source.config, self.settings, records, self.bos)
         if self.sensitivity is not None:
             s = self.sensitivity
             manifest["budget"].update(damage=s.damage().tolist(), stream_error=s.errors.tolist(),

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from cmoe_jax.data import Calibration
 from cmoe_jax.errors import CmoeError
+from cmoe_jax.loading import window_bos
 from cmoe_jax.methods.conmoe.baselines import METHODS as BASELINES, baseline_plans
 from cmoe_jax.methods.conmoe.build import apply_plans, routed_bytes, state_bytes
 from cmoe_jax.methods.conmoe.expert_stats import LayerStats, collect_stats
@@ -114,7 +115,7 @@ class CompressSteps:
 
     def __init__(self, settings: CompressSettings):
         self.settings = settings
-        self.windows = None
+        self.windows = self.bos = None  # the calibration windows; the token opening each, or None
 
     def validate(self, source, options) -> None:
         check_inputs(source.config, self.settings.method, self.settings.calibration.seqlen)
@@ -122,9 +123,11 @@ class CompressSteps:
     def prepare(self, source):
         cal, seed = self.settings.calibration, self.settings.seed
         tokenizer = source.require_tokenizer("calibration text cannot be tokenized")
-        self.windows = cal.windows(cal.tokens(tokenizer), seed)
+        self.bos = window_bos(source.config, tokenizer)  # shaped as the evaluation windows
+        self.windows = cal.windows(cal.tokens(tokenizer), seed, self.bos)
         # the statistics depend on the data only; the method and ratio act after them
-        return {"model": source.name, **cal.settings(), "seed": seed}, self.windows
+        opened = {} if self.bos is None else {"calib_bos": self.bos}  # plain windows: as before
+        return {"model": source.name, **cal.settings(), "seed": seed, **opened}, self.windows
 
     def work(self, run):
         config = self.settings.method
@@ -152,7 +155,7 @@ class CompressSteps:
                 **self.settings.method.to_dict(), "routed_experts": routed_experts,
                 "prototypes": int(sum(p.num_prototypes for p in plans)) if plans else routed_experts,
                 "routed_bytes_before": routed[0], "routed_bytes_after": routed[1], **figures},
-            "calibration": self.settings.calibration.manifest(self.settings.seed),
+            "calibration": self.settings.calibration.manifest(self.settings.seed, self.bos),
             "scopes": [p.to_json() for p in plans],
             "layer_stats": {str(l): {"freq": s.freq.tolist(), "contrib": s.contrib.tolist()}
                             for l, s in stats.items()},
