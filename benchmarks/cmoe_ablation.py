@@ -14,10 +14,8 @@ tokenizer adds one):
 - `paper`: the project's own carving with the paper's settings (`--paper-router
   --kmeans-iters 1`);
 - one variant per departure, each the defaults with that one choice set back or changed
-  (`VARIANTS` below); `plain-calib` / `authors-sampler` change the calibration windows
-  instead (the conversion opens them with BOS where the family's evaluation windows have it;
-  the `authors` variant keeps plain windows, as the authors' code draws them;
-  `authors-bos-calib` is the authors' conversion on the conversion's own windows).
+  (`VARIANTS` below); `...calib-bos` (`--calib-bos`: each window opened with BOS, as
+  Gemma's evaluation windows) / `authors-sampler` change the calibration windows instead.
 
 `--stream DIR` converts through the conversion job with `--stream` (one layer in memory at a
 time, written under DIR, restored for the evaluation, then removed) instead of a copy of the
@@ -43,7 +41,7 @@ VARIANTS = {
     "defaults": {},
     "paper": PAPER,
     "authors": PAPER,
-    "authors-bos-calib": PAPER,
+    "authors-calib-bos": PAPER,
     "kmeans-1-step": {"kmeans_iters": 1},
     "centroid-reps": {"router_reps": "centroid"},
     "1-router-neuron": {"router_neurons": 1},
@@ -66,8 +64,8 @@ VARIANTS = {
     "skip-compensation-ridge-1": {"skip_compensation": True, "down_fit": 1.0},
     "threshold-routing": {"routing": "threshold"},
     "threshold-routing-skip-compensation": {"routing": "threshold", "skip_compensation": True},
-    "plain-calib": {},
-    "threshold-routing-plain-calib": {"routing": "threshold"},
+    "threshold-routing-calib-bos": {"routing": "threshold"},
+    "calib-bos": {},
     "authors-sampler": {},
 }
 
@@ -121,7 +119,7 @@ def test_share(model, test, config: str) -> float:
     return float((plan.shared + np.mean(per_token)) / plan.total)
 
 
-def run_streamed(model: str, test, config: str, variant: str, args, bos=None) -> dict:
+def run_streamed(model: str, test, config: str, variant: str, args) -> dict:
     """`run` through the conversion job with `--stream`, the result written under
     `args.stream`, restored for the evaluation and removed (the project's calibration sampler:
     the variants that change the windows are refused)."""
@@ -131,13 +129,13 @@ def run_streamed(model: str, test, config: str, variant: str, args, bos=None) ->
     from cmoe_jax.eval import perplexity
     from cmoe_jax.loading import load_model
 
-    if variant.endswith("plain-calib") or variant == "authors-sampler" or (variant == "authors" and bos is not None):
-        raise SystemExit(f"error: --stream runs the conversion's calibration windows (BOS-opened for "
-                         f"this family); drop {variant} or --stream")
+    if variant == "authors-sampler":
+        raise SystemExit(f"error: --stream runs the project's calibration windows; drop {variant}")
     out = args.stream / f"{config}-{variant}"
     settings = ConvertSettings(method=variant_config(config, variant), stream=True,
                                calibration=Calibration(data_path=str(args.data_dir / "valid.txt"),
-                                                       samples=args.calib_samples))
+                                                       samples=args.calib_samples,
+                                                       bos=variant.endswith("calib-bos")))
     with carving_of(variant):
         t0 = time.perf_counter()
         convert(model, settings, out=out, overwrite=True, progress=False)
@@ -207,7 +205,7 @@ def main(argv=None) -> None:
     print("| config | variant | ppl | x dense | conversion (s) |\n| --- | --- | --- | --- | --- |", flush=True)
     for config in args.configs:
         for variant in args.variants:
-            r = (run_streamed(args.model, test, config, variant, args, bos) if args.stream
+            r = (run_streamed(args.model, test, config, variant, args) if args.stream
                  else run(lm, valid, bos, test, config, variant, args.calib_samples))
             r.update(model=args.model, dense_ppl=dense, windows=len(test), x_dense=r["ppl"] / dense)
             share = f" (test share {r['test_active_share']:.3f})" if "test_active_share" in r else ""

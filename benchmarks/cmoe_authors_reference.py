@@ -189,19 +189,17 @@ def convert(model, calib: np.ndarray, shared: int, active: int, total: int, k_ac
 
 
 def calibration(valid, bos, variant: str, seqlen: int = 2048, n: int = 8, seed: int = 0):
-    """The calibration windows of `variant`: the conversion's own (`calibration_windows`,
-    opened by the family's `bos` as the conversion opens them; None: plain text), or plain
-    text windows for the authors' conversion (`authors`: the project's draw; `authors-sampler`:
-    the authors', `random.seed(seed)`, `random.randint(0, len - seqlen - 1)` per window,
-    as their code draws them) and for `...plain-calib` (the conversion's draw without BOS)."""
+    """The calibration windows of `variant`: the conversion's (`calibration_windows`), or the
+    authors' draw (`authors-sampler`: `random.seed(seed)`, `random.randint(0, len - seqlen -
+    1)` per window); a variant named `...calib-bos` opens each window with the family's `bos`
+    (`--calib-bos`)."""
     from cmoe_jax.data import calibration_windows
 
     if variant == "authors-sampler":
         random.seed(seed)
         starts = [random.randint(0, len(valid) - seqlen - 1) for _ in range(n)]
         return np.stack([valid[s:s + seqlen] for s in starts]).astype(np.int32)
-    plain = variant == "authors" or variant.endswith("plain-calib")
-    return calibration_windows(valid, n, seqlen, seed, bos=None if plain else bos)
+    return calibration_windows(valid, n, seqlen, seed, bos=bos if variant.endswith("calib-bos") else None)
 
 
 def main(argv=None) -> None:

@@ -67,8 +67,8 @@ class Front:
         self.lm = load_model(args.model, progress=False)
         args.data_dir = args.wikitext
         valid, self.bos, self.test = windows(self.lm, args)
-        self.calib = calibration_windows(valid, 8, 2048, 0, bos=self.bos)  # the conversion's defaults
-        self.held_out = held_out_windows(valid, 8, 2048, 0, HELD_OUT_WINDOWS, bos=self.bos)  # `--spread auto`'s
+        self.calib = calibration_windows(valid, 8, 2048, 0)  # the conversion's defaults
+        self.held_out = held_out_windows(valid, 8, 2048, 0, HELD_OUT_WINDOWS)  # `--spread auto`'s
         self.prompts = np.asarray(valid[:16 * 512], np.int32).reshape(16, 512)  # speed only
         self.cells = args.out / "cells"
 

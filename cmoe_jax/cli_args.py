@@ -178,6 +178,12 @@ def add_calib_samples(g, default: int, zero_ok: bool = False) -> None:
                                      + (" (0: none)" if zero_ok else ""))
 
 
+def add_calib_bos(g) -> None:
+    g.add_argument("--calib-bos", action="store_true",
+                   help="open every calibration window with BOS, as the model's evaluation windows "
+                        "open (families that read each window as a document: Gemma 3)")
+
+
 def add_windows(p: Parser, default: int | None = None, limit: bool = False) -> None:
     """--max-windows (alias --windows); with `limit`, --limit for question sets."""
     g = p.add_argument_group("windows")

@@ -109,10 +109,10 @@ def test_conmoe_and_baselines_shrink_and_keep_the_shared_expert(shared_moe, meth
                                    np.asarray(copied(jnp.asarray(TOKENS))), atol=2e-5)
 
 
-@pytest.mark.parametrize("family, bos", [("gemma3_text", 1), ("llama", None)])
-def test_calibration_windows_open_as_the_family_reads_them(save_tiny, tmp_path, family, bos):
-    """The conversion job calibrates Gemma (whose evaluation windows open with BOS) on
-    BOS-opened windows and a Llama on plain ones: its model equals `convert_model` on the
+@pytest.mark.parametrize("calib_bos, bos", [(True, 1), (False, None)])
+def test_calib_bos_opens_gemma_windows_as_its_evaluation_windows(save_tiny, tmp_path, calib_bos, bos):
+    """With `--calib-bos` (`Calibration(bos=True)`) the job calibrates Gemma on windows opened
+    with its BOS (1 here), without it on plain ones: its model equals `convert_model` on the
     windows built directly, and the manifest names the token."""
     import json
 
@@ -123,19 +123,37 @@ def test_calibration_windows_open_as_the_family_reads_them(save_tiny, tmp_path, 
     from cmoe_jax.data import calibration_windows, load_text_tokens
     from tests.conftest import save_tiny_tokenizer, write_random_text
 
-    _, path = save_tiny(family, intermediate_size=64)
+    _, path = save_tiny("gemma3_text", intermediate_size=64)
     save_tiny_tokenizer(path)
     text = write_random_text(tmp_path / "calib.txt", 2000)
     cc = ConvertConfig(plan=MoEPlan.parse("S1A2E8"), k_act=4)
-    convert(str(path), ConvertSettings(cc, Calibration(data_path=str(text), samples=2, seqlen=32)),
+    convert(str(path), ConvertSettings(cc, Calibration(data_path=str(text), samples=2, seqlen=32, bos=calib_bos)),
             out=tmp_path / "out", progress=False)
     assert json.loads((tmp_path / "out" / "cmoe_manifest.json").read_text())["calibration"]["bos"] == bos
     lm = load_model(str(path), progress=False)
     windows = calibration_windows(load_text_tokens("wikitext2", lm.tokenizer, data_path=str(text)), 2, 32, 0, bos=bos)
-    assert (windows[:, 0] == 1).all() == (bos is not None)
+    assert (windows[:, 0] == 1).all() == calib_bos
     direct, _ = convert_model(lm.model, windows, cc, progress=False)
     got = nnx.to_flat_state(nnx.state(restore_model(tmp_path / "out", stack=False)))
     want = dict(nnx.to_flat_state(nnx.state(direct.unstacked())))
     assert len(got) == len(want)
     for key, value in got:
         np.testing.assert_array_equal(np.asarray(value.get_value()), np.asarray(want[key].get_value()), err_msg=str(key))
+
+
+def test_calib_bos_on_a_family_of_plain_windows_is_refused_before_any_work(tmp_path, capsys):
+    """`--calib-bos` on a Llama (plain evaluation windows): one error line naming the flag, and
+    no output directory."""
+    from cmoe_jax.convert.cli import main as convert_main
+    from tests.conftest import save_tiny_tokenizer, tiny_hf_model, write_random_text
+
+    path = tmp_path / "llama"
+    tiny_hf_model("llama", intermediate_size=64).save_pretrained(path)
+    save_tiny_tokenizer(path)
+    text = write_random_text(tmp_path / "calib.txt", 2000)
+    code = convert_main(["--model", str(path), "--config", "S1A2E8", "--k-act", "4", "--data-path", str(text),
+                         "--calib-samples", "2", "--seqlen", "32", "--calib-bos", "--out", str(tmp_path / "out")])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --calib-bos:") and "plain" in err[-1]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()

@@ -10,7 +10,7 @@ import argparse
 import json
 
 from cmoe_jax import distributed
-from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir,
+from cmoe_jax.cli_args import (Parser, add_calib_bos, add_calib_samples, add_data, add_model, add_output_dir,
                                add_progress, add_seed, add_seqlen, check_writable_dir, command_main,
                                share)
 from cmoe_jax.compress.api import compress
@@ -34,6 +34,7 @@ def build_parser(prog: str = "python -m cmoe_jax.compress") -> Parser:
                         "or renorm (max, rescaled to the token's total gate)")
     data = add_data(p, "validation", "calibration")
     add_calib_samples(data, 8)
+    add_calib_bos(data)
     add_seqlen(p, 2048)
     add_seed(p)
     add_output_dir(p, "the compressed model", "continue an interrupted compression", report=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from cmoe_jax import distributed
-from cmoe_jax.cli_args import (Parser, add_calib_samples, add_data, add_model, add_output_dir,
+from cmoe_jax.cli_args import (Parser, add_calib_bos, add_calib_samples, add_data, add_model, add_output_dir,
                                add_progress, add_seed, add_seqlen, check_writable_dir, command_main,
                                nonneg_int, positive_int)
 from cmoe_jax.convert.api import convert
@@ -54,6 +54,7 @@ def build_parser(prog: str = "python -m cmoe_jax.convert") -> Parser:
     add_plan(p)
     data = add_data(p, "validation", "calibration")
     add_calib_samples(data, 8)
+    add_calib_bos(data)
     add_seqlen(p, None, "calibration window length (default 2048; expertweaver 256)")
     p.add_argument("--stream", action="store_true",
                    help="read, convert and write one decoder layer at a time (peak host memory "

@@ -6,23 +6,28 @@ import dataclasses
 
 import numpy as np
 
-from cmoe_jax.data.text_sources import load_text_tokens
+from cmoe_jax.data.text_sources import DataError, load_text_tokens
 from cmoe_jax.data.windows import calibration_windows, held_out_windows
 
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """`samples` windows of `seqlen` tokens drawn from `dataset`'s `split` (or `data_path`).
-
-    The windows take the shape of the model's evaluation windows: a family that opens each
-    of those with BOS (`cmoe_jax.loading.window_bos`, Gemma) is calibrated on BOS-opened
-    windows too (`bos`), so its layers are fitted on the activations it produces when read."""
+    """`samples` windows of `seqlen` tokens drawn from `dataset`'s `split` (or `data_path`);
+    with `bos`, each opened by BOS as the model's evaluation windows open (the job passes
+    `cmoe_jax.loading.window_bos` to `windows`)."""
 
     dataset: str = "wikitext2"
     split: str = "validation"
     data_path: str | None = None
     samples: int = 8
     seqlen: int = 2048
+    bos: bool = False
+
+    def check_bos(self, cfg) -> None:
+        """`bos` on a family that reads its evaluation windows as plain text is an error."""
+        if self.bos and not cfg.family.bos_per_window:
+            raise DataError(f"--calib-bos: a {cfg.model_type} model reads its evaluation windows as plain "
+                            "text (no BOS per window); drop --calib-bos")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -42,8 +47,9 @@ class Calibration:
 
     def settings(self) -> dict:
         """The fields a resume fingerprint records, under the command line's names."""
+        opened = {"calib_bos": True} if self.bos else {}  # plain windows: as before the option
         return {"calib": self.dataset, "calib_split": self.split, "data_path": self.data_path,
-                "calib_samples": self.samples, "seqlen": self.seqlen}
+                "calib_samples": self.samples, "seqlen": self.seqlen, **opened}
 
     def manifest(self, seed: int, bos: int | None = None) -> dict:
         """The manifest's "calibration" entry (`bos`: the token opening each window, or None)."""

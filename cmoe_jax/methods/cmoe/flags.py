@@ -151,7 +151,7 @@ def settings_from_args(args) -> ConvertSettings:
                            shared_by=args.shared_by or ConvertConfig.shared_by,
                            skip_compensation=args.skip_compensation, **router_options(args))
     calibration = Calibration(dataset=args.dataset, split=args.split, data_path=args.data_path,
-                              samples=args.calib_samples,
+                              samples=args.calib_samples, bos=args.calib_bos,
                               seqlen=2048 if args.seqlen is None else args.seqlen)
     return ConvertSettings(method, calibration, stream=args.stream, expert_parallel=args.expert_parallel,
                            min_expert_tokens=args.min_expert_tokens, report=args.report,

@@ -33,6 +33,8 @@ def is_dense(cfg) -> bool:
 
 
 def check_context(cal: Calibration, cfg) -> None:
+    """The calibration windows fit the model's context, and open as its own windows may."""
+    cal.check_bos(cfg)
     if cal.seqlen > cfg.max_position_embeddings:
         raise CmoeError(f"--seqlen {cal.seqlen} exceeds the model's context "
                         f"({cfg.max_position_embeddings} positions)")
@@ -174,17 +176,14 @@ class CmoeSteps:
                 **({} if budget is None else budget.to_json())}
 
     def prepare(self, source):
-        """The calibration windows, shaped as the model's evaluation windows (BOS-opened for
-        a family that reads each window as a document), and the fingerprint."""
         cal, seed = self.settings.calibration, self.settings.method.seed
         tokenizer = source.require_tokenizer("calibration text cannot be tokenized")
-        self.bos = window_bos(source.config, tokenizer)
+        self.bos = window_bos(source.config, tokenizer) if cal.bos else None  # `--calib-bos`
         tokens = cal.tokens(tokenizer)
         self.windows = distributed.split_for_process(cal.windows(tokens, seed, self.bos))
         if self.settings.budget is not None and self.settings.budget.spread == AUTO:
             self.held_out = band_windows(cal, tokens, seed, self.bos)
-        opened = {} if self.bos is None else {"calib_bos": self.bos}  # plain windows: as before
-        return dict(self.fingerprint_settings(source), **opened), tokens
+        return self.fingerprint_settings(source), tokens
 
     def carve(self, run, lm, done, on_layer):
         """(converted model or None when streamed into `run.final`, per-layer records)."""

@@ -23,5 +23,5 @@ def settings_from_args(args) -> CompressSettings:
                             selection=args.selection, distance=args.distance,
                             duplicate_gates=args.duplicate_gates)
     calibration = Calibration(dataset=args.dataset, split=args.split, data_path=args.data_path,
-                              samples=args.calib_samples, seqlen=args.seqlen)
+                              samples=args.calib_samples, seqlen=args.seqlen, bos=args.calib_bos)
     return CompressSettings(config, calibration, seed=args.seed, report=args.report)

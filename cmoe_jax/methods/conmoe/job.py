@@ -119,15 +119,15 @@ class CompressSteps:
 
     def validate(self, source, options) -> None:
         check_inputs(source.config, self.settings.method, self.settings.calibration.seqlen)
+        self.settings.calibration.check_bos(source.config)
 
     def prepare(self, source):
         cal, seed = self.settings.calibration, self.settings.seed
         tokenizer = source.require_tokenizer("calibration text cannot be tokenized")
-        self.bos = window_bos(source.config, tokenizer)  # shaped as the evaluation windows
+        self.bos = window_bos(source.config, tokenizer) if cal.bos else None  # `--calib-bos`
         self.windows = cal.windows(cal.tokens(tokenizer), seed, self.bos)
         # the statistics depend on the data only; the method and ratio act after them
-        opened = {} if self.bos is None else {"calib_bos": self.bos}  # plain windows: as before
-        return {"model": source.name, **cal.settings(), "seed": seed, **opened}, self.windows
+        return {"model": source.name, **cal.settings(), "seed": seed}, self.windows
 
     def work(self, run):
         config = self.settings.method

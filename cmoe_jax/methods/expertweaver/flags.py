@@ -7,7 +7,7 @@ from cmoe_jax.methods.expertweaver.job import DIVERSE_NEEDS_ARC, MIXES, TaskCali
 
 # the convert command's shared flags that ExpertWeaver does not take (it sizes experts itself;
 # `--active F`, the budget CMoE allocates per layer, is its `--sparsity 1 - F`)
-REFUSES = ("config", "shared", "dataset", "split", "calib_samples")
+REFUSES = ("config", "shared", "dataset", "split", "calib_samples", "calib_bos")
 
 
 def add_flags(g) -> None:
