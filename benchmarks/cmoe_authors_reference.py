@@ -169,11 +169,12 @@ def _run_layer(model, index: int, h: torch.Tensor, stop_at_ffn: bool = False) ->
 
 @torch.no_grad()
 def convert(model, calib: np.ndarray, shared: int, active: int, total: int, k_act: int = 10,
-            carve=None) -> list[dict]:
+            carve=None, on_layer=None) -> list[dict]:
     """Convert the `transformers` causal LM `model` in place, layer by layer, on the
     calibration windows `calib` [N, T]. Returns per layer {"ffn_input": [N, T, d] numpy,
     "carving": Carving}. `carve(index, markers, rates) -> Carving` replaces the authors'
-    carving (default: `authors_carving`)."""
+    carving (default: `authors_carving`); `on_layer(index)` is called after each layer (a
+    timing run stops the conversion there by raising)."""
     h = model.model.embed_tokens(torch.as_tensor(np.asarray(calib), dtype=torch.long))
     out = []
     for i, layer in enumerate(model.model.layers):
@@ -185,6 +186,8 @@ def convert(model, calib: np.ndarray, shared: int, active: int, total: int, k_ac
         layer.mlp = AuthorsMoE(mlp, carving, active)
         h = _run_layer(model, i, h)
         out.append({"ffn_input": x.numpy(), "carving": carving})
+        if on_layer is not None:
+            on_layer(i)
     return out
 
 

@@ -9,7 +9,9 @@ process, the sides interleaved.
 Each process loads the model, converts its first `--layers` layers in memory on the
 project's 8 calibration windows of 2048 WikiText-2 validation tokens (`--data-dir`) with an
 ablation variant (`benchmarks/cmoe_ablation.py`: `defaults`, the `authors` carving, ...) and
-stops. Printed per process: the last layer's seconds (the first one also compiles the
+stops; the variant `authors-mirror` is the authors' conversion as the torch mirror runs it
+(`benchmarks/cmoe_authors_reference.py`, the `transformers` model on the same file and
+windows), the baseline of the conversion-time goal. Printed per process: the last layer's seconds (the first one also compiles the
 steps) and, over all its layers, the seconds of each phase: the FFN profile, the carving,
 the router and gate fits, the down fit's sums and its solve, the layer's stream error (the
 converted and the dense layer run on the calibration batch) and the rest (attention, the
@@ -85,10 +87,58 @@ phases["rest"] = total - sum(phases.values())
 print(json.dumps({"layer_s": marks[-1] - marks[-2], "total_s": total, "phases": dict(phases)}))
 """
 
+# The authors' conversion as the torch mirror runs it (`benchmarks/cmoe_authors_reference.py`):
+# the `transformers` model reading the same file, the same 8 calibration windows.
+_MIRROR_CHILD = """
+import collections, functools, json, sys, time
+from pathlib import Path
+import torch
+from benchmarks import cmoe_authors_reference as mirror
+from benchmarks.torch_reference import load_torch_causal_lm
+from cmoe_jax.data import load_text_tokens
+from cmoe_jax.jobs.source import SourceModel
+from cmoe_jax.methods.cmoe import MoEPlan
+
+model, config, variant, layers, data_dir = sys.argv[1:]
+layers = int(layers)
+phases = collections.defaultdict(float)
+for name, phase in [("profile", "profile"), ("authors_carving", "carve")]:
+    f = getattr(mirror, name)
+    def wrapped(*a, _f=f, _phase=phase, **k):
+        t0 = time.perf_counter()
+        try:
+            return _f(*a, **k)
+        finally:
+            phases[_phase] += time.perf_counter() - t0
+    setattr(mirror, name, wrapped)
+source = SourceModel(model)
+valid = load_text_tokens("wikitext2", source.tokenizer, "validation", Path(data_dir) / "valid.txt")
+calib = mirror.calibration(valid, None, "defaults", n=8)
+lm = load_torch_causal_lm(Path(source.path)).eval()
+plan = MoEPlan.parse(config)
+marks = [time.perf_counter()]
+class Stop(Exception):
+    pass
+def on_layer(i):
+    marks.append(time.perf_counter())
+    if i + 1 >= layers:
+        raise Stop
+try:
+    mirror.convert(lm, calib, plan.shared, plan.active, plan.total, on_layer=on_layer)
+except Stop:
+    pass
+total = marks[-1] - marks[0]
+phases["rest"] = total - sum(phases.values())
+print(json.dumps({"layer_s": marks[-1] - marks[-2], "total_s": total, "phases": dict(phases),
+                  "torch_threads": torch.get_num_threads()}))
+"""
+MIRROR = "authors-mirror"
+
 
 def run_once(tree: Path, args, variant: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-    out = subprocess.run([sys.executable, "-c", _CHILD, args.model, args.config, variant, str(args.layers),
+    child = _MIRROR_CHILD if variant == MIRROR else _CHILD
+    out = subprocess.run([sys.executable, "-c", child, args.model, args.config, variant, str(args.layers),
                           str(args.data_dir)], cwd=tree, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"error: the conversion in {tree} failed:\n{out.stderr[-3000:]}")
@@ -127,6 +177,11 @@ def main(argv=None) -> None:
                    for side in trees}
             print(f"{variant}: seconds per layer, baseline / this tree: {med['baseline'] / med['this tree']:.2f}x "
                   f"({med['baseline']:.1f} / {med['this tree']:.1f} s)")
+    if MIRROR in args.variants and not busy:
+        mirror = statistics.median(r["layer_s"] for r in runs if r["variant"] == MIRROR)
+        for variant in args.variants:
+            own = statistics.median(r["layer_s"] for r in runs if r["variant"] == variant and r["side"] == "this tree")
+            print(f"{variant}: seconds per layer / the authors' mirror's: {own / mirror:.2f}x ({own:.1f} / {mirror:.1f} s)")
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "config": args.config, "runs": runs}, indent=1))
 

@@ -14,6 +14,7 @@ from flax import nnx
 from cmoe_jax.calibration_pass import layer_pass
 from cmoe_jax.convert import ConvertConfig, convert_model
 from cmoe_jax.methods.cmoe import MoEPlan
+from cmoe_jax.methods.cmoe.routed_gram import routed_normal_equations
 from cmoe_jax.methods.cmoe.router import symmetric_gram
 from cmoe_jax.models import Decoder, ModelConfig
 from cmoe_jax.moe import MoELayer
@@ -82,3 +83,47 @@ def test_the_gram_from_upper_blocks_is_pt_p(shape, blocks):
     g = np.asarray(symmetric_gram(jnp.asarray(p), blocks))
     np.testing.assert_array_equal(g, g.T)
     np.testing.assert_allclose(g, p.astype(np.float64).T @ p, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shared, skip, routing", [(6, 0, "top2"), (0, 0, "top1"), (6, 5, "any"), (0, 5, "any")])
+def test_the_routed_gram_is_pt_p_over_the_tokens_each_block_runs_on(shared, skip, routing):
+    """`routed_normal_equations` equals P^T P and P^T y of the dense P, for top-k routing and
+    for a routing where a token may run no routed expert or every one (threshold routing)."""
+    rng = np.random.default_rng(1)
+    t, e, m, d = 50, 4, 3, 5
+    if routing == "any":
+        weight = np.where(rng.random((t, e)) < 0.5, rng.uniform(0.5, 2, (t, e)), 0.0)
+        weight[:3], weight[3:6] = 0.0, 1.5        # tokens that run none, and every one
+    else:
+        k = int(routing[-1])
+        weight = np.zeros((t, e))
+        np.put_along_axis(weight, np.argsort(rng.random((t, e)), 1)[:, :k], rng.uniform(0.5, 2, (t, k)), 1)
+    weight = weight.astype(np.float32)
+    gated = rng.normal(size=(t, e, m)).astype(np.float32) * weight[..., None]
+    hs, skipped = (rng.normal(size=(t, w)).astype(np.float32) for w in (shared, skip))
+    y = rng.normal(size=(t, d)).astype(np.float32)
+    h_all = shared + e * m + skip
+    dense = ([(0, hs)] if shared else []) + ([(shared + e * m, skipped)] if skip else [])
+    ptp, pty = routed_normal_equations(dense, gated, weight, y, (shared, h_all))
+    p = np.concatenate([hs, gated.reshape(t, -1), skipped], 1).astype(np.float64)
+    np.testing.assert_array_equal(ptp, ptp.T)
+    np.testing.assert_allclose(ptp, p.T @ p, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(pty, p.T @ y, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("plan, skip", [("S1A2E8", False), ("S0A1E4", True)])
+def test_the_down_fit_on_the_cpu_equals_the_accelerators_dense_gram(monkeypatch, plan, skip):
+    """The host's routed Gram (the CPU) and the dense one (an accelerator) fit the same
+    down projections."""
+    from cmoe_jax.methods.cmoe import carve_ffn, layer_fit
+    from tests.test_moe_carve_ffn import dense_ffn
+
+    w, x = dense_ffn(4)
+    fit = lambda: carve_ffn(*w, x, plan, activation="silu", down_fit=0.1, skip_compensation=skip)  # noqa: E731
+    host = fit()
+    monkeypatch.setattr(layer_fit, "on_cpu", lambda mesh: False)
+    device = fit()
+    names = ("shared_down",) * bool(host.shared_width) + ("expert_down",) + ("skip_down",) * skip
+    for name in names:
+        a, b = (np.asarray(getattr(layer, name)[...]) for layer in (host, device))
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(b).max()))

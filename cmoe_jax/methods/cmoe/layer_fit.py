@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from cmoe_jax import distributed
-from cmoe_jax.methods.cmoe.router import (down_fit_sums, gate_fit_sums, router_fit_sums, routing_threshold,
-                                          scale_router_up, score_sample, solve_down, solve_gate_scales)
+from cmoe_jax.methods.cmoe.routed_gram import routed_normal_equations
+from cmoe_jax.methods.cmoe.router import (down_fit_columns, down_fit_sums, gate_fit_sums, router_fit_sums,
+                                          routing_threshold, scale_router_up, score_sample, solve_down,
+                                          solve_gate_scales)
 from cmoe_jax.calibration_pass.layer_pass import replicate, window_chunks
 
 
@@ -22,12 +24,13 @@ def _per_window(sums, x, *weights, **static):
     return jax.vmap(fit, in_axes=(0,) + (None,) * len(weights))(x, *weights)
 
 
-def fit_sums(sums, ffn, x, tokens: int | None, mesh, names: tuple, **static) -> tuple:
+def fit_sums(sums, ffn, x, tokens: int | None, mesh, names: tuple, host=None, **static) -> tuple:
     """The float64 totals of `sums` (`router_fit_sums`, `gate_fit_sums`, `down_fit_sums`) over
     an evenly strided subset of about `tokens` (None: all) of the layer's calibration inputs x [N, T, d]
     (kept sharded over the batch), so every device and process count sees the same tokens:
     taken per window, added in window order. `names`: the FFN's arrays `sums` takes after x
-    (a tuple of names: one argument, a tuple of arrays).
+    (a tuple of names: one argument, a tuple of arrays). `host`: a numpy function that
+    makes a window's sums from what `sums` returns for it (`sums` then gives the parts).
 
     The windows go one per local device at a time, so the per-window sums held at once are
     one per device (the down fit's are [d_h, d_h] each: 0.3 GB at d_h = 8960)."""
@@ -38,6 +41,8 @@ def fit_sums(sums, ffn, x, tokens: int | None, mesh, names: tuple, **static) -> 
     total = None
     for chunk in window_chunks(x):
         part = _per_window(sums, chunk[:, ::stride], *weights, activation=ffn.activation, **static)
+        if host is not None:
+            part = _on_host(host, part)
         part = [distributed.gather_rows(np.asarray(s)) for s in part]
         if total is None:
             total = [np.zeros(s.shape[1:], np.float64) for s in part]
@@ -46,6 +51,13 @@ def fit_sums(sums, ffn, x, tokens: int | None, mesh, names: tuple, **static) -> 
                 np.add(acc, window, out=acc)
         del part
     return tuple(total)
+
+
+def _on_host(host, part) -> list:
+    """`host` applied to each window of `part` (arrays [n, ...]), its outputs stacked [n, ...]."""
+    arrays = [np.asarray(a) for a in part]
+    sums = [host(*(a[w] for a in arrays)) for w in range(arrays[0].shape[0])]
+    return [s[0][None] if len(s) == 1 else np.stack(s) for s in zip(*sums)]
 
 
 def _arrays(ffn, name: str | tuple):
@@ -101,8 +113,13 @@ def fit_down(ffn, x, cc, mesh) -> None:
     `cc.down_fit_tokens` of the layer's calibration inputs, with its router as fitted; a layer
     with `skip_compensation` gets its `skip_down` from the same solve (pulled towards 0)."""
     skip = ffn.spec.skip_compensation
-    ptp, pty = fit_sums(down_fit_sums, ffn, x, cc.down_fit_tokens, mesh,
-                        (("router_gate", "router_up", "u", "router_threshold"), _SHARED, _EXPERTS), top_k=ffn.top_k, skip=skip)
+    names = (("router_gate", "router_up", "u", "router_threshold"), _SHARED, _EXPERTS)
+    if on_cpu(mesh):  # the routing's zeros skipped (`routed_gram`)
+        host = functools.partial(_routed_sums, offsets=_columns(ffn))
+        ptp, pty = fit_sums(down_fit_columns, ffn, x, cc.down_fit_tokens, mesh, names, host=host,
+                            top_k=ffn.top_k, skip=skip)
+    else:
+        ptp, pty = fit_sums(down_fit_sums, ffn, x, cc.down_fit_tokens, mesh, names, top_k=ffn.top_k, skip=skip)
     shared, (e, m, d) = np.asarray(_arrays(ffn, "shared_down"), np.float32), ffn.expert_down.shape
     s = shared.shape[0]
     rows = [shared, np.asarray(ffn.expert_down[...], np.float32).reshape(e * m, d)]
@@ -114,6 +131,28 @@ def fit_down(ffn, x, cc, mesh) -> None:
     ffn.expert_down[...] = jnp.asarray(w[s:s + e * m].reshape(e, m, d), ffn.expert_down[...].dtype)
     if skip:
         ffn.skip_down[...] = jnp.asarray(w[s + e * m:], ffn.skip_down[...].dtype)
+
+
+def on_cpu(mesh) -> bool:
+    """Whether the calibration runs on the host CPU, where the down fit's Gram skips the
+    routing's zeros (on an accelerator a dense product is faster than the gathers)."""
+    return mesh.devices.flat[0].platform == "cpu"
+
+
+def _columns(ffn) -> tuple:
+    """(first routed column, H) of the down fit's P for `ffn` (`down_fit_sums`' layout)."""
+    e, m, _ = ffn.expert_down.shape
+    s = ffn.spec.shared_width
+    return s, s + e * m + (ffn.skip_down.shape[0] if ffn.spec.skip_compensation else 0)
+
+
+def _routed_sums(hs, gated, weight, skipped, y, *, offsets):
+    """One window's (P^T P, P^T y) from `down_fit_columns`' parts (`routed_normal_equations`)."""
+    start, _ = offsets
+    dense = [(0, hs)] if hs.shape[1] else []
+    if skipped.shape[1]:
+        dense.append((start + gated.shape[1] * gated.shape[2], skipped))
+    return routed_normal_equations(dense, gated, weight, y, offsets)
 
 
 def fit_layer(ffn, x, cc, mesh, active: int | None = None) -> tuple:

@@ -161,8 +161,8 @@ def down_fit_sums(x, router, shared, experts, *, top_k: int, activation: str, sk
     H = S + E m the layer's neurons (shared first, then the experts' in order; with `skip`,
     then the E r router neurons' h of the experts each token skips, the rows of `skip_down`,
     `cmoe_jax.moe.skip_term`). `router`:
-    (router_gate, router_up, u); `shared`: the shared MLP's (gate, up, down), S = 0 allowed;
-    `experts`: the routed experts' (gate, up, down).
+    (router_gate, router_up, u, threshold); `shared`: the shared MLP's (gate, up, down), S = 0
+    allowed; `experts`: the routed experts' (gate, up, down).
 
     Row t of P holds what each neuron feeds the down projections in the converted layer: the
     shared neurons' h, and for a selected expert j its neurons' h times its gate g_j
@@ -171,7 +171,19 @@ def down_fit_sums(x, router, shared, experts, *, top_k: int, activation: str, sk
     of the dense neurons). W = argmin ||y - P W||^2 is the set of down projections with which
     the neurons a token runs best make up, on the calibration tokens, for the ones it skips:
     a closed-form layer-wise reconstruction (`solve_down`). Selection with balancing bias 0.
+    `routed_gram.routed_normal_equations` makes the same sums from `down_fit_columns`.
     """
+    hs, gated, _, skipped, dense = down_fit_columns(x, router, shared, experts, top_k=top_k,
+                                                    activation=activation, skip=skip)
+    p = jnp.concatenate([hs, gated.reshape(hs.shape[0], -1), skipped], axis=1)   # [T, H]
+    return symmetric_gram(p), p.T @ dense
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "activation", "skip"))
+def down_fit_columns(x, router, shared, experts, *, top_k: int, activation: str, skip: bool = False):
+    """P's parts and y of `down_fit_sums` over tokens x [..., d]: (the shared neurons' h
+    [T, S], the experts' gated h [T, E, m] (0 where skipped), the gates [T, E] (0: skipped),
+    the skipped experts' router h [T, E r] ([T, 0] without `skip`), the dense output y [T, d])."""
     x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     act = glu_activation(activation)
     f32 = lambda w: w.astype(jnp.float32)  # noqa: E731
@@ -184,11 +196,9 @@ def down_fit_sums(x, router, shared, experts, *, top_k: int, activation: str, sk
     h = act(jnp.einsum("td,edm->tem", x, f32(expert_gate))) * jnp.einsum("td,edm->tem", x, f32(expert_up))
     hs = act(x @ f32(shared_gate)) * (x @ f32(shared_up))                     # [T, S]
     dense = hs @ f32(shared_down) + jnp.einsum("tem,emd->td", h, f32(expert_down))
-    columns = [hs, (weight[..., None] * h).reshape(n, -1)]
-    if skip:
-        columns.append(skipped_activations(x, router_gate, router_up, ids, num_experts, activation=activation))
-    p = jnp.concatenate(columns, axis=1)                                      # [T, H]
-    return symmetric_gram(p), p.T @ dense
+    skipped = (skipped_activations(x, router_gate, router_up, ids, num_experts, activation=activation)
+               if skip else jnp.zeros((n, 0), jnp.float32))
+    return hs, weight[..., None] * h, weight, skipped, dense
 
 
 def symmetric_gram(p, blocks: int = 4):
