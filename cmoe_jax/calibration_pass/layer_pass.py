@@ -95,9 +95,20 @@ def ffn_residual_step(graphdef, state, h_mid, x, norm_graphdef=None, norm_state=
         y, load = ffn(x, return_load=True)
     else:
         y, load = ffn(x), jnp.zeros((0,), jnp.int32)
+    return _add_output(h_mid, y, norm_graphdef, norm_state), load
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def output_residual_step(h_mid, y, norm_graphdef=None, norm_state=None):
+    """h_mid + y for an FFN output y already made (`ffn_residual_step` without the FFN)."""
+    return _add_output(h_mid, y.astype(h_mid.dtype), norm_graphdef, norm_state)
+
+
+def _add_output(h_mid, y, norm_graphdef, norm_state):
+    """The residual add of an FFN's output y, normed first where the layer norms it."""
     if norm_graphdef is not None:
         y = nnx.merge(norm_graphdef, norm_state)(y)
-    return h_mid + y, load
+    return h_mid + y
 
 
 
@@ -145,6 +156,13 @@ class LayerInput:
         """The residual stream after this layer were `ffn` its FFN (a method trying shapes)."""
         return run_ffn(ffn, self.residual, self.ffn_input, mesh, self.out_norm)[0]
 
+    def stream_with_output(self, output, mesh: Mesh) -> jax.Array:
+        """`stream_after` for an FFN whose output on the FFN input, `output` [N, T, d], a
+        method has already (the dense FFN's, made by a fit as its target)."""
+        norm = (None, None) if self.out_norm is None else _split_replicated(self.out_norm, mesh)
+        with jax.set_mesh(mesh):
+            return output_residual_step(self.residual, shard_batch(output, mesh), *norm)
+
     def run(self, ffn: nnx.Module, mesh: Mesh) -> jax.Array:
         """`stream_after(ffn)` for the FFN the method is about to return, kept: the pass
         carries this stream on instead of running `ffn` a second time (a converted layer's
@@ -190,10 +208,7 @@ def run_ffn(ffn, h_mid, x, mesh: Mesh, out_norm: nnx.Module | None = None):
         fs = place_state(fs, shardings_of(ffn, mesh))
     else:  # a dense FFN, or a mesh that splits only the batch: every device holds it whole
         fs = replicate(fs, mesh)
-    norm = (None, None)
-    if out_norm is not None:
-        ng, ns = nnx.split(out_norm)
-        norm = (ng, replicate(ns, mesh))
+    norm = (None, None) if out_norm is None else _split_replicated(out_norm, mesh)
     chunks = zip(window_chunks(h_mid), window_chunks(x)) if _wide_dense(ffn, x) else [(h_mid, x)]
     outs, load = [], None
     with jax.set_mesh(mesh):
@@ -202,6 +217,12 @@ def run_ffn(ffn, h_mid, x, mesh: Mesh, out_norm: nnx.Module | None = None):
             outs.append(out)
             load = part if load is None else load + part
         return (outs[0] if len(outs) == 1 else jnp.concatenate(outs)), load
+
+
+def _split_replicated(module: nnx.Module, mesh: Mesh) -> tuple:
+    """(graphdef, state on every device of `mesh`) of a small module (a norm)."""
+    graphdef, state = nnx.split(module)
+    return graphdef, replicate(state, mesh)
 
 
 def layer_pass(layers: Collection[nnx.Module], h, rope, mesh: Mesh,

@@ -244,8 +244,11 @@ class LayerConverter(LayerStep):
             return layer.mlp
         ffn = filled_ffn(self.cfg, moe_spec(self.cfg, self.cc, plan), slices_for(layer, record.carving),
                          layer.mlp.gate[...].dtype)
-        record.router_scales, record.gate_scales = fit_layer(ffn, x, self.cc, self.mesh, plan.active)
-        record.error = stream_error(inputs.run(ffn, self.mesh), inputs.stream_after(layer.mlp, self.mesh))
+        fits = fit_layer(ffn, x, self.cc, self.mesh, plan.active)
+        record.router_scales, record.gate_scales = fits.router_scales, fits.gate_scales
+        dense = (inputs.stream_after(layer.mlp, self.mesh) if fits.dense_output is None  # the fit's target, else a dense pass
+                 else inputs.stream_with_output(fits.dense_output, self.mesh))
+        record.error = stream_error(inputs.run(ffn, self.mesh), dense)
         self.records.append(record)
         return ffn
 

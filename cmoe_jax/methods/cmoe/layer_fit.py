@@ -4,6 +4,7 @@ projections, each a least-squares solve (or a quantile) from sums (scores) taken
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +35,7 @@ def fit_sums(sums, ffn, x, tokens: int | None, mesh, names: tuple, host=None, **
 
     The windows go one per local device at a time, so the per-window sums held at once are
     one per device (the down fit's are [d_h, d_h] each: 0.3 GB at d_h = 8960)."""
-    n, t = x.shape[:2]
-    n_all = int(distributed.sum_across_processes(np.int64(n)))
-    stride = 1 if tokens is None else max(1, -(-n_all * t // tokens))
+    stride = token_stride(x, tokens)
     weights = [replicate(_arrays(ffn, name), mesh) for name in names]
     total = None
     for chunk in window_chunks(x):
@@ -51,6 +50,14 @@ def fit_sums(sums, ffn, x, tokens: int | None, mesh, names: tuple, host=None, **
                 np.add(acc, window, out=acc)
         del part
     return tuple(total)
+
+
+def token_stride(x, tokens: int | None) -> int:
+    """The stride through each window of x [N, T, d] (N local; the count is over every
+    process) that leaves about `tokens` (None: all) of the calibration tokens to a fit."""
+    n, t = x.shape[:2]
+    n_all = int(distributed.sum_across_processes(np.int64(n)))
+    return 1 if tokens is None else max(1, -(-n_all * t // tokens))
 
 
 def _on_host(host, part) -> list:
@@ -107,15 +114,21 @@ def fit_gate_scales(ffn, x, cc, mesh) -> np.ndarray:
     return u
 
 
-def fit_down(ffn, x, cc, mesh) -> None:
+def fit_down(ffn, x, cc, mesh) -> np.ndarray | None:
     """Replace the shared and routed down projections of `ffn` (in place) by the
     least-squares ones (`down_fit_sums`, `solve_down` with `cc.down_fit` as the ridge) on
     `cc.down_fit_tokens` of the layer's calibration inputs, with its router as fitted; a layer
-    with `skip_compensation` gets its `skip_down` from the same solve (pulled towards 0)."""
+    with `skip_compensation` gets its `skip_down` from the same solve (pulled towards 0).
+
+    Returns the dense FFN's output on x [N, T, d] (float32, this process's windows), which
+    the fit computes as its target, where it read every token on the host (None elsewhere):
+    the layer's stream error then needs no second dense pass."""
     skip = ffn.spec.skip_compensation
     names = (("router_gate", "router_up", "u", "router_threshold"), _SHARED, _EXPERTS)
+    targets = None
     if on_cpu(mesh):  # the routing's zeros skipped (`routed_gram`)
-        host = functools.partial(_routed_sums, offsets=_columns(ffn))
+        targets = [] if token_stride(x, cc.down_fit_tokens) == 1 else None
+        host = functools.partial(_routed_sums, offsets=_columns(ffn), targets=targets)
         ptp, pty = fit_sums(down_fit_columns, ffn, x, cc.down_fit_tokens, mesh, names, host=host,
                             top_k=ffn.top_k, skip=skip)
     else:
@@ -131,6 +144,7 @@ def fit_down(ffn, x, cc, mesh) -> None:
     ffn.expert_down[...] = jnp.asarray(w[s:s + e * m].reshape(e, m, d), ffn.expert_down[...].dtype)
     if skip:
         ffn.skip_down[...] = jnp.asarray(w[s + e * m:], ffn.skip_down[...].dtype)
+    return None if targets is None else np.stack(targets).reshape(x.shape[:2] + (d,))
 
 
 def on_cpu(mesh) -> bool:
@@ -146,8 +160,11 @@ def _columns(ffn) -> tuple:
     return s, s + e * m + (ffn.skip_down.shape[0] if ffn.spec.skip_compensation else 0)
 
 
-def _routed_sums(hs, gated, weight, skipped, y, *, offsets):
-    """One window's (P^T P, P^T y) from `down_fit_columns`' parts (`routed_normal_equations`)."""
+def _routed_sums(hs, gated, weight, skipped, y, *, offsets, targets: list | None):
+    """One window's (P^T P, P^T y) from `down_fit_columns`' parts (`routed_normal_equations`);
+    its target y appended to `targets` (a list) if given."""
+    if targets is not None:
+        targets.append(y)
     start, _ = offsets
     dense = [(0, hs)] if hs.shape[1] else []
     if skipped.shape[1]:
@@ -155,18 +172,26 @@ def _routed_sums(hs, gated, weight, skipped, y, *, offsets):
     return routed_normal_equations(dense, gated, weight, y, offsets)
 
 
-def fit_layer(ffn, x, cc, mesh, active: int | None = None) -> tuple:
+class LayerFits(NamedTuple):
+    """What `fit_layer` fitted: per-expert score scales and gate scales (None: not fitted),
+    and the dense FFN's output on the calibration inputs where the down fit made it for
+    every token on the host (`fit_down`; None otherwise)."""
+
+    router_scales: np.ndarray | None
+    gate_scales: np.ndarray | None
+    dense_output: np.ndarray | None = None
+
+
+def fit_layer(ffn, x, cc, mesh, active: int | None = None) -> LayerFits:
     """The layer's fits on its calibration inputs x [N, T, d], as `cc` asks: the score scales
     (`fit_router_scales`), then on the router so scaled its threshold for `active` experts a
     token (`fit_threshold`, a layer with threshold routing), the gate scales
-    (`fit_gate_scales`), then with the router as fitted the down projections (`fit_down`).
-    Returns (score scales, gate scales), None for a fit not made."""
+    (`fit_gate_scales`), then with the router as fitted the down projections (`fit_down`)."""
     scales = fit_router_scales(ffn, x, cc, mesh) if cc.router_scale else None
     if ffn.spec.threshold_routing:
         if active is None:
             raise ValueError("a layer with threshold routing needs the experts a token runs on average (active)")
         fit_threshold(ffn, x, mesh, active)
     gates = fit_gate_scales(ffn, x, cc, mesh) if cc.gate_fit else None
-    if cc.down_fit:
-        fit_down(ffn, x, cc, mesh)
-    return scales, gates
+    dense = fit_down(ffn, x, cc, mesh) if cc.down_fit else None
+    return LayerFits(scales, gates, dense)

@@ -217,7 +217,8 @@ def solve_down(ptp, pty, w0, ridge: float, *, overwrite: bool = False) -> np.nda
     """W [H, d] float64 = argmin ||y - P W||^2 + lam ||W - W0||^2 from the summed normal
     equations, lam = `ridge` times the mean diagonal of P^T P: pulled towards the carved
     down projections W0 (the dense FFN's rows), so a neuron never run on the calibration
-    tokens keeps its dense row and few tokens cannot overfit. `overwrite`: ptp (float64) is solved in
+    tokens keeps its dense row and few tokens cannot overfit. Only the upper triangle of
+    `ptp` is read (`routed_gram` makes only that). `overwrite`: ptp (float64) is solved in
     place, its [H, H] (0.6 GB at H = 8960) not copied."""
     ptp, pty = np.asarray(ptp, np.float64), np.asarray(pty, np.float64)
     w0 = np.asarray(w0, np.float64)
@@ -226,6 +227,7 @@ def solve_down(ptp, pty, w0, ridge: float, *, overwrite: bool = False) -> np.nda
         return w0
     a = ptp if overwrite else ptp.copy()
     a[np.diag_indices_from(a)] += lam
-    # P^T P is symmetric, so its transpose is the Fortran-ordered matrix LAPACK factors in
-    # place: given `a` itself, scipy would first copy it into Fortran order
-    return scipy.linalg.solve(a.T, pty + lam * w0, assume_a="pos", overwrite_a=True, overwrite_b=True)
+    # a.T is the Fortran-ordered matrix LAPACK factors in place (given `a` itself, scipy
+    # would first copy it into Fortran order); its lower triangle is a's upper one
+    return scipy.linalg.solve(a.T, pty + lam * w0, assume_a="pos", lower=True, overwrite_a=True,
+                              overwrite_b=True)
