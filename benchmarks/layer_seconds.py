@@ -164,6 +164,8 @@ def main(argv=None) -> None:
     for repeat in range(args.repeats):
         for variant in args.variants:
             for side, tree in trees.items():
+                if variant == MIRROR and side != "this tree":  # the mirror is not the tree's code
+                    continue
                 r = run_once(tree, args, variant) | {"side": side, "variant": variant, "repeat": repeat,
                                                      "load": load_average()}
                 runs.append(r)
@@ -172,7 +174,7 @@ def main(argv=None) -> None:
                       f"{r['total_s']:.1f} s ({phases}); load {r['load']:.2f}", flush=True)
     busy = print_load(load_start, len(runs), ratio=bool(args.baseline_tree))
     if args.baseline_tree and not busy:
-        for variant in args.variants:
+        for variant in (v for v in args.variants if v != MIRROR):
             med = {side: statistics.median(r["layer_s"] for r in runs if r["side"] == side and r["variant"] == variant)
                    for side in trees}
             print(f"{variant}: seconds per layer, baseline / this tree: {med['baseline'] / med['this tree']:.2f}x "

@@ -128,7 +128,12 @@ def test_the_routed_gram_is_pt_p_over_the_tokens_each_block_runs_on(shared, skip
     y = rng.normal(size=(t, d)).astype(np.float32)
     h_all = shared + e * m + skip
     dense = ([(0, hs)] if shared else []) + ([(shared + e * m, skipped)] if skip else [])
-    ptp, pty = routed_normal_equations(dense, gated, weight, y, (shared, h_all))
+    # into the buffers of another window's routing (every token on expert 0 alone), as a fit reuses them
+    other = np.zeros_like(weight)
+    other[:, 0] = 1.0
+    before = routed_normal_equations(dense, rng.normal(size=gated.shape).astype(np.float32) * other[..., None],
+                                     other, y, (shared, h_all))
+    ptp, pty = routed_normal_equations(dense, gated, weight, y, (shared, h_all), out=before)
     p = np.concatenate([hs, gated.reshape(t, -1), skipped], 1).astype(np.float64)
     np.testing.assert_allclose(np.triu(ptp), np.triu(p.T @ p), rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(pty, p.T @ y, rtol=1e-5, atol=1e-4)

@@ -61,10 +61,21 @@ def token_stride(x, tokens: int | None) -> int:
 
 
 def _on_host(host, part) -> list:
-    """`host` applied to each window of `part` (arrays [n, ...]), its outputs stacked [n, ...]."""
+    """`host` applied to each window of `part` (arrays [n, ...]), its outputs stacked [n, ...];
+    each call's outputs are copied (or, for one window, handed on to be added up) before the
+    next call, so `host` may return the same buffers each time."""
     arrays = [np.asarray(a) for a in part]
-    sums = [host(*(a[w] for a in arrays)) for w in range(arrays[0].shape[0])]
-    return [s[0][None] if len(s) == 1 else np.stack(s) for s in zip(*sums)]
+    n = arrays[0].shape[0]
+    stacked = None
+    for w in range(n):
+        sums = host(*(a[w] for a in arrays))
+        if n == 1:
+            return [s[None] for s in sums]
+        if stacked is None:
+            stacked = [np.empty((n,) + s.shape, s.dtype) for s in sums]
+        for into, s in zip(stacked, sums):
+            into[w] = s
+    return stacked
 
 
 def _arrays(ffn, name: str | tuple):
@@ -128,7 +139,7 @@ def fit_down(ffn, x, cc, mesh) -> np.ndarray | None:
     targets = None
     if on_cpu(mesh):  # the routing's zeros skipped (`routed_gram`)
         targets = [] if token_stride(x, cc.down_fit_tokens) == 1 else None
-        host = functools.partial(_routed_sums, offsets=_columns(ffn), targets=targets)
+        host = functools.partial(_routed_sums, offsets=_columns(ffn), targets=targets, reuse={})
         ptp, pty = fit_sums(down_fit_columns, ffn, x, cc.down_fit_tokens, mesh, names, host=host,
                             top_k=ffn.top_k, skip=skip)
     else:
@@ -160,16 +171,18 @@ def _columns(ffn) -> tuple:
     return s, s + e * m + (ffn.skip_down.shape[0] if ffn.spec.skip_compensation else 0)
 
 
-def _routed_sums(hs, gated, weight, skipped, y, *, offsets, targets: list | None):
-    """One window's (P^T P, P^T y) from `down_fit_columns`' parts (`routed_normal_equations`);
-    its target y appended to `targets` (a list) if given."""
+def _routed_sums(hs, gated, weight, skipped, y, *, offsets, targets: list | None, reuse: dict):
+    """One window's (P^T P, P^T y) from `down_fit_columns`' parts (`routed_normal_equations`,
+    into the buffers of the window before, kept in `reuse`); its target y appended to
+    `targets` (a list) if given."""
     if targets is not None:
         targets.append(y)
     start, _ = offsets
     dense = [(0, hs)] if hs.shape[1] else []
     if skipped.shape[1]:
         dense.append((start + gated.shape[1] * gated.shape[2], skipped))
-    return routed_normal_equations(dense, gated, weight, y, offsets)
+    reuse["out"] = routed_normal_equations(dense, gated, weight, y, offsets, out=reuse.get("out"))
+    return reuse["out"]
 
 
 class LayerFits(NamedTuple):

@@ -14,20 +14,22 @@ import numpy as np
 
 
 def routed_normal_equations(dense: list, gated: np.ndarray, weight: np.ndarray, y: np.ndarray,
-                            offsets: tuple) -> tuple[np.ndarray, np.ndarray]:
+                            offsets: tuple, out: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
     """float32 (P^T P [H, H], its upper triangle, 0 below the diagonal blocks; P^T y [H, d])
     of one window, P's columns laid out as `down_fit_sums` lays them: `dense` [(column
     offset, [T, w] activations)] (the shared MLP's, the skip term's; every token feeds them),
     `gated` [T, E, m] the experts' activations times their gates (0 on a token the expert
     skips), expert j's block at column offsets[0] + j m; `weight` [T, E] the gates (0:
-    skipped); `y` [T, d] the dense FFN's output. `offsets[1]` is H."""
+    skipped); `y` [T, d] the dense FFN's output. `offsets[1]` is H. `out`: the (P^T P, P^T y)
+    of an earlier window of the same layout, overwritten (every block above the diagonal is
+    written, so its zeros below stay): a window's 0.3 GB at H = 8,960 is not allocated and
+    paged in again each time."""
     start, h_all = offsets
     _, e, m = gated.shape
     routed = weight != 0
     rows = [np.flatnonzero(routed[:, j]) for j in range(e)]
     blocks = [(start + j * m, np.ascontiguousarray(gated[r, j])) for j, r in enumerate(rows)]
-    ptp = np.zeros((h_all, h_all), np.float32)
-    pty = np.empty((h_all, y.shape[1]), np.float32)
+    ptp, pty = out or (np.zeros((h_all, h_all), np.float32), np.empty((h_all, y.shape[1]), np.float32))
     for i, (a, da) in enumerate(dense):
         pty[a:a + da.shape[1]] = da.T @ y
         _gram(ptp, a, da)
@@ -41,8 +43,7 @@ def routed_normal_equations(dense: list, gated: np.ndarray, weight: np.ndarray, 
         _gram(ptp, a, g)
         for ll in range(j + 1, e):
             both = routed[r, ll]
-            if both.any():
-                _upper(ptp, a, blocks[ll][0], g[both].T @ blocks[ll][1][at[r[both], ll]])
+            _upper(ptp, a, blocks[ll][0], g[both].T @ blocks[ll][1][at[r[both], ll]])
     return ptp, pty
 
 
