@@ -11,13 +11,15 @@ project's 8 calibration windows of 2048 WikiText-2 validation tokens (`--data-di
 ablation variant (`benchmarks/cmoe_ablation.py`: `defaults`, the `authors` carving, ...) and
 stops; the variant `authors-mirror` is the authors' conversion as the torch mirror runs it
 (`benchmarks/cmoe_authors_reference.py`, the `transformers` model on the same file and
-windows), the baseline of the conversion-time goal. Printed per process: the last layer's seconds (the first one also compiles the
-steps) and, over all its layers, the seconds of each phase: the FFN profile, the carving,
-the router and gate fits, the down fit's sums and its solve, the layer's stream error (the
-converted and the dense layer run on the calibration batch) and the rest (attention, the
-pass's own forward, slicing). Then per variant the median ratio baseline / this tree of the
-last layer's seconds, with the load average at start and end (`benchmarks/harness.py`: no
-ratio when the machine was busy at the start). Without --baseline-tree only this tree runs.
+windows), the baseline of the conversion-time goal, run on this tree's side only. Printed
+per process: the last layer's seconds (the first one also compiles the steps) and, over all
+its layers, the seconds of each phase: the FFN profile, the carving, the router and gate
+fits, the down fit's sums and its solve, the layer's stream error (the converted layer run
+on the calibration batch, and the dense one where the down fit did not make its output) and
+the rest (attention, slicing). Then per variant the median ratio baseline / this tree of the
+last layer's seconds and, with `authors-mirror` among the variants, each one's seconds per
+layer over the mirror's, with the load average at start and end (`benchmarks/harness.py`:
+no ratio when the machine was busy at the start). Without --baseline-tree only this tree runs.
 """
 from __future__ import annotations
 
