@@ -16,13 +16,13 @@ from cmoe_jax.methods.cmoe.config import ConversionError, ConvertConfig
 from cmoe_jax.methods.cmoe.convert import (LayerRecord, carve_one_layer, carve_profiled, check_router, conversion_mesh,
                                            convert_model, moe_spec, slices_for)
 from cmoe_jax.methods.cmoe.plan import MoEPlan
-from cmoe_jax.methods.cmoe.layer_fit import fit_layer, fit_router_scales
+from cmoe_jax.methods.cmoe.layer_fit import LayerFits, fit_layer, fit_router_scales
 from cmoe_jax.methods.cmoe.router import (gate_fit_sums, representative_neurons, router_fit_sums,
                                           router_weights, scale_router_up, solve_gate_scales)
 from cmoe_jax.methods.cmoe.shared import split_shared
 
 __all__ = ["LayerCarving", "carve_layer", "slice_ffn", "carve_ffn", "ConversionError", "ConvertConfig",
            "LayerRecord", "carve_one_layer", "carve_profiled", "check_router", "conversion_mesh", "convert_model",
-           "moe_spec", "slices_for", "fit_layer", "fit_router_scales", "MoEPlan",
+           "moe_spec", "slices_for", "LayerFits", "fit_layer", "fit_router_scales", "MoEPlan",
            "gate_fit_sums", "representative_neurons", "router_fit_sums", "router_weights",
            "scale_router_up", "solve_gate_scales", "split_shared"]
