@@ -4,7 +4,7 @@ The down fit's P [T, H] holds, for each routed expert, its neurons' gated activa
 on the tokens routed to it (`down_fit_sums`): at S3A3E8 a token feeds 6 of the 8 experts'
 columns, at S1A1E8 2 of 8, so most of a dense P^T P multiplies zeros. Here the upper
 triangle of P^T P (all `solve_down` reads) is made one block pair at a time over just the
-tokens both blocks are non-zero on: at most (S + k m)^2 / 2 rather than H^2 multiply-adds a
+tokens both blocks are non-zero on: about (S + k m)^2 / 2 rather than H^2 multiply-adds a
 token. A token set varies in size, so the blocks are numpy products (BLAS), for a conversion
 calibrating on the CPU; on an accelerator the dense product (`symmetric_gram`) is the fast one.
 """
@@ -15,7 +15,8 @@ import numpy as np
 
 def routed_normal_equations(dense: list, gated: np.ndarray, weight: np.ndarray, y: np.ndarray,
                             offsets: tuple, out: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """float32 (P^T P [H, H], its upper triangle, 0 below the diagonal blocks; P^T y [H, d])
+    """float32 (P^T P [H, H] above the diagonal and on its diagonal blocks, 0 below them;
+    P^T y [H, d])
     of one window, P's columns laid out as `down_fit_sums` lays them: `dense` [(column
     offset, [T, w] activations)] (the shared MLP's, the skip term's; every token feeds them),
     `gated` [T, E, m] the experts' activations times their gates (0 on a token the expert
