@@ -181,10 +181,9 @@ def _routed_sums(hs, gated, weight, skipped, y, *, offsets, targets: list | None
     `targets` (a list) if given."""
     if targets is not None:
         targets.append(y)
-    start, _ = offsets
     dense = [(0, hs)] if hs.shape[1] else []
-    if skipped.shape[1]:
-        dense.append((start + gated.shape[1] * gated.shape[2], skipped))
+    if skipped.shape[1]:  # the last columns
+        dense.append((offsets[1] - skipped.shape[1], skipped))
     reuse["out"] = routed_normal_equations(dense, gated, weight, y, offsets, out=reuse.get("out"))
     return reuse["out"]
 
